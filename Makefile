@@ -1,0 +1,31 @@
+# Two entry points do all set-up: `make demo` and `make test`. Both build .venv from requirements.txt
+# when it is missing or when requirements.txt changed (the stamp file), and never touch a current one.
+PY ?= python3
+VENV := .venv
+STAMP := $(VENV)/.requirements.stamp
+BIN := $(VENV)/bin
+
+.PHONY: venv demo test bench clean-venv
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade "pip>=24"
+	grep -v '^mosaicml==' requirements.txt > $(VENV)/requirements.deps.txt
+	$(BIN)/python -m pip install -q -r $(VENV)/requirements.deps.txt
+	$(BIN)/python -m pip install -q --no-deps $$(grep -o '^mosaicml==[^ ]*' requirements.txt)
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	@cp requirements.txt $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/grape-stream demo $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python bench/run_all.py
+
+clean-venv:
+	rm -rf $(VENV)

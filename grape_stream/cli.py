@@ -1,0 +1,49 @@
+"""`grape-stream` command line: one sub-command per job, each implemented in the module that owns it.
+
+Sub-commands are resolved lazily so `grape-stream convert --help` does not import torch or Composer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Callable, Sequence
+
+# name -> (module, function, one-line help). Each function takes argv (list[str]) and returns an exit code.
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "convert": ("grape_stream.convert_cli", "main", "convert a corpus into per-domain MDS shards (local or s3://)"),
+    "train": ("grape_stream.recipe", "main", "train from a YAML recipe (Composer)"),
+    "demo": ("grape_stream.demo", "main", "multilingual demo: uniform vs DoGE vs GRAPE on bundled real text"),
+    "plot": ("grape_stream.plots", "main", "plot a weight trajectory (JSONL) to PNG"),
+    "inspect": ("grape_stream.inspect", "main", "summarise an MDS output directory or a trajectory"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: grape-stream COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:<9} {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    lines += ["", "Run `grape-stream COMMAND --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    if args[0] == "--version":
+        from grape_stream import __version__
+
+        print(__version__)
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"grape-stream: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module, func, _ = COMMANDS[name]
+    entry: Callable[[list[str]], int] = getattr(importlib.import_module(module), func)
+    return int(entry(rest) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""YAML training recipes shipped with grape_stream (found with importlib.resources)."""
