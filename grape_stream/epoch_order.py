@@ -1,0 +1,134 @@
+"""The order in which one rank reads one domain: epoch after epoch, each a shard-aware shuffle.
+
+A domain of ``N`` samples is read by rank ``r`` of ``R`` as an endless stream: positions ``p = 0, 1, ...``
+map to epoch ``e = p // n_r`` and to the ``p % n_r``-th sample of the rank's slice of epoch ``e``'s
+order. The rank slices are contiguous ranges ``[r N / R, (r + 1) N / R)`` of one global epoch order,
+so within an epoch the ranks' samples are disjoint and together cover the domain exactly once (no
+padding, no repeats), and each rank reads a contiguous region of shards (its node downloads its own
+shards, as with streaming's canonical nodes).
+
+The epoch order is a *block shuffle* in the spirit of streaming's ``py1b``: shards are permuted, their
+samples laid end to end, and the result is cut into blocks of ``block_size`` samples whose contents are
+shuffled. Samples read together therefore come from a few neighbouring shards (cheap to download and to
+cache under ``cache_limit``), while a new seed per epoch reshuffles both levels. Unlike a materialised
+epoch permutation, blocks are built lazily and cached, so no process holds an ``N``-sized array: the
+cost is O(#shards + block_size) memory per domain, however large the domain.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+__all__ = ["DomainOrder", "DEFAULT_BLOCK_SIZE"]
+
+DEFAULT_BLOCK_SIZE = 1 << 18
+
+
+class DomainOrder:
+    """Maps positions of a rank's endless stream of one domain to (sample id, epoch).
+
+    Args:
+        samples_per_shard: number of samples in each shard, in index order.
+        seed: 64-bit seed of this domain (derived from the mixer seed and the domain name).
+        shuffle: False reads every epoch in index order.
+        block_size: shuffle unit in samples (see module docstring).
+        rank, world_size: this rank's slice of every epoch.
+    """
+
+    def __init__(self, samples_per_shard: np.ndarray, seed: int, shuffle: bool = True,
+                 block_size: int = DEFAULT_BLOCK_SIZE, rank: int = 0, world_size: int = 1,
+                 cache_blocks: int = 4) -> None:
+        self.samples_per_shard = np.asarray(samples_per_shard, dtype=np.int64)
+        if self.samples_per_shard.ndim != 1 or self.samples_per_shard.size == 0:
+            raise ValueError("a domain needs at least one shard")
+        self.shard_offsets = np.concatenate([[0], np.cumsum(self.samples_per_shard)])
+        self.num_samples = int(self.shard_offsets[-1])
+        self.seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+        self.shuffle = bool(shuffle)
+        if block_size < 1:
+            raise ValueError(f"shuffle block size must be >= 1, got {block_size}")
+        self.block_size = int(block_size)
+        if not (0 <= rank < world_size):
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        if self.num_samples < world_size:
+            raise ValueError(
+                f"the domain has {self.num_samples} samples, fewer than the {world_size} ranks that must "
+                "each read a disjoint part of it"
+            )
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+        self.lo = (self.rank * self.num_samples) // self.world_size
+        self.hi = ((self.rank + 1) * self.num_samples) // self.world_size
+        self.epoch_len = self.hi - self.lo
+        self._layouts: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._blocks: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self._cache_blocks = max(2, int(cache_blocks))
+
+    # ------------------------------------------------------------------------------------------------
+    def _rng(self, *coords: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed & 0xFFFFFFFF, self.seed >> 32, *coords])
+
+    def _layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(shard order, first global position of each shard in that order) of an epoch."""
+        hit = self._layouts.get(epoch)
+        if hit is not None:
+            self._layouts.move_to_end(epoch)
+            return hit
+        order = self._rng(epoch, 0).permutation(self.samples_per_shard.size)
+        starts = np.concatenate([[0], np.cumsum(self.samples_per_shard[order])[:-1]])
+        self._layouts[epoch] = (order, starts)
+        while len(self._layouts) > 2:
+            self._layouts.popitem(last=False)
+        return order, starts
+
+    def _block(self, epoch: int, block: int) -> np.ndarray:
+        key = (epoch, block)
+        hit = self._blocks.get(key)
+        if hit is not None:
+            self._blocks.move_to_end(key)
+            return hit
+        begin = block * self.block_size
+        size = min(self.block_size, self.num_samples - begin)
+        perm = self._rng(epoch, 1, block).permutation(size).astype(np.int64)
+        self._blocks[key] = perm
+        while len(self._blocks) > self._cache_blocks:
+            self._blocks.popitem(last=False)
+        return perm
+
+    def epoch_map(self, epoch: int, g: np.ndarray) -> np.ndarray:
+        """Sample ids at global positions ``g`` of epoch ``epoch``'s order (a bijection of [0, N))."""
+        g = np.asarray(g, dtype=np.int64)
+        if not self.shuffle:
+            return g.copy()
+        order, starts = self._layout(epoch)
+        blocks = g // self.block_size
+        b0, b1 = int(blocks.min()), int(blocks.max())
+        if b0 == b1:  # the common case: one block
+            out = b0 * self.block_size + self._block(epoch, b0)[g - b0 * self.block_size]
+        else:
+            out = np.empty_like(g)
+            for b in range(b0, b1 + 1):
+                sel = blocks == b
+                if sel.any():
+                    out[sel] = b * self.block_size + self._block(epoch, b)[g[sel] - b * self.block_size]
+        j = np.searchsorted(starts, out, side="right") - 1
+        return self.shard_offsets[order[j]] + (out - starts[j])
+
+    def sample_ids(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(sample ids, epochs) of positions ``[start, start + count)`` of this rank's stream."""
+        p = np.arange(start, start + count, dtype=np.int64)
+        e0, e1 = start // self.epoch_len, (start + max(count, 1) - 1) // self.epoch_len
+        if e0 == e1:  # the common case: inside one epoch
+            return self.epoch_map(e0, self.lo + (p - e0 * self.epoch_len)), np.full(count, e0, np.int64)
+        epochs = p // self.epoch_len
+        g = self.lo + (p - epochs * self.epoch_len)
+        ids = np.empty_like(p)
+        for e in range(e0, e1 + 1):
+            sel = epochs == e
+            ids[sel] = self.epoch_map(e, g[sel])
+        return ids, epochs
+
+    def shard_of(self, sample_ids: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.shard_offsets, np.asarray(sample_ids, dtype=np.int64), side="right") - 1

@@ -1,0 +1,299 @@
+"""Random access to one domain's samples through its StreamingDataset, fast for MDS.
+
+Streaming's ``dataset[i]`` opens, seeks and closes the shard file for every sample. A batch of the mixer
+reads many samples of a few shards at once, so this reader groups the requested ids by shard, makes
+sure the shard is local through streaming's own ``prepare_shard`` (download, decompression, cache
+accounting and LRU eviction stay streaming's), memory-maps the raw MDS file once and slices samples out
+of it. Shards of other formats fall back to ``dataset.get_item``.
+
+A mapped shard that streaming evicts (deletes) stays readable until it is unmapped (shards are
+immutable), but the reader drops its mapping as soon as the shard is no longer LOCAL, so evicted files
+do not keep disk space beyond ``cache_limit``. The shard's access time is refreshed on every read, as
+``get_item`` does, so eviction picks the coldest shard.
+
+A background thread per process downloads upcoming shards ahead of use (``Prefetcher``).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import queue
+import threading
+from collections import OrderedDict
+from time import time_ns
+from typing import Any
+
+import numpy as np
+
+__all__ = ["DomainReader", "Prefetcher", "DomainReadError"]
+
+_LOCAL = 3  # streaming.base.dataset._ShardState.LOCAL
+
+
+class DomainReadError(RuntimeError):
+    """A sample of a domain could not be read (download failed, shard missing, corrupt)."""
+
+
+class _Mapped:
+    __slots__ = ("mm", "offsets", "fd")
+
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_RDONLY)
+        try:
+            self.mm = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        n = int(np.frombuffer(self.mm, np.uint32, count=1, offset=0)[0])
+        self.offsets = np.frombuffer(self.mm, np.uint32, count=n + 1, offset=4).astype(np.int64)
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        finally:
+            os.close(self.fd)
+
+
+class DomainReader:
+    """Reads samples of one domain by id, a batch at a time."""
+
+    def __init__(self, name: str, dataset: Any, max_mapped: int = 8, retry: int = 7) -> None:
+        from streaming.base.format.mds.reader import MDSReader
+
+        self.name = name
+        self.dataset = dataset
+        self.max_mapped = max(1, int(max_mapped))
+        self.retry = int(retry)
+        self._mapped: OrderedDict[int, _Mapped] = OrderedDict()
+        self._is_mds = [isinstance(s, MDSReader) for s in dataset.shards]
+        self._stream = dataset.streams[0]
+        self._layouts: dict[tuple[int, int], Any] = {}
+
+    # ------------------------------------------------------------------------------------------------
+    def _where(self) -> str:
+        s = self._stream
+        return s.remote if s.remote else os.path.join(s.local, s.split or "")
+
+    def _raw_path(self, shard_id: int) -> str:
+        shard = self.dataset.shards[shard_id]
+        return os.path.join(shard.dirname, shard.split or "", shard.raw_data.basename)
+
+    def _map(self, shard_id: int) -> _Mapped:
+        ds = self.dataset
+        m = self._mapped.get(shard_id)
+        if m is not None:
+            if ds.cache_limit and ds._shard_states[shard_id] != _LOCAL:
+                self._mapped.pop(shard_id).close()  # evicted: let its disk space go
+            else:
+                self._mapped.move_to_end(shard_id)
+                return m
+        errors: list[str] = []
+        for _ in range(1 + self.retry):
+            path = self._raw_path(shard_id)
+            try:
+                m = _Mapped(path)
+                break
+            except FileNotFoundError as exc:
+                errors.append(str(exc))
+                try:
+                    ds.prepare_shard(shard_id)
+                except Exception as err:  # noqa: BLE001 - re-raised with the domain named
+                    raise DomainReadError(
+                        f"domain {self.name!r}: cannot fetch shard "
+                        f"{ds.shards[shard_id].raw_data.basename} from {self._where()}: "
+                        f"{type(err).__name__}: {err}"
+                    ) from err
+        else:
+            raise DomainReadError(
+                f"domain {self.name!r}: shard {ds.shards[shard_id].raw_data.basename} kept disappearing "
+                f"from {os.path.dirname(self._raw_path(shard_id))} ({errors[-1]}); cache_limit may be "
+                "too small for the shards in use"
+            )
+        self._mapped[shard_id] = m
+        while len(self._mapped) > self.max_mapped:
+            self._mapped.popitem(last=False)[1].close()
+        return m
+
+    def read(self, sample_ids: np.ndarray) -> list[dict[str, Any]]:
+        """Samples for ``sample_ids`` (in that order), as streaming decodes them."""
+        ds = self.dataset
+        sample_ids = np.asarray(sample_ids, dtype=np.int64)
+        out: list[dict[str, Any] | None] = [None] * len(sample_ids)
+        if not len(sample_ids):
+            return []
+        shard_ids = np.searchsorted(ds.sample_offset_per_shard, sample_ids, side="right") - 1
+        for sid in np.unique(shard_ids):
+            sid = int(sid)
+            where = np.flatnonzero(shard_ids == sid)
+            local = sample_ids[where] - int(ds.sample_offset_per_shard[sid])
+            shard = ds.shards[sid]
+            if not self._is_mds[sid]:
+                for w, idx in zip(where, local):
+                    out[w] = self._get_item(int(sample_ids[w]))
+                continue
+            m = self._map(sid)
+            ds._shard_access_times[sid] = time_ns()
+            begins = m.offsets[local]
+            ends = m.offsets[local + 1]
+            mm = m.mm
+            for w, b, e in zip(where, begins, ends):
+                out[w] = shard.decode_sample(mm[b:e])
+        return out  # type: ignore[return-value]
+
+    # -- fast path ------------------------------------------------------------------------------------
+    def _layout(self, shard_id: int, m: _Mapped, begin: int, length: int) -> list[tuple] | None:
+        """Byte layout of a sample whose columns are all numpy arrays (e.g. ``tokens``, ``loss_mask``).
+
+        Returns ``[(column, value_offset, count, dtype, shape, [(header_begin, header_end, bytes)])]``
+        or None when a column is not an array. In every MDS encoding of an array the values are the last
+        bytes of the column; everything before them (the per-column sizes and the dtype/shape headers)
+        must be byte-identical in every sample read through this layout, which :meth:`read_batch` checks.
+        """
+        key = (shard_id, length)
+        if key in self._layouts:
+            return self._layouts[key]
+        sample = m.mm[begin:begin + length]
+        shard = self.dataset.shards[shard_id]
+        decoded = shard.decode_sample(sample)
+        sizes = []
+        idx = 0
+        for size in shard.column_sizes:
+            if size:
+                sizes.append(int(size))
+            else:
+                sizes.append(int(np.frombuffer(sample[idx:idx + 4], np.uint32)[0]))
+                idx += 4
+        layout: list[tuple] | None = []
+        prefix = idx  # the per-column sizes: part of the first column's header
+        for name, size in zip(shard.column_names, sizes):
+            value = decoded[name]
+            end = idx + size
+            if not isinstance(value, np.ndarray) or value.dtype.hasobject:
+                layout = None
+                break
+            begin_values = end - value.nbytes
+            hs = 0 if not layout else idx
+            header = [(hs, begin_values, sample[hs:begin_values])] if begin_values > hs else []
+            layout.append((name, begin_values, value.size, value.dtype, value.shape, header))
+            idx = end
+        if layout is not None and (idx != len(sample) or (not layout and prefix)):
+            layout = None
+        self._layouts[key] = layout
+        return layout
+
+    def read_batch(self, sample_ids: np.ndarray) -> dict[str, np.ndarray] | None:
+        """Columns of ``sample_ids`` as stacked arrays ``(n, ...)``, sliced straight out of the mapped shards.
+
+        None when the fast path does not apply (a non-array column, a sample whose headers differ from the
+        others', a non-MDS shard); the caller then uses :meth:`read`.
+        """
+        ds = self.dataset
+        sample_ids = np.asarray(sample_ids, dtype=np.int64)
+        n = len(sample_ids)
+        if n == 0:
+            return None
+        shard_ids = np.searchsorted(ds.sample_offset_per_shard, sample_ids, side="right") - 1
+        groups = [int(shard_ids[0])] if (shard_ids == shard_ids[0]).all() else np.unique(shard_ids).tolist()
+        out: dict[str, np.ndarray] | None = None
+        for sid in groups:
+            if not self._is_mds[sid]:
+                return None
+            where = np.arange(n) if len(groups) == 1 else np.flatnonzero(shard_ids == sid)
+            local = sample_ids[where] - int(ds.sample_offset_per_shard[sid])
+            m = self._map(sid)
+            ds._shard_access_times[sid] = time_ns()
+            begins = m.offsets[local].tolist()
+            ends = m.offsets[local + 1].tolist()
+            mm = m.mm
+            for w, b, e in zip(where.tolist(), begins, ends):
+                layout = self._layout(sid, m, b, e - b)
+                if layout is None:
+                    return None
+                if out is None:
+                    out = {col[0]: np.empty((n, *col[4]), col[3]) for col in layout}
+                for name, off, count, dtype, shape, header in layout:
+                    for hs, he, ref in header:
+                        if mm[b + hs:b + he] != ref:
+                            return None
+                    target = out.get(name)
+                    if target is None or target.dtype != dtype or target.shape[1:] != shape:
+                        return None
+                    target[w] = np.frombuffer(mm, dtype, count, b + off).reshape(shape)
+        return out
+
+    def _get_item(self, sample_id: int) -> dict[str, Any]:
+        try:
+            return self.dataset.get_item(sample_id)
+        except Exception as err:  # noqa: BLE001
+            raise DomainReadError(
+                f"domain {self.name!r}: cannot read sample {sample_id} from {self._where()}: {err}"
+            ) from err
+
+    def shard_ids(self, sample_ids: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.dataset.sample_offset_per_shard, np.asarray(sample_ids), side="right") - 1
+
+    def needs_prepare(self, shard_id: int) -> bool:
+        return self.dataset._shard_states[shard_id] != _LOCAL or not os.path.isfile(self._raw_path(shard_id))
+
+    def close(self) -> None:
+        while self._mapped:
+            self._mapped.popitem()[1].close()
+
+
+class Prefetcher:
+    """One daemon thread that asks streaming to prepare (download/decompress) upcoming shards.
+
+    Requests are hints: a failure here is kept and re-raised only if the reader then cannot read the
+    shard either (the reader retries itself), so a transient error in the background does not kill the
+    run, while a persistent one surfaces with the domain named.
+    """
+
+    def __init__(self, readers: list[DomainReader], max_queue: int = 256) -> None:
+        self.readers = readers
+        self._q: queue.Queue[tuple[int, int] | None] = queue.Queue(maxsize=max_queue)
+        self._pending: set[tuple[int, int]] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, name="grape-stream-prefetch", daemon=True)
+        self._thread.start()
+
+    def request(self, k: int, shard_id: int) -> None:
+        key = (k, int(shard_id))
+        with self._lock:
+            if key in self._pending:
+                return
+            self._pending.add(key)
+        try:
+            self._q.put_nowait(key)
+        except queue.Full:
+            with self._lock:
+                self._pending.discard(key)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item = self._q.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if item is None:
+                return
+            k, sid = item
+            try:
+                reader = self.readers[k]
+                if reader.needs_prepare(sid):
+                    reader.dataset.prepare_shard(sid, blocking=False)
+            except Exception as exc:  # noqa: BLE001 - see class docstring
+                self.errors.append(exc)
+            finally:
+                with self._lock:
+                    self._pending.discard(item)
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self._q.put_nowait(None)
+        except queue.Full:
+            pass
+        self._thread.join(timeout=5)

@@ -1,0 +1,447 @@
+"""Streaming's shared memory and file locks: registered safely, released on close, reclaimed after crashes.
+
+Every mosaicml-streaming ``StreamingDataset`` registers machine-global POSIX shared memory named
+``/dev/shm/<prefix:06>_<name>`` (the prefix is the first free number) and file locks
+``/tmp/<prefix:06>_*_filelock``. Traps seen with streaming 0.13, and what this module does:
+
+* **Leaks after a crash.** A SIGKILL of the process group (Python's resource tracker included) leaves
+  the segments; the next run fails with "Reused local directory" (same ``local`` and a remote) or walks
+  to ever higher prefixes. ``streaming.base.util.clean_stale_shared_memory()`` stops at the first clean
+  prefix, leaves the file locks, and unlinks segments without asking whether a live process uses them
+  (it breaks a concurrent job on the same machine). :func:`cleanup_stale_streaming_shm` removes exactly
+  what belongs to dead processes.
+* **Liveness.** A prefix is alive while its owner lives. The mixer records the owner of each prefix it
+  creates (:func:`record_owner`: pid, process start time and the segments' inode numbers, in
+  ``/dev/shm/grape_stream_owner.<prefix>``). For other prefixes, a prefix is alive while any process
+  maps or holds open one of its segments (read from ``/proc``).
+* **Scanner attachments.** To pick a prefix, streaming attaches to every existing segment and keeps the
+  mappings until the interpreter exits, so any process that merely *scanned* a dead job's leftovers
+  keeps them looking alive. Owner records make such mappings irrelevant for the mixer's own prefixes,
+  and :func:`detach_scanner_attachments` unmaps them in this process.
+* **Leaks on normal close.** Streaming unlinks at interpreter exit only and never deletes its file
+  locks: :func:`release_streaming_dataset` does both, now.
+* **Racy registration.** Two jobs that start at once can pick the same prefix (scan, then create, with
+  no lock) and share each other's shard states: :func:`registration_lock` serialises registration on
+  this machine with an ``flock`` on the temp directory itself (nothing is created).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import tempfile
+import time
+from typing import Any, Iterator
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "SHM_NAMES",
+    "cleanup_stale_streaming_shm",
+    "describe_local_users",
+    "detach_scanner_attachments",
+    "record_owner",
+    "registration_lock",
+    "release_streaming_dataset",
+    "segments_in_use_elsewhere",
+]
+
+#: Shared-memory names streaming 0.13 creates per dataset (streaming.base.constant), plus its file locks.
+SHM_NAMES = (
+    "locals", "barrier", "next_epoch", "cache_usage", "shard_states", "shard_access_times",
+    "resume", "epoch_shape", "epoch_data",
+)
+FILELOCK_NAMES = ("barrier_filelock", "cache_filelock")
+_SHM_RE = re.compile(r"^(\d{6})_(" + "|".join(SHM_NAMES) + r")$")
+_LOCK_RE = re.compile(r"^(\d{6})_(" + "|".join(FILELOCK_NAMES) + r")$")
+_OWNER_RE = re.compile(r"^grape_stream_owner\.(\d{6})$")
+SHM_DIR = "/dev/shm"
+
+
+# --------------------------------------------------------------------------------------------------
+# processes
+# --------------------------------------------------------------------------------------------------
+def _start_time(pid: int) -> int | None:
+    """Start time of a process (clock ticks since boot), None if it does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2:].split()
+    try:
+        return int(fields[19])  # field 22 of stat; fields[0] is field 3
+    except (IndexError, ValueError):  # pragma: no cover
+        return None
+
+
+def _alive(pid: int, start_time: int | None) -> bool:
+    now = _start_time(pid)
+    return now is not None and (start_time is None or now == start_time)
+
+
+def _mapped_shm_names() -> dict[str, set[int]]:
+    """Basenames under /dev/shm that processes we can inspect map or hold open, with their pids."""
+    names: dict[str, set[int]] = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        ipid = int(pid)
+        try:
+            with open(f"/proc/{pid}/maps", "rb") as f:
+                for line in f:
+                    i = line.find(b"/dev/shm/")
+                    if i >= 0:
+                        name = line[i + 9:].split(b" ")[0].strip().decode("utf-8", "replace")
+                        names.setdefault(name, set()).add(ipid)
+        except OSError:
+            pass
+        # An open descriptor without a mapping (between shm_open and mmap) also counts.
+        fd_dir = f"/proc/{pid}/fd"
+        try:
+            fds = os.listdir(fd_dir)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(os.path.join(fd_dir, fd))
+            except OSError:
+                continue
+            if target.startswith("/dev/shm/"):
+                names.setdefault(target[9:].split(" ")[0], set()).add(ipid)
+    return names
+
+
+def segments_in_use_elsewhere() -> set[str]:
+    """/dev/shm names that some *other* process maps or holds open right now."""
+    me = os.getpid()
+    return {name for name, pids in _mapped_shm_names().items() if pids - {me}}
+
+
+# --------------------------------------------------------------------------------------------------
+# streaming objects in this process
+# --------------------------------------------------------------------------------------------------
+def _streaming_objects() -> tuple[list[Any], list[Any]]:
+    """Live StreamingDatasets and streaming SharedMemory objects of this process (via the gc)."""
+    import gc
+
+    try:
+        from streaming.base.dataset import StreamingDataset
+        from streaming.base.shared.memory import SharedMemory
+    except ImportError:  # pragma: no cover
+        return [], []
+    datasets, shms = [], []
+    for obj in gc.get_objects():
+        t = type(obj)  # not isinstance: that may trigger a module's deprecated-attribute hook
+        if t is SharedMemory:
+            shms.append(obj)
+        elif issubclass(t, StreamingDataset):
+            datasets.append(obj)
+    return datasets, shms
+
+
+def _dataset_shms(dataset: Any) -> list[Any]:
+    """The streaming SharedMemory objects a StreamingDataset holds."""
+    out = []
+    for attr in ("_locals_shm", "_next_epoch", "_cache_usage", "_shard_states", "_shard_access_times",
+                 "_shared_barrier", "_resume_shm"):
+        obj = getattr(dataset, attr, None)
+        for _ in range(3):  # SharedScalar -> SharedArray -> SharedMemory
+            if obj is None or hasattr(obj, "created_shms"):
+                break
+            obj = getattr(obj, "shm", None) or getattr(obj, "arr", None) or getattr(obj, "_arr", None)
+        if obj is not None and hasattr(obj, "created_shms"):
+            out.append(obj)
+    return out
+
+
+def _holds_segments(dataset: Any) -> bool:
+    """Whether a dataset still has its shared memory mapped (False once released)."""
+    return any(o.created_shms or o.opened_shms for o in _dataset_shms(dataset))
+
+
+def detach_scanner_attachments() -> int:
+    """Unmap the other jobs' segments this process attached while streaming looked for a free prefix.
+
+    Streaming's prefix registration attaches to every existing prefix's segments to compare local
+    directories, and keeps them mapped until the interpreter exits (an ``atexit`` reference). Such a
+    mapping makes a dead job's leftovers look alive to a mapping-based liveness check. Segments held by
+    a live dataset of this process are kept. Returns the number of segments unmapped.
+    """
+    datasets, shms = _streaming_objects()
+    keep = {id(o) for ds in datasets for o in _dataset_shms(ds)}
+    n = 0
+    for obj in shms:
+        if id(obj) in keep or obj.created_shms or not obj.opened_shms:
+            continue
+        for seg in obj.opened_shms:
+            try:
+                seg.close()
+                n += 1
+            except (BufferError, OSError):
+                pass
+        obj.opened_shms.clear()
+    return n
+
+
+# --------------------------------------------------------------------------------------------------
+# owner records
+# --------------------------------------------------------------------------------------------------
+def _owner_path(prefix: int, shm_dir: str = SHM_DIR) -> str:
+    return os.path.join(shm_dir, f"grape_stream_owner.{prefix:06}")
+
+
+def record_owner(dataset: Any, shm_dir: str = SHM_DIR) -> None:
+    """Record that this process created ``dataset``'s segments (only if it did: the local leader)."""
+    prefix = getattr(dataset, "_shm_prefix_int", None)
+    locals_shm = getattr(dataset, "_locals_shm", None)
+    if prefix is None or locals_shm is None or not locals_shm.created_shms:
+        return
+    inodes = {}
+    for name in SHM_NAMES:
+        path = os.path.join(shm_dir, f"{prefix:06}_{name}")
+        try:
+            inodes[name] = os.stat(path).st_ino
+        except OSError:
+            pass
+    record = {"pid": os.getpid(), "start_time": _start_time(os.getpid()), "inodes": inodes}
+    tmp = _owner_path(prefix, shm_dir) + f".tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, _owner_path(prefix, shm_dir))
+
+
+def _drop_owner_record(prefix: int, shm_dir: str = SHM_DIR) -> None:
+    path = _owner_path(prefix, shm_dir)
+    try:
+        with open(path) as f:
+            record = json.load(f)
+        if record.get("pid") == os.getpid():
+            os.unlink(path)
+    except (OSError, ValueError):
+        pass
+
+
+# --------------------------------------------------------------------------------------------------
+# cleanup
+# --------------------------------------------------------------------------------------------------
+def cleanup_stale_streaming_shm(*, shm_dir: str = SHM_DIR, lock_dir: str | None = None) -> dict[str, list[str]]:
+    """Remove streaming shared memory and file locks that belong to no live process.
+
+    For a prefix with an owner record, the segments whose inodes the record lists are stale exactly
+    when the owner process is gone (whoever else still maps them). Any other segment is stale when no
+    process maps or holds it open: a dataset keeps its segments mapped, and their descriptors open, for
+    its whole life, and a segment's creator holds its descriptor from the instant the name exists, so
+    a segment being created is never taken for a stale one (candidates are listed before the
+    processes are inspected). In this process only the prefixes of live datasets count. Only entries
+    of this user are touched; file locks of a prefix go only when no segment of it is alive. Safe to
+    call on every rank at any time. Returns ``{"shm": [...], "locks": [...], "owners": [...]}``.
+    """
+    lock_dir = lock_dir or tempfile.gettempdir()
+    removed: dict[str, list[str]] = {"shm": [], "locks": [], "owners": []}
+    uid = os.geteuid()
+
+    def _listing(directory: str, pattern: re.Pattern[str]) -> list[tuple[str, str, int]]:
+        out = []
+        try:
+            entries = os.listdir(directory)
+        except OSError:
+            return out
+        for name in entries:
+            m = pattern.match(name)
+            if not m:
+                continue
+            try:
+                st = os.stat(os.path.join(directory, name))
+            except OSError:
+                continue
+            if st.st_uid == uid:
+                out.append((name, m.group(1), st.st_ino))
+        return out
+
+    shm = _listing(shm_dir, _SHM_RE)
+    locks = _listing(lock_dir, _LOCK_RE)
+    owners = _listing(shm_dir, _OWNER_RE)
+    if not shm and not locks and not owners:
+        return removed
+
+    # Owner records: prefix -> (alive?, inodes of the segments it created).
+    recorded: dict[str, tuple[bool, set[int]]] = {}
+    for name, prefix, _ in owners:
+        try:
+            with open(os.path.join(shm_dir, name)) as f:
+                rec = json.load(f)
+            recorded[prefix] = (_alive(int(rec["pid"]), rec.get("start_time")), set(rec.get("inodes", {}).values()))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+
+    me = os.getpid()
+    mapped = _mapped_shm_names()
+    live: set[str] = set()  # prefixes with a live user
+    own_only: set[str] = set()
+    shm_inodes = {name: ino for name, _, ino in shm}
+    for name, pids in mapped.items():
+        m = _SHM_RE.match(name)
+        if not m:
+            continue
+        prefix = m.group(1)
+        rec = recorded.get(prefix)
+        if rec is not None and shm_inodes.get(name) in rec[1]:
+            continue  # judged by its owner record below
+        if pids - {me}:
+            live.add(prefix)
+        else:
+            own_only.add(prefix)
+    for prefix, (alive, _) in recorded.items():
+        if alive:
+            live.add(prefix)
+    if own_only - live:
+        datasets, _ = _streaming_objects()
+        mine = {f"{int(ds._shm_prefix_int):06}" for ds in datasets
+                if hasattr(ds, "_shm_prefix_int") and _holds_segments(ds)}
+        live |= own_only & mine
+    # Segments of other users keep their prefix alive.
+    try:
+        for name in os.listdir(shm_dir):
+            m = _SHM_RE.match(name)
+            if m and name not in shm_inodes:
+                live.add(m.group(1))
+    except OSError:
+        pass
+
+    for name, prefix, _ in shm:
+        if prefix in live:
+            continue
+        try:
+            os.unlink(os.path.join(shm_dir, name))
+            removed["shm"].append(name)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # pragma: no cover - permissions on an odd system
+            logger.debug("could not remove stale %s: %s", name, exc)
+    for name, prefix, _ in locks:
+        if prefix in live:
+            continue
+        try:
+            os.unlink(os.path.join(lock_dir, name))
+            removed["locks"].append(name)
+        except OSError:
+            pass
+    for name, prefix, _ in owners:
+        if prefix in recorded and not recorded[prefix][0]:
+            try:
+                os.unlink(os.path.join(shm_dir, name))
+                removed["owners"].append(name)
+            except OSError:
+                pass
+    if any(removed.values()):
+        logger.info("removed stale streaming state of dead processes: %s", removed)
+    return removed
+
+
+def release_streaming_dataset(dataset: Any) -> None:
+    """Unlink the shared memory a StreamingDataset created and delete its file locks, now.
+
+    Streaming only does this at interpreter exit (and never for the locks). Call it once the dataset,
+    its download threads and every DataLoader worker that used it are done. Safe to call twice.
+    """
+    import numpy as np
+
+    shms = _dataset_shms(dataset)
+    locals_shm = getattr(dataset, "_locals_shm", None)
+    if locals_shm is not None:
+        try:
+            locals_shm.buf[:4] = np.int32(0).tobytes()
+        except Exception:
+            pass
+    for obj in shms:
+        created, opened = list(obj.created_shms), list(obj.opened_shms)
+        obj.created_shms.clear()  # streaming's atexit cleanup then has nothing left to do
+        obj.opened_shms.clear()
+        for seg in created + opened:
+            try:
+                seg.close()
+            except (BufferError, OSError):  # a numpy view still alive: the unlink below still frees it
+                pass
+        for seg in created:
+            try:
+                seg.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # pragma: no cover - best effort, never mask the caller's error
+                logger.debug("shared memory unlink failed: %s", exc)
+    prefix = getattr(dataset, "_shm_prefix_int", None)
+    root = getattr(dataset, "_filelock_root", None) or tempfile.gettempdir()
+    if prefix is not None:
+        _drop_owner_record(prefix)
+        for lock in FILELOCK_NAMES:
+            try:
+                os.unlink(os.path.join(root, f"{prefix:06}_{lock}"))
+            except OSError:
+                pass
+
+
+def describe_local_users(local: str) -> str:
+    """Which shared-memory prefix registers ``local`` and which processes map it (for error messages)."""
+    local = os.path.abspath(local)
+    mapped = _mapped_shm_names()
+    found = []
+    try:
+        names = sorted(n for n in os.listdir(SHM_DIR) if n.endswith("_locals") and _SHM_RE.match(n))
+    except OSError:
+        return "unknown owner"
+    for name in names:
+        try:
+            with open(os.path.join(SHM_DIR, name), "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        if local in data[4:].decode("utf-8", "replace").split("\0"):
+            pids = sorted(mapped.get(name, set()))
+            found.append(f"prefix {name[:6]} mapped by pid(s) {pids}" if pids else f"prefix {name[:6]}, unmapped")
+    if not found:
+        return "unknown owner"
+    return "; ".join(found) + (
+        ". A crashed job's leftovers stay registered while a process that once scanned them is alive; "
+        "restart such processes or use another local directory")
+
+
+@contextlib.contextmanager
+def registration_lock(enabled: bool = True, timeout: float = 600.0) -> Iterator[None]:
+    """Serialise streaming's shared-memory registration among the processes of this machine.
+
+    Streaming picks its prefix by scanning /dev/shm and then creating the segments, without a lock: two
+    jobs that start at the same moment can pick the same prefix and share each other's shard states.
+    This takes an exclusive ``flock`` on the temp directory itself (nothing is created, so nothing is
+    left behind) while this process registers its datasets. Take it on the local leader only: other
+    ranks wait for the leader inside streaming's own barriers.
+    """
+    if not enabled:
+        yield
+        return
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    fd = os.open(tempfile.gettempdir(), os.O_RDONLY)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"waited {timeout:.0f} s for another process registering "
+                                       "StreamingDatasets on this machine") from None
+                time.sleep(0.01)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)

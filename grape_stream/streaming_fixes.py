@@ -1,0 +1,274 @@
+"""Workarounds for mosaicml-streaming 0.13 traps that bite a long-running, crash-prone training job.
+
+Each function here handles one trap that was seen on a real machine; docs/mixer.md lists them.
+
+(Shared-memory traps are handled in :mod:`grape_stream.shm`.)
+
+* **A stale local ``index.json``.** A local cache directory that already holds an ``index.json`` is
+  reused without looking at the remote, even when the remote is a different dataset or has been
+  re-converted since: :func:`sync_local_index` compares it with the remote's index and a marker file.
+* **S3 without credentials.** Streaming's boto3 client signs every request, so an S3-compatible
+  endpoint (MinIO, R2, an emulator) fails after all retries when no credentials are configured, even
+  for a public bucket: :func:`check_s3_credentials` says so before the first request.
+* **``local`` must be the same on all ranks of a node**, or streaming's shared-memory registration
+  fails with an "Internal error": :func:`check_same_locals_across_ranks` names the ranks that differ.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from grape_stream.shm import (  # noqa: F401 - re-exported: other modules import them from here
+    cleanup_stale_streaming_shm,
+    detach_scanner_attachments,
+    release_streaming_dataset,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "cleanup_stale_streaming_shm",
+    "release_streaming_dataset",
+    "sync_local_index",
+    "check_s3_credentials",
+    "check_same_locals_across_ranks",
+    "MARKER_NAME",
+    "RemoteMismatchError",
+    "DomainUnavailableError",
+]
+
+#: Written next to a cached ``index.json``: which remote it came from and the index's digest.
+MARKER_NAME = ".grape_stream_source.json"
+
+
+class RemoteMismatchError(RuntimeError):
+    """A local cache directory holds a dataset that is not the configured remote's."""
+
+
+class DomainUnavailableError(RuntimeError):
+    """A domain's data cannot be read (missing index, unreachable remote, no credentials)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Local index vs remote
+# --------------------------------------------------------------------------------------------------
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _remote_join(remote: str, *parts: str | None) -> str:
+    out = remote.rstrip("/")
+    for p in parts:
+        if p:
+            out = out + "/" + p.strip("/")
+    return out
+
+
+def _download_index(domain: str, remote: str, split: str | None, dest: str, retry: int,
+                    timeout: float) -> None:
+    """Download ``remote[/split]/index.json`` to ``dest`` with streaming's downloader and retries."""
+    from streaming.base.storage.download import CloudDownloader
+
+    url = _remote_join(remote, split, "index.json")
+    last: BaseException | None = None
+    for attempt in range(1 + max(0, int(retry))):
+        try:
+            if os.path.exists(dest):
+                os.unlink(dest)
+            CloudDownloader.direct_download(url, dest, timeout)
+            return
+        except Exception as exc:  # noqa: BLE001 - re-raised below with the domain named
+            last = exc
+            if _is_not_found(exc):
+                break
+            time.sleep(min(2.0, 0.1 * 2 ** attempt))
+    raise DomainUnavailableError(
+        f"domain {domain!r}: cannot read {url} after {1 + max(0, int(retry))} attempt(s): "
+        f"{type(last).__name__}: {last}"
+    ) from last
+
+
+def _is_not_found(exc: BaseException) -> bool:
+    text = str(exc)
+    return isinstance(exc, FileNotFoundError) or "not found" in text.lower() or "NoSuchKey" in text \
+        or "404" in text
+
+
+def sync_local_index(domain: str, remote: str | None, local: str, split: str | None = None, *,
+                     download_retry: int = 2, download_timeout: float = 60.0,
+                     overwrite_local: bool = False) -> str:
+    """Make ``local[/split]/index.json`` trustworthy before streaming reads it; return its path.
+
+    * ``remote is None``: the index must exist (else :class:`DomainUnavailableError` naming the domain
+      and the path, with the sub-directories that do hold an ``index.json`` as a hint).
+    * With a remote, the remote's ``index.json`` is fetched (streaming's retries) and compared with the
+      local one. Missing locally: it is installed. Identical: nothing to do. Different and the marker
+      says the same remote (the dataset was re-converted): the stale index and its shards are removed
+      with a warning, so streaming downloads the new ones. Different and the local copy came from
+      another (or an unknown) remote: :class:`RemoteMismatchError`, unless ``overwrite_local``.
+    Call on the local leader only; other ranks of the node wait on a barrier.
+    """
+    local_dir = os.path.join(local, split) if split else local
+    index = os.path.join(local_dir, "index.json")
+    if remote is None:
+        if not os.path.isfile(index):
+            hint = ""
+            if os.path.isdir(local_dir):
+                subs = sorted(p.parent.name for p in Path(local_dir).glob("*/index.json"))
+                if subs:
+                    hint = f" (sub-directories with an index.json: {subs}; pass split=...?)"
+            raise DomainUnavailableError(
+                f"domain {domain!r}: no MDS index at {index}{hint}; convert the data first "
+                "(grape-stream convert) or pass remote=..."
+            )
+        return index
+    os.makedirs(local_dir, exist_ok=True)
+    marker_path = os.path.join(local_dir, MARKER_NAME)
+    source = _remote_join(remote, split)
+    tmp = os.path.join(local_dir, f"index.json.remote.{os.getpid()}.tmp")
+    _download_index(domain, remote, split, tmp, download_retry, download_timeout)
+    try:
+        new_digest = _sha256(tmp)
+        marker: dict[str, Any] = {}
+        if os.path.isfile(marker_path):
+            try:
+                marker = json.loads(Path(marker_path).read_text())
+            except (OSError, ValueError):
+                marker = {}
+        if os.path.isfile(index):
+            old_digest = _sha256(index)
+            if old_digest != new_digest or (marker and marker.get("remote") != source):
+                same_source = marker.get("remote") == source
+                if not same_source and not overwrite_local:
+                    origin = f"from {marker['remote']}" if marker.get("remote") else "of unknown origin"
+                    raise RemoteMismatchError(
+                        f"domain {domain!r}: local directory {local_dir} already holds a dataset {origin}, "
+                        f"which is not {source} (its index.json differs). Streaming would silently read "
+                        "the old shards. Use a different local directory per remote, delete it, or pass "
+                        "overwrite_local=True."
+                    )
+                if old_digest != new_digest:
+                    if same_source:
+                        warnings.warn(
+                            f"domain {domain!r}: {source}/index.json changed since {local_dir} was cached "
+                            "(dataset re-converted?); discarding the stale local shards",
+                            stacklevel=3,
+                        )
+                    _remove_cached_shards(local_dir, index)
+        if not os.path.isfile(index):
+            os.replace(tmp, index)
+        Path(marker_path).write_text(json.dumps({"remote": source, "index_sha256": new_digest}))
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return index
+
+
+def _remove_cached_shards(local_dir: str, index: str) -> None:
+    try:
+        obj = json.loads(Path(index).read_text())
+        names = []
+        for shard in obj.get("shards", []):
+            for key in ("raw_data", "zip_data", "raw_meta", "zip_meta"):
+                info = shard.get(key)
+                if info and info.get("basename"):
+                    names.append(info["basename"])
+    except (OSError, ValueError):
+        names = []
+    for name in names:
+        path = os.path.join(local_dir, name)
+        if os.path.isfile(path):
+            os.unlink(path)
+    if os.path.isfile(index):
+        os.unlink(index)
+
+
+# --------------------------------------------------------------------------------------------------
+# S3 credentials
+# --------------------------------------------------------------------------------------------------
+def check_s3_credentials(domains: Iterable[tuple[str, str | None]], *, dummy_credentials: bool = False) -> None:
+    """Fail early, naming the domain, when an ``s3://`` remote would be read without credentials.
+
+    boto3 signs every request; with no credentials an S3-compatible endpoint answers only after all of
+    streaming's retries, with a botocore error that names neither the domain nor the fix. With
+    ``dummy_credentials=True`` (an emulator or a public bucket behind an endpoint that accepts any
+    signature), placeholder credentials are put into this process's environment (inherited by
+    DataLoader workers) instead.
+    """
+    s3 = [(name, remote) for name, remote in domains if remote and remote.startswith("s3://")]
+    if not s3:
+        return
+    import boto3
+
+    if boto3.session.Session().get_credentials() is not None:
+        return
+    if dummy_credentials:
+        os.environ.setdefault("AWS_ACCESS_KEY_ID", "grape-stream-anonymous")
+        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "grape-stream-anonymous")
+        return
+    endpoint = os.environ.get("S3_ENDPOINT_URL")
+    where = f"the endpoint S3_ENDPOINT_URL={endpoint}" if endpoint else "AWS S3"
+    name, remote = s3[0]
+    raise DomainUnavailableError(
+        f"domain {name!r} ({remote}): no AWS credentials found for {where}. Streaming's S3 client signs "
+        "every request, even to a public bucket or an emulator. Set AWS_ACCESS_KEY_ID and "
+        "AWS_SECRET_ACCESS_KEY (any non-empty values for an emulator without authentication), "
+        "configure a profile, or pass s3_dummy_credentials=True."
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Same `local` on every rank of a node
+# --------------------------------------------------------------------------------------------------
+def check_same_locals_across_ranks(locals_: Sequence[str]) -> None:
+    """With torch.distributed initialised, verify that ranks on one host use identical local dirs.
+
+    Streaming keys its shared memory on the local directories, so a rank with a different ``local``
+    fails deep inside streaming ("Internal error: shared memory registered does not match") or hangs.
+    """
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover
+        return
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    mine = (socket.gethostname(), [os.path.abspath(p) for p in locals_])
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    by_host: dict[str, list[tuple[int, list[str]]]] = {}
+    for rank, (host, locs) in enumerate(gathered):
+        by_host.setdefault(host, []).append((rank, locs))
+    for host, entries in by_host.items():
+        first_rank, first = entries[0]
+        for rank, locs in entries[1:]:
+            if locs != first:
+                diff = [(a, b) for a, b in zip(first, locs) if a != b]
+                raise ValueError(
+                    f"ranks {first_rank} and {rank} on host {host} use different local directories "
+                    f"{diff}: every rank of a node must pass the same `local` for each domain "
+                    "(streaming shares one cache per node)"
+                )
+
+
+def default_local_for(remote: str, split: str | None = None) -> str:
+    """A per-remote cache directory under the temp dir: the same on every rank of a node."""
+    digest = hashlib.sha256(_remote_join(remote, split).encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), "grape_stream_cache", digest)
+
+
+def rmtree_quiet(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,249 @@
+"""Batch-composition math of the mixer (grape_stream.quotas / epoch_order), against slow references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from grape_stream.epoch_order import DomainOrder
+from grape_stream.quotas import (
+    TAG_OFFSET,
+    TAG_REFILL,
+    EffectiveSchedule,
+    QuotaPlanner,
+    batch_quota,
+    budget_for,
+    hash64,
+    slot_permutation,
+    systematic_counts,
+    uniform01,
+)
+
+
+def chi2_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
+    keep = expected > 0
+    stat = float((((observed - expected) ** 2)[keep] / expected[keep]).sum())
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# slow references
+# ---------------------------------------------------------------------------------------------------
+def slow_systematic(alpha: np.ndarray, slots: int, u: float) -> np.ndarray:
+    """Slot s goes to the domain whose cumulative interval [c_{k-1}, c_k) holds (s + u) / slots."""
+    edges = np.concatenate([[0.0], np.cumsum(alpha) / np.sum(alpha)])
+    counts = np.zeros(len(alpha), np.int64)
+    for s in range(slots):
+        x = (s + u) / slots
+        for k in range(len(alpha)):
+            if alpha[k] > 0 and edges[k] <= x < edges[k + 1] + (1e-12 if k == len(alpha) - 1 else 0):
+                counts[k] += 1
+                break
+        else:  # x fell on the float edge of the last positive interval
+            counts[np.flatnonzero(alpha > 0)[-1]] += 1
+    return counts
+
+
+def slow_effective(alpha: np.ndarray, avail: np.ndarray) -> np.ndarray:
+    a = np.array([alpha[k] if avail[k] else 0.0 for k in range(len(alpha))])
+    return a / a.sum() if a.sum() > 0 else avail / avail.sum()
+
+
+def slow_counts(entries, seed, rank, B, budgets, n_batches):
+    """Per-batch quotas by the documented rule, one batch and one slot at a time."""
+    K = len(entries[0][2])
+    budgets = np.array([np.iinfo(np.int64).max if b is None else b for b in budgets])
+    counts = np.zeros(K, np.int64)
+    per_batch = []
+    for j in range(n_batches):
+        active = max((e for e in entries if e[1] <= j), key=lambda e: e[0])
+        avail = counts < budgets
+        if not avail.any():
+            break
+        alpha = slow_effective(active[2], avail)
+        u = float(uniform01(hash64(seed, j, rank, TAG_OFFSET, 0))[0])
+        q = slow_systematic(alpha, B, u)
+        rem = budgets - counts
+        excess = int(np.maximum(q - rem, 0).sum())
+        q = np.minimum(q, rem)
+        rnd = 0
+        while excess:
+            rnd += 1
+            room = counts + q < budgets
+            if not room.any():
+                return per_batch, counts
+            u2 = float(uniform01(hash64(seed, j, rank, TAG_REFILL, rnd))[0])
+            q = q + slow_systematic(slow_effective(active[2], room), excess, u2)
+            excess = int(np.maximum(q - rem, 0).sum())
+            q = np.minimum(q, rem)
+        per_batch.append(q)
+        counts = counts + q
+    return per_batch, counts
+
+
+def schedule_of(entries) -> EffectiveSchedule:
+    s = EffectiveSchedule()
+    for v, f, a in entries:
+        s.add(v, f, np.asarray(a, float))
+    return s
+
+
+# ---------------------------------------------------------------------------------------------------
+def test_systematic_counts_match_slow_reference_and_are_exact():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        K = int(rng.integers(1, 8))
+        alpha = rng.dirichlet(np.ones(K))
+        alpha[rng.random(K) < 0.3] = 0.0
+        if alpha.sum() == 0:
+            alpha[0] = 1.0
+        alpha /= alpha.sum()
+        B = int(rng.integers(1, 70))
+        u = rng.random(5)
+        fast = systematic_counts(alpha, B, u)
+        for row, uu in zip(fast, u):
+            np.testing.assert_array_equal(row, slow_systematic(alpha, B, uu))
+            assert row.sum() == B
+            assert np.all(row >= np.floor(B * alpha - 1e-9)) and np.all(row <= np.ceil(B * alpha + 1e-9))
+            assert np.all(row[alpha == 0] == 0)
+
+
+def test_hash_uniforms_are_uniform():
+    u = uniform01(hash64(7, np.arange(200_000), 3, TAG_OFFSET, 0))
+    hist = np.histogram(u, bins=50, range=(0, 1))[0]
+    assert chi2_pvalue(hist.astype(float), np.full(50, len(u) / 50)) > 1e-3
+    assert 0.0 <= u.min() and u.max() < 1.0
+
+
+def test_realised_fractions_match_weights_chi_square():
+    alpha = np.array([0.5, 0.25, 0.15, 0.07, 0.03, 0.0])
+    B, n = 24, 4000
+    for composition in ("systematic", "multinomial"):
+        counts = np.array([batch_quota(composition, alpha, B, 11, j, 0) for j in range(n)])
+        total = counts.sum(axis=0).astype(float)
+        assert total[-1] == 0  # weight 0 is never drawn
+        assert chi2_pvalue(total, alpha * B * n) > 1e-3, composition
+        # The test has power: slightly different weights are rejected.
+        wrong = np.array([0.48, 0.27, 0.15, 0.07, 0.03, 0.0])
+        assert chi2_pvalue(total, wrong * B * n) < 1e-6, composition
+        if composition == "systematic":
+            assert np.all(np.abs(counts - B * alpha) < 1.0)
+        else:
+            assert counts[:, 0].std() > 1.0  # i.i.d. draws vary from batch to batch
+
+
+def test_effective_schedule_latest_call_wins():
+    s = schedule_of([(0, 0, [1, 0]), (1, 10, [0, 1]), (2, 5, [0.5, 0.5]), (3, 20, [0.2, 0.8])])
+    assert s.at(4)[0] == 0 and s.at(5)[0] == 2 and s.at(12)[0] == 2 and s.at(20)[0] == 3
+    segs = s.segments(0, 25)
+    assert [(g.start, g.end, g.version) for g in segs] == [(0, 5, 0), (5, 20, 2), (20, 25, 3)]
+    with pytest.raises(ValueError):
+        s.add(3, 30, np.array([1.0, 0.0]))
+
+
+@pytest.mark.parametrize("composition", ["systematic", "multinomial"])
+def test_planner_vectorised_equals_batch_by_batch(composition):
+    entries = [(0, 0, [0.4, 0.3, 0.3, 0.0]), (1, 37, [0.1, 0.0, 0.2, 0.7]), (2, 90, [0.25, 0.25, 0.25, 0.25])]
+    sched = schedule_of(entries)
+    budgets = [None, 150, None, 400]
+    fast = QuotaPlanner(seed=5, rank=1, batch_size=16, composition=composition, budgets=budgets)
+    fast.advance_to(200, sched.segments)
+    step = QuotaPlanner(seed=5, rank=1, batch_size=16, composition=composition, budgets=budgets)
+    plans = [step.plan(j, sched.segments) for j in range(200)]
+    np.testing.assert_array_equal(fast.counts, step.counts)
+    assert all(p is not None and p.quota.sum() == 16 for p in plans)
+    assert step.counts[1] == 150 and step.counts[3] == 400  # budgets hit exactly, never exceeded
+    if composition == "systematic":
+        ref_batches, ref_counts = slow_counts(entries, 5, 1, 16, budgets, 200)
+        np.testing.assert_array_equal(fast.counts, ref_counts)
+        for p, ref in zip(plans, ref_batches):
+            np.testing.assert_array_equal(p.quota, ref)
+
+
+def test_planner_resume_from_counts_is_identical():
+    sched = schedule_of([(0, 0, [0.6, 0.4]), (1, 50, [0.1, 0.9])])
+    a = QuotaPlanner(seed=1, rank=0, batch_size=8, composition="systematic", budgets=[None, None])
+    a.advance_to(70, sched.segments)
+    b = QuotaPlanner(seed=1, rank=0, batch_size=8, composition="systematic", budgets=[None, None],
+                     start_batch=70, start_counts=a.counts)
+    for j in range(70, 120):
+        pa, pb = a.plan(j, sched.segments), b.plan(j, sched.segments)
+        np.testing.assert_array_equal(pa.quota, pb.quota)
+        np.testing.assert_array_equal(pa.start, pb.start)
+
+
+def test_budgets_exhaust_the_stream():
+    sched = schedule_of([(0, 0, [0.5, 0.5])])
+    p = QuotaPlanner(seed=0, rank=0, batch_size=10, composition="systematic", budgets=[35, 42])
+    plans = []
+    j = 0
+    while (pl := p.plan(j, sched.segments)) is not None:
+        plans.append(pl)
+        j += 1
+    assert len(plans) == 7 and p.exhausted_at == 7  # 77 samples: 7 full batches, the 8th cannot be filled
+    assert p.counts.tolist() == [35, 42] or p.counts.sum() == 70
+
+
+def test_slot_permutation_is_a_permutation_and_varies():
+    a = slot_permutation(3, 10, 0, 32)
+    assert sorted(a.tolist()) == list(range(32))
+    assert not np.array_equal(a, slot_permutation(3, 11, 0, 32))
+    np.testing.assert_array_equal(a, slot_permutation(3, 10, 0, 32))
+
+
+def test_budget_for():
+    assert budget_for(None, 100) is None
+    assert budget_for(1, 100) == 100 and budget_for(0.5, 101) == 50 and budget_for(2.0, 3) == 6
+    with pytest.raises(ValueError):
+        budget_for(0, 10)
+
+
+# ---------------------------------------------------------------------------------------------------
+# DomainOrder
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_domain_order_epochs_ranks_disjoint_and_complete(shuffle):
+    sizes = np.array([37, 50, 50, 13, 50, 44])
+    N = int(sizes.sum())
+    R = 3
+    orders = [DomainOrder(sizes, 99, shuffle, block_size=64, rank=r, world_size=R) for r in range(R)]
+    assert sum(o.epoch_len for o in orders) == N
+    for epoch in range(3):
+        seen = []
+        for o in orders:
+            ids, epochs = o.sample_ids(epoch * o.epoch_len, o.epoch_len)
+            assert set(epochs.tolist()) == {epoch}
+            assert len(set(ids.tolist())) == o.epoch_len  # no repeat within a rank's epoch
+            seen += ids.tolist()
+        assert sorted(seen) == list(range(N))  # disjoint across ranks, every sample once per epoch
+    o = orders[0]
+    e0, _ = o.sample_ids(0, o.epoch_len)
+    e1, _ = o.sample_ids(o.epoch_len, o.epoch_len)
+    if shuffle:
+        assert not np.array_equal(e0, e1)  # reshuffled every epoch
+        again = DomainOrder(sizes, 99, True, block_size=64, rank=0, world_size=R)
+        np.testing.assert_array_equal(again.sample_ids(5, 40)[0], o.sample_ids(5, 40)[0])  # deterministic
+        other = DomainOrder(sizes, 98, True, block_size=64, rank=0, world_size=R)
+        assert not np.array_equal(other.sample_ids(0, 40)[0], o.sample_ids(0, 40)[0])
+    else:
+        np.testing.assert_array_equal(e0, np.arange(o.epoch_len))
+        np.testing.assert_array_equal(e0, e1)
+
+
+def test_domain_order_is_shard_local():
+    """Consecutive positions come from the few shards of one shuffle block, not from everywhere."""
+    sizes = np.full(400, 100)
+    o = DomainOrder(sizes, 1, True, block_size=300)
+    ids, _ = o.sample_ids(900, 300)  # exactly one block: 300 samples of 3 (permuted) shards of 100
+    assert len(set(o.shard_of(ids).tolist())) == 3
+    ids, _ = o.sample_ids(1000, 300)  # any window of one block's length touches at most two blocks
+    assert len(set(o.shard_of(ids).tolist())) <= 8
+    assert len(set(ids.tolist())) == 300
+
+
+def test_domain_order_rejects_too_few_samples():
+    with pytest.raises(ValueError, match="fewer than the 4 ranks"):
+        DomainOrder(np.array([3]), 0, rank=0, world_size=4)

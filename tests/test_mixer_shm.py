@@ -1,0 +1,131 @@
+"""The mixer leaves no shared memory or lock files behind: after close, after exit, after a SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from _mds_fixtures import write_domains
+from grape_stream.mixer import DomainStream, WeightedStreamingMixer
+from grape_stream.shm import cleanup_stale_streaming_shm, segments_in_use_elsewhere
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    return write_domains(tmp_path_factory.mktemp("mdss"), [60, 40], samples_per_shard=10)
+
+
+def segments(prefixes) -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n[:6].isdigit() and int(n[:6]) in prefixes}
+
+
+def locks(prefixes) -> set[str]:
+    tmp = tempfile.gettempdir()
+    return {n for n in os.listdir(tmp) if n[:6].isdigit() and n.endswith("_filelock") and int(n[:6]) in prefixes}
+
+
+def foreign(names: set[str]) -> set[str]:
+    """Names that some other live process uses now (the prefix was reused by a concurrent job)."""
+    return names & segments_in_use_elsewhere()
+
+
+def test_close_releases_shared_memory_and_locks(dirs):
+    m = WeightedStreamingMixer([DomainStream(f"d{k}", local=d) for k, d in enumerate(dirs)], batch_size=8)
+    prefixes = m.shm_prefixes
+    assert len(segments(prefixes)) >= 6 * len(dirs)
+    for _, _b in zip(range(12), m.dataloader(num_workers=2)):  # decompresses shards: creates the cache locks
+        pass
+    assert locks(prefixes)
+    m.close()
+    assert segments(prefixes) - foreign(segments(prefixes)) == set()
+    assert locks(prefixes) == set() or all(p[:6] in {s[:6] for s in foreign(segments(prefixes))}
+                                           for p in locks(prefixes))
+    with pytest.raises(RuntimeError, match="closed"):
+        iter(m)
+
+
+def _start(cfg: dict, path: Path) -> subprocess.Popen:
+    path.write_text(json.dumps(cfg))
+    return subprocess.Popen([sys.executable, str(HERE / "_mixer_run.py"), str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+@pytest.mark.timeout(180)
+def test_exit_without_close_leaves_nothing(dirs, tmp_path):
+    proc = _start({"dirs": dirs, "seed": 0, "batch_size": 8, "workers": 2, "batches": 15}, tmp_path / "c.json")
+    out, err = proc.communicate(timeout=150)
+    assert proc.returncode == 0, err
+    prefixes = json.loads(out.splitlines()[0])["prefixes"]
+    time.sleep(0.2)
+    assert segments(prefixes) - foreign(segments(prefixes)) == set()
+    assert not locks(prefixes) - {n for n in locks(prefixes) if n[:6] in {s[:6] for s in segments_in_use_elsewhere()}}
+
+
+@pytest.mark.timeout(180)
+def test_sigkill_leak_is_cleaned_only_when_its_owner_is_dead(dirs, tmp_path):
+    caches = [str(tmp_path / f"cache{k}") for k in range(len(dirs))]
+    proc = _start({"dirs": dirs, "caches": caches, "seed": 0, "batch_size": 8, "workers": 0, "hold": True},
+                  tmp_path / "hold.json")
+    try:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        prefixes = json.loads(line)["prefixes"]
+        held = segments(prefixes)
+        assert len(held) >= 6 * len(dirs)
+        # A live owner's segments are never touched, however old.
+        cleanup_stale_streaming_shm()
+        assert segments(prefixes) == held
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # main process and its resource tracker: nothing cleans up
+        proc.wait()
+    leaked = segments(prefixes)
+    assert leaked == held  # the trap: the segments outlive their process
+
+    # Another live process now tries streaming directly: it is refused the directory (the trap), and its
+    # scan leaves the dead job's segments mapped in it, which a mapping-based liveness check would take
+    # for a live user.
+    scanner = subprocess.Popen([sys.executable, "-c", SCANNER, dirs[0], caches[0]],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        report = json.loads(scanner.stdout.readline() or "{}")
+        assert report.get("trap") in ("reused", "cleaned-meanwhile"), scanner.stderr.read()
+        if report["trap"] == "reused":
+            assert segments(prefixes) & segments_in_use_elsewhere()  # held by the scanner
+        # The mixer knows the dead job's owner (its owner record) and reclaims everything it left.
+        with WeightedStreamingMixer([DomainStream(f"d{k}", remote=d, local=c)
+                                     for k, (d, c) in enumerate(zip(dirs, caches))], batch_size=8) as m:
+            batch = next(iter(m.dataloader()))
+            assert batch["tokens"].shape == (8, 16)
+            mine = set(m.shm_prefixes)
+            stale = {n for n in segments(prefixes) if int(n[:6]) not in mine}
+            assert stale == set()
+            assert not {p for p in prefixes if p not in mine
+                        and os.path.exists(f"/dev/shm/grape_stream_owner.{p:06}")}
+    finally:
+        os.killpg(scanner.pid, signal.SIGKILL)
+        scanner.wait()
+
+
+SCANNER = """
+import json, os, sys, time
+from streaming import StreamingDataset
+remote, local = sys.argv[1:3]
+try:
+    ds = StreamingDataset(remote=remote, local=local, batch_size=8)
+    del ds  # unregisters the directory (streaming's __del__)
+    trap = "cleaned-meanwhile"
+except ValueError as exc:
+    trap = "reused" if "Reused local directory" in str(exc) else repr(exc)
+print(json.dumps({"trap": trap}), flush=True)
+time.sleep(3600)
+"""
