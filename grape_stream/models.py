@@ -120,9 +120,11 @@ def per_sample_lm_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> t
     tokens = batch["tokens"].long()
     logits = model(tokens[:, :-1])
     targets = tokens[:, 1:]
-    ce = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="none"
-    ).view(targets.shape)
+    if logits.dtype in (torch.float16, torch.bfloat16):  # half-precision logits: softmax in float32
+        logits = logits.float()
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none").view(
+        targets.shape
+    )
     mask = batch.get("loss_mask") if hasattr(batch, "get") else None
     if mask is None:
         return ce.mean(dim=1)

@@ -1,0 +1,475 @@
+"""Module hooks that turn one fused backward pass into per-group gradient contributions.
+
+How a fast-path module is observed (`FusedGramEngine`):
+
+* forward pre-hook: the module's in-scope parameters are swapped for detached aliases for the duration
+  of its forward, so autograd never computes (nor stores inputs for) their full gradients; the module
+  output still carries the graph back to earlier layers through its input;
+* forward hook: records the call (a "use": module, input, rows per sample) and registers a tensor hook
+  on the output; an output that does not require grad (e.g. an embedding of integer ids) is replaced by
+  a detached leaf that does, so the backward reaches it;
+* tensor hook (fires inside the backward with dY): builds the per-group contribution of each of the
+  module's parameters and feeds it to that parameter's `RowAccumulator`, then drops the input.
+
+A parameter used outside the forward of a hooked module (functional use, e.g. `F.linear(x, m.weight)`
+elsewhere) would still reach autograd through the real Parameter: `scan_graph` finds such edges before
+the backward and the caller re-runs with that parameter on the exact fallback.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from grape_stream._gram_accum import (
+    DEFAULT_BUDGET,
+    MatmulContribution,
+    RowAccumulator,
+    SparseRowContribution,
+    TensorContribution,
+)
+
+
+def _hf_conv1d_forward() -> Optional[Callable]:
+    """HF Conv1D.forward (GPT-2 style models: a transposed Linear), if transformers is loaded at all: a
+    model holding a Conv1D has imported it, and nobody else should pay for importing transformers."""
+    mod = sys.modules.get("transformers.pytorch_utils")
+    conv = getattr(mod, "Conv1D", None) if mod is not None else None
+    return getattr(conv, "forward", None)
+
+
+_RMSNORM_FORWARD = getattr(getattr(nn, "RMSNorm", None), "forward", None)
+
+
+def fast_kind(module: nn.Module) -> Optional[str]:
+    """The fast path that handles this module's direct parameters exactly, or None.
+
+    Matching is on the *forward function*, not the class: a subclass that overrides forward computes
+    something we cannot know, so it goes through the exact fallback instead.
+    """
+    if "forward" in vars(module):  # forward patched on the instance (e.g. by an accelerator hook)
+        return None
+    fwd = type(module).forward
+    if fwd is nn.Linear.forward:
+        return "linear"
+    if fwd is nn.Embedding.forward:
+        return "embedding"
+    if fwd is nn.LayerNorm.forward:
+        return "layernorm"
+    if _RMSNORM_FORWARD is not None and fwd is _RMSNORM_FORWARD:
+        return "rmsnorm"
+    conv = _hf_conv1d_forward()
+    if conv is not None and fwd is conv:
+        return "conv1d"
+    return None
+
+
+FAST_PARAM_NAMES = {
+    "linear": ("weight", "bias"),
+    "conv1d": ("weight", "bias"),
+    "embedding": ("weight",),
+    "layernorm": ("weight", "bias"),
+    "rmsnorm": ("weight",),
+}
+
+
+@dataclass
+class MicroBatch:
+    """Which global group each sample of the current forward belongs to (groups contiguous, ascending)."""
+
+    sample_groups: Tensor  # (B,) int64
+    is_last: bool
+    batch_size: int = 0
+    groups: Tensor = field(default=None)  # (G_m,) unique global ids
+    sample_segments: list[tuple[int, int]] = field(default_factory=list)  # per local group
+
+    def __post_init__(self) -> None:
+        self.batch_size = int(self.sample_groups.numel())
+        self.groups, counts = torch.unique_consecutive(self.sample_groups, return_counts=True)
+        starts = [0]
+        for c in counts.tolist():
+            starts.append(starts[-1] + c)
+        self.sample_segments = list(zip(starts[:-1], starts[1:]))
+        self.local = torch.repeat_interleave(torch.arange(len(self.sample_segments)), counts.cpu()).to(
+            self.sample_groups.device
+        )
+        self._onehot: dict[torch.dtype, Tensor] = {}
+
+    def onehot(self, dtype: torch.dtype) -> Tensor:
+        """(G_m, B) sample-to-local-group indicator, for per-group sums as one small matmul."""
+        if dtype not in self._onehot:
+            m = torch.zeros((len(self.sample_segments), self.batch_size), dtype=dtype, device=self.local.device)
+            m[self.local, torch.arange(self.batch_size, device=self.local.device)] = 1
+            self._onehot[dtype] = m
+        return self._onehot[dtype]
+
+
+@dataclass(eq=False)
+class Use:
+    """One call of a fast-path module in the current forward."""
+
+    name: str
+    kind: str
+    module: nn.Module
+    params: dict[str, nn.Parameter]
+    inp: Optional[Tensor]
+    rows_per_sample: int
+    node: Any = None  # grad_fn of the output (or the output itself when it is a leaf)
+    fired: bool = False
+    keep_ids: Optional[Tensor] = None  # embedding: rows it touches (for the tied-weight projection)
+
+
+def lead_shape(kind: str, module: nn.Module, inp: Tensor) -> tuple[int, ...]:
+    """The leading (per-token) dimensions of a module input: everything but the feature dims."""
+    if kind == "embedding":
+        return tuple(inp.shape)
+    if kind in ("layernorm", "rmsnorm"):
+        return tuple(inp.shape[: inp.dim() - len(module.normalized_shape)])
+    return tuple(inp.shape[:-1])
+
+
+def classify_layout(lead1: Optional[tuple[int, ...]], lead2: Optional[tuple[int, ...]]) -> str:
+    """How a module call's rows map to samples, from its leading shape with 1 and with 2 samples.
+
+    "batch": (B, ...) batch-first; "flat": (B*r, ...) flattened rows (attributed only when the input is
+    provably a contiguous view of a batch-first tensor); "shared1": (1, ...) broadcast over the batch;
+    "shared": no batch dimension at all (e.g. positional embeddings of arange(T)), broadcast over the
+    batch; "unsupported": anything else (e.g. sequence-first layouts) -> exact fallback.
+    """
+    if lead1 is None or lead2 is None or len(lead1) != len(lead2):
+        return "unsupported"
+    if lead1 == lead2:
+        return "shared1" if lead1 and lead1[0] == 1 else "shared"
+    if lead1 and lead2[0] == 2 * lead1[0] and lead2[1:] == lead1[1:]:
+        return "batch" if lead1[0] == 1 else "flat"
+    return "unsupported"
+
+
+def is_sample_major_view(inp: Tensor, batch: int) -> bool:
+    """True when `inp` (B*r, ...) is a contiguous reshape of a contiguous batch-first (B, ...) tensor."""
+    base = inp._base
+    return (
+        base is not None
+        and base.dim() >= 1
+        and base.shape[0] == batch
+        and base.is_contiguous()
+        and inp.is_contiguous()
+        and inp.data_ptr() == base.data_ptr()
+        and inp.numel() == base.numel()
+    )
+
+
+def expand_shared(t: Tensor, layout: str, batch: int) -> Tensor:
+    """A per-sample view (B, ...) of a tensor that the module computed once for the whole batch."""
+    if layout == "shared1":
+        return t.expand(batch, *t.shape[1:])
+    return t.unsqueeze(0).expand(batch, *t.shape)
+
+
+class FusedGramEngine:
+    """Hooks on fast-path modules + per-parameter accumulators for one `group_gram` call."""
+
+    def __init__(
+        self,
+        modules: list[tuple[str, nn.Module, str, dict[str, nn.Parameter]]],
+        num_groups: int,
+        device: torch.device,
+        compute_dtype: Callable[[torch.dtype], torch.dtype],
+        budget: int = DEFAULT_BUDGET,
+        allow_ghost: bool = True,
+    ) -> None:
+        self.modules = modules
+        self.num_groups = num_groups
+        self.device = device
+        self.compute_dtype = compute_dtype
+        self.budget = budget
+        self.allow_ghost = allow_ghost
+        self.gram = torch.zeros((num_groups, num_groups), dtype=torch.float64, device=device)
+        self.acc: dict[int, RowAccumulator] = {}
+        self.param_names: dict[int, str] = {}
+        self.handles: list[Any] = []
+        self.originals: list[tuple[nn.Module, str, nn.Parameter]] = []
+        self.micro: Optional[MicroBatch] = None
+        self.uses: list[Use] = []
+        self.pending: dict[int, list[Use]] = {}
+        self.hook_seconds = 0.0  # time spent forming contributions inside the backward
+        self.capturing = False  # forward hooks record uses
+        self.processing = False  # tensor hooks compute contributions (off during fallback backwards)
+        self.layout_errors: dict[int, str] = {}
+        self.roots: list[Tensor] = []
+        # layout probing: "probe" records leading shapes, "verify" expands chosen shared calls
+        self.mode: Optional[str] = None
+        self.call_counts: dict[int, int] = {}
+        self.recorded: dict[tuple[int, int], Optional[tuple[int, ...]]] = {}
+        self.expand_keys: dict[tuple[int, int], str] = {}
+        self.layouts: dict[tuple[int, int], tuple[str, Optional[tuple[int, ...]]]] = {}
+        self.probe_batch = 0
+
+    # ------------------------------------------------------------------ install / remove
+    def install(self) -> None:
+        for name, module, kind, params in self.modules:
+            for pname, p in params.items():
+                self.param_names.setdefault(id(p), f"{name}.{pname}" if name else pname)
+            self.handles.append(module.register_forward_pre_hook(self._make_pre_hook(module, params)))
+            self.handles.append(
+                module.register_forward_hook(self._make_post_hook(name, module, kind, params), with_kwargs=True,
+                                             prepend=True)
+            )
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        for module, pname, p in self.originals:
+            module._parameters[pname] = p
+        self.originals.clear()
+        self.uses.clear()
+        self.pending.clear()
+        self.roots.clear()
+
+    def _make_pre_hook(self, module: nn.Module, params: dict[str, nn.Parameter]):
+        def pre_hook(mod: nn.Module, args: Any) -> None:
+            if not self.capturing or self.mode is not None:
+                return
+            for pname, p in params.items():
+                if mod._parameters.get(pname) is p:
+                    self.originals.append((mod, pname, p))
+                    # A detached alias: the module computes exactly as before, but autograd neither
+                    # computes this parameter's full gradient nor saves an input just for it.
+                    mod._parameters[pname] = p.detach()
+
+        return pre_hook
+
+    def _restore(self, mod: nn.Module) -> None:
+        keep = []
+        for m, pname, p in self.originals:
+            if m is mod:
+                m._parameters[pname] = p
+            else:
+                keep.append((m, pname, p))
+        self.originals = keep
+
+    def _make_post_hook(self, name: str, module: nn.Module, kind: str, params: dict[str, nn.Parameter]):
+        def post_hook(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            if not self.capturing:
+                return None
+            self._restore(mod)
+            key = (id(mod), self.call_counts.get(id(mod), 0))
+            self.call_counts[key[0]] = key[1] + 1
+            inp = args[0] if args else next(iter(kwargs.values()), None)
+            ok = isinstance(output, Tensor) and isinstance(inp, Tensor)
+            lead = lead_shape(kind, mod, inp) if ok else None
+            if self.mode == "probe":
+                self.recorded[key] = lead
+                return None
+            if self.mode == "verify":
+                layout = self.expand_keys.get(key)
+                return expand_shared(output, layout, self.probe_batch) if layout else None
+            return self._capture(name, mod, kind, params, key, inp, output, lead)
+
+        return post_hook
+
+    def _capture(self, name, mod, kind, params, key, inp, output, lead) -> Any:
+        """Run mode: record the use and hook its output gradient."""
+        batch = self.micro.batch_size
+        layout, lead1 = self.layouts.get(key, ("unsupported", None))
+        if lead is None:
+            self._layout_error(params, f"{name}: non-tensor input or output")
+            return None
+        returned = None
+        same_tail = lead1 is not None and len(lead) == len(lead1) and lead[1:] == lead1[1:]
+        if layout in ("shared", "shared1") and lead != lead1:
+            layout = "unsupported"  # not the call the layout probe saw: never guess
+        if batch == 1:
+            rows = max(1, math.prod(lead))  # one sample owns every row, whatever the layout
+        elif layout == "batch" and same_tail and lead[0] == batch:
+            rows = math.prod(lead) // batch
+        elif (layout == "flat" and same_tail and lead[0] == batch * lead1[0]
+              and is_sample_major_view(inp, batch)):
+            rows = math.prod(lead) // batch
+        elif layout in ("shared", "shared1"):
+            # Computed once for the whole batch and broadcast: hand the model a per-sample expansion so
+            # that each sample's share of the output gradient stays separate (verified equivalent once).
+            inp = expand_shared(inp, layout, batch)
+            output = expand_shared(output, layout, batch)
+            if not output.requires_grad:
+                output = output.detach().requires_grad_(True)
+                self.roots.append(output)
+            returned = output
+            lead = lead_shape(kind, mod, inp)
+            rows = math.prod(lead) // batch
+        else:
+            self._layout_error(params, f"{name}: rows of input shape {tuple(inp.shape)} cannot be attributed to "
+                                       f"samples (layout {layout!r})")
+            return None
+        use = Use(name=name, kind=kind, module=mod, params=params, inp=inp, rows_per_sample=rows)
+        if kind == "embedding":
+            ids = inp.reshape(-1)
+            if mod.padding_idx is not None:
+                ids = ids[ids != mod.padding_idx]
+            use.keep_ids = torch.unique(ids)
+        if not output.requires_grad:
+            output = output.detach().requires_grad_(True)
+            self.roots.append(output)
+            returned = output
+        use.node = output.grad_fn if output.grad_fn is not None else output
+        output.register_hook(lambda grad, use=use: self._on_grad(use, grad))
+        self.uses.append(use)
+        for p in params.values():
+            self.pending.setdefault(id(p), []).append(use)
+        return returned
+
+    def _layout_error(self, params: dict[str, nn.Parameter], why: str) -> None:
+        for p in params.values():
+            self.layout_errors.setdefault(id(p), why)
+
+    # ------------------------------------------------------------------ per micro-batch
+    def begin(self, micro: Optional[MicroBatch], mode: Optional[str] = None) -> None:
+        self.micro = micro
+        self.mode = mode
+        self.call_counts = {}
+        self.uses = []
+        self.pending = {}
+        self.roots = []
+        self.layout_errors = {}
+        self.capturing = True
+
+    def end_forward(self) -> None:
+        self.capturing = False
+
+    def drop_unreachable(self, reachable_nodes: set[int]) -> None:
+        """Uses whose output does not reach the loss contribute nothing and will never fire."""
+        for use in self.uses:
+            if id(use.node) not in reachable_nodes:
+                use.fired = True  # nothing to wait for
+                use.inp = None
+                for p in use.params.values():
+                    lst = self.pending.get(id(p), [])
+                    if use in lst:
+                        lst.remove(use)
+
+    def check_all_fired(self) -> None:
+        missing = [u.name for u in self.uses if not u.fired]
+        if missing:
+            raise RuntimeError(
+                "group_gram: the gradient of these module outputs never arrived although they reach the loss "
+                f"({', '.join(sorted(set(missing)))}); is the output modified in place or detached?"
+            )
+
+    def finish_micro(self) -> None:
+        self.uses = []
+        self.pending = {}
+        self.roots = []
+        self.micro = None
+
+    # ------------------------------------------------------------------ backward
+    def _keep_rows(self, p: nn.Parameter) -> Optional[Tensor]:
+        """Rows of `p` that a later contribution can still touch (None: all of them)."""
+        if not self.micro.is_last:
+            return None
+        rest = self.pending.get(id(p), [])
+        if not rest:
+            return torch.empty(0, dtype=torch.long, device=self.device)
+        if any(u.kind != "embedding" for u in rest):
+            return None
+        return torch.unique(torch.cat([u.keep_ids for u in rest]))
+
+    def _accumulator(self, p: nn.Parameter, dtype: torch.dtype) -> RowAccumulator:
+        acc = self.acc.get(id(p))
+        if acc is None:
+            row_shape = tuple(p.shape[1:]) if p.dim() > 0 else ()
+            num_rows = p.shape[0] if p.dim() > 0 else 1
+            acc = RowAccumulator(self.num_groups, num_rows, row_shape, dtype, p.device)
+            self.acc[id(p)] = acc
+        return acc
+
+    def _on_grad(self, use: Use, grad: Tensor) -> None:
+        if not self.processing or use.fired:
+            return
+        use.fired = True
+        t0 = time.perf_counter()
+        try:
+            # our own arithmetic runs at full precision whatever autocast context the probe runs in
+            with torch.autocast(device_type=grad.device.type, enabled=False):
+                self._absorb_use(use, grad)
+        finally:
+            use.inp = None
+            self.hook_seconds += time.perf_counter() - t0
+
+    def _absorb_use(self, use: Use, grad: Tensor) -> None:
+        for pname, contrib in self._contributions(use, grad).items():
+            p = use.params[pname]
+            lst = self.pending.get(id(p), [])
+            if use in lst:
+                lst.remove(use)
+            acc = self._accumulator(p, contrib.dtype)
+            acc.absorb(contrib, self._keep_rows(p), self.gram, self.budget)
+
+    def _segments(self, rows: int) -> list[tuple[int, int]]:
+        return [(a * rows, b * rows) for a, b in self.micro.sample_segments]
+
+    def _token_local(self, rows: int) -> Tensor:
+        return self.micro.local.repeat_interleave(rows) if rows > 1 else self.micro.local
+
+    def _segsum(self, x: Tensor, rows: int) -> Tensor:
+        """(n, ...) token rows -> (G_m, ...) per-group sums (rows of a group are contiguous)."""
+        per_sample = x.reshape(self.micro.batch_size, rows, -1).sum(1)  # (B, f)
+        out = self.micro.onehot(per_sample.dtype) @ per_sample  # (G_m, B) @ (B, f)
+        return out.reshape(-1, *x.shape[1:])
+
+    def _contributions(self, use: Use, grad: Tensor) -> dict[str, Any]:
+        mod, rows = use.module, use.rows_per_sample
+        groups = self.micro.groups
+        out: dict[str, Any] = {}
+        if use.kind in ("linear", "conv1d"):
+            dtype = self.compute_dtype(grad.dtype)
+            x = use.inp.reshape(-1, use.inp.shape[-1]).to(dtype)
+            dy = grad.reshape(-1, grad.shape[-1]).to(dtype)
+            segs = self._segments(rows)
+            if "weight" in use.params:
+                left, right = (dy, x) if use.kind == "linear" else (x, dy)
+                out["weight"] = MatmulContribution(left, right, segs, groups, self.allow_ghost)
+            if "bias" in use.params:
+                out["bias"] = TensorContribution(self._segsum(dy, rows), groups)
+        elif use.kind == "embedding":
+            dtype = self.compute_dtype(grad.dtype)
+            ids = use.inp.reshape(-1)
+            vecs = grad.reshape(ids.numel(), -1).to(dtype)
+            tok_groups = groups[self._token_local(rows)]
+            if mod.padding_idx is not None:  # the padding row never receives gradient
+                keep = ids != mod.padding_idx
+                ids, vecs, tok_groups = ids[keep], vecs[keep], tok_groups[keep]
+            out["weight"] = SparseRowContribution(tok_groups, ids.long(), vecs, mod.num_embeddings)
+        elif use.kind in ("layernorm", "rmsnorm"):
+            dtype = self.compute_dtype(grad.dtype)
+            ns = tuple(mod.normalized_shape)
+            x = use.inp.to(dtype)
+            if use.kind == "layernorm":
+                xhat = F.layer_norm(x, ns, None, None, mod.eps)
+            else:
+                eps = mod.eps if mod.eps is not None else torch.finfo(x.dtype).eps
+                xhat = F.rms_norm(x, ns, None, eps)
+            feat = math.prod(ns)
+            dy = grad.to(dtype).reshape(-1, feat)
+            if "weight" in use.params:
+                w = self._segsum(dy * xhat.reshape(-1, feat), rows)
+                out["weight"] = TensorContribution(w.reshape(-1, *ns), groups)
+            if "bias" in use.params:
+                out["bias"] = TensorContribution(self._segsum(dy, rows).reshape(-1, *ns), groups)
+        else:  # pragma: no cover - guarded by fast_kind
+            raise AssertionError(use.kind)
+        return out
+
+    # ------------------------------------------------------------------ results
+    def strategies(self) -> dict[str, str]:
+        return {self.param_names.get(k, str(k)): "+".join(sorted(a.strategies)) for k, a in self.acc.items()}
+
+    def peak_accumulator_elements(self) -> int:
+        return sum(a.peak_elements for a in self.acc.values())

@@ -1,0 +1,148 @@
+"""`grape-stream demo` end to end on the bundled corpus (a 12-step variant of --quick), plus its helpers.
+
+The end-to-end run goes through the real converter, the demo-cpu recipe, Composer's Trainer with
+GrapeAlgorithm and the real MDS shards; nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+
+from grape_stream import demo
+from grape_stream.cli import main as cli_main
+
+CORPUS = Path(__file__).resolve().parent.parent / "data" / "demo"
+METHODS = ["uniform", "doge", "grape"]
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str]:
+    out = tmp_path_factory.mktemp("demo")
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = cli_main(["demo", "--quick", "--steps", "12", "--out", str(out), "--data", str(CORPUS), "--no-progress",
+                       "--methods", ",".join(METHODS)])
+    return out, rc, buf.getvalue()
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, float) and math.isfinite(x)
+
+
+@pytest.mark.timeout(600)
+def test_demo_writes_table_json_and_plots(demo_run: tuple[Path, int, str]) -> None:
+    out, rc, stdout = demo_run
+    assert rc == 0, stdout
+    targets = json.loads((CORPUS / "corpus.json").read_text())["roles"]["targets"]
+    # the console table: one row per target plus average and worst, one column per method
+    lines = stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:1] == ["target"])
+    assert lines[header].split()[1:] == METHODS
+    rows = {line.split()[0]: line.split()[1:] for line in lines[header + 2: header + 2 + len(targets) + 3]
+            if line and not line.startswith("-")}
+    for name in [*targets, "average", "worst"]:
+        values = [float(v.rstrip("*")) for v in rows[name]]
+        assert len(values) == len(METHODS) and all(math.isfinite(v) and 0 < v < 6 for v in values), (name, values)
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["methods"]) == METHODS
+    for m in METHODS:
+        s = summary["methods"][m]
+        assert sorted(s["final"]) == sorted(targets)
+        assert all(_finite(v) for v in s["final"].values())
+        assert s["average"] == pytest.approx(sum(s["final"].values()) / len(targets))
+        assert s["worst"] == max(s["final"].values())
+        # trained: every method ends well below the loss of a uniform byte guess (log 257 = 5.55)
+        assert s["average"] < 5.0
+        curve = s["curve"]
+        assert curve["step"][0] == 0 and curve["step"][-1] == 12
+        for t in targets:
+            assert len(curve["loss"][t]) == len(curve["step"]) and all(_finite(v) for v in curve["loss"][t])
+        (out / m / "result.json").stat()
+        assert (out / m / "metrics.jsonl").stat().st_size > 0
+    for png in ("test_loss.png", "weights.png"):
+        data = (out / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, png
+    assert "summary.json" in stdout and "test_loss.png" in stdout
+
+
+def test_grape_alpha_moves_and_uniform_stays(demo_run: tuple[Path, int, str]) -> None:
+    out, rc, _ = demo_run
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    uni, grape = summary["methods"]["uniform"], summary["methods"]["grape"]
+    assert uni["alpha_moved_tv"] == 0.0
+    assert all(a == pytest.approx(1 / 6) for a in uni["alpha_final"].values())
+    assert grape["alpha_moved_tv"] > 1e-3
+    assert sum(grape["alpha_final"].values()) == pytest.approx(1.0)
+    assert len(grape["trajectory"]) >= 3  # the initial weights plus at least two updates
+    # GRAPE moves z too (the worst targets gain weight); uniform has none
+    assert max(grape["z_final"].values()) > 1 / 7 + 1e-3
+    assert uni["z_final"] is None
+
+
+def test_conversion_is_reused_and_redone_when_the_corpus_changes(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    (corpus / "train").mkdir(parents=True)
+    (corpus / "test").mkdir()
+    import zstandard
+
+    def write(split: str, lang: str, n: int) -> None:
+        rows = "".join(json.dumps({"text": f"{lang} paragraph {i} " * 20, "lang": lang, "split": split,
+                                   "source": "t", "doc_id": f"{lang}{i}"}) + "\n" for i in range(n))
+        (corpus / split / f"{lang}.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(rows.encode()))
+
+    for lang in ("aa", "bb"):
+        write("train", lang, 20)
+        write("test", lang, 5)
+    (corpus / "corpus.json").write_text("{}")
+    out = tmp_path / "mds"
+    manifest, converted = demo.ensure_converted(corpus, out, seq_len=64, progress=False)
+    assert converted and sorted(manifest["domains"]) == ["aa", "bb"]
+    t = time.perf_counter()
+    manifest2, converted2 = demo.ensure_converted(corpus, out, seq_len=64, progress=False)
+    assert not converted2 and manifest2 == manifest
+    write("train", "aa", 40)  # an edited corpus converts again, over the old output
+    manifest3, converted3 = demo.ensure_converted(corpus, out, seq_len=64, progress=False)
+    assert converted3
+    assert manifest3["domains"]["aa"]["splits"]["train"]["samples"] > manifest["domains"]["aa"]["splits"]["train"]["samples"]
+    del t
+
+
+def test_unknown_method_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--methods", "uniform,grap"])
+    assert exc.value.code == 2
+    assert "grap" in capsys.readouterr().err
+
+
+def test_missing_corpus_names_the_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert demo.main(["--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")]) == 2
+    assert "nowhere" in capsys.readouterr().err
+
+
+def test_strided_indices_cover_the_split() -> None:
+    idx = demo._strided_indices(1000, 5)
+    assert idx == [0, 250, 500, 749, 999] or idx == [0, 250, 500, 750, 999]
+    assert demo._strided_indices(3, 10) == [0, 1, 2]
+
+
+def test_tokens_to_reach_interpolates() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mq", Path(__file__).resolve().parent.parent / "bench" / "mixture_quality.py")
+    mq = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(mq)
+    curve = {"tokens": [0, 100, 200, 300], "avg": [5.0, 4.0, 3.0, 2.5]}
+    assert mq.tokens_to_reach(curve, 3.5) == pytest.approx(150.0)
+    assert mq.tokens_to_reach(curve, 3.0) == pytest.approx(200.0)
+    assert mq.tokens_to_reach(curve, 2.0) is None
