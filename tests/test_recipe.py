@@ -30,8 +30,10 @@ def test_every_recipe_builds_with_every_method(name):
         assert all(p.device.type == "meta" for p in built.model.parameters())
         if method == "uniform":
             assert built.algorithm.reweighter_options == {}  # mu_* dropped for a method that takes none
-        if method == "doge":
-            assert set(built.algorithm.reweighter_options) == {"mu_alpha"}
+        if method == "doge":  # DoGE takes mu_alpha (and clip_norm where a recipe sets it), never mu_z
+            opts = set(built.algorithm.reweighter_options)
+            assert "mu_alpha" in opts and "mu_z" not in opts
+            assert opts - {"mu_alpha"} == set(cfg["algorithm"].get("options", {}))
     n = sum(p.numel() for p in built.model.parameters())
     if name.endswith("125m"):
         assert 120e6 < n < 130e6, n
