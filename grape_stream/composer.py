@@ -27,9 +27,9 @@ from composer.loggers import Logger, LoggerDestination
 from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
 from composer.models import ComposerModel
 from torch import nn
-from torch.nn import functional as F
 
 from grape_stream.controller import GrapeController, filter_reweighter_options
+from grape_stream.models import lm_targets, per_sample_lm_loss, per_sample_lm_loss_from_logits
 from grape_stream.tasks import TaskStream
 
 __all__ = [
@@ -48,12 +48,6 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------------
 # model
 # ---------------------------------------------------------------------------------------------------
-def _lm_targets(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    tokens = batch["tokens"].long()
-    mask = batch.get("loss_mask")
-    return tokens[:, 1:], None if mask is None else mask[:, 1:]
-
-
 class ComposerGPT(ComposerModel):
     """A ComposerModel around any decoder ``module(tokens (B, T)) -> logits (B, T, V)``.
 
@@ -73,13 +67,7 @@ class ComposerGPT(ComposerModel):
         return self.model(batch["tokens"].long()[:, :-1])
 
     def per_sample_loss_from_logits(self, logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        targets, mask = _lm_targets(batch)
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="none")
-        ce = ce.view(targets.shape)
-        if mask is None:
-            return ce.mean(dim=1)
-        m = mask.to(ce.dtype)
-        return (ce * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0)
+        return per_sample_lm_loss_from_logits(logits, batch)
 
     def per_sample_loss(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """What the GRAPE probe differentiates: Tensor[B]."""
@@ -92,7 +80,7 @@ class ComposerGPT(ComposerModel):
         return outputs if outputs is not None else self.forward(batch)
 
     def update_metric(self, batch: Any, outputs: Any, metric: Any) -> None:
-        targets, mask = _lm_targets(batch)
+        targets, mask = lm_targets(batch)
         targets = targets.clone()
         if mask is not None:
             targets[mask == 0] = -100
@@ -119,16 +107,7 @@ def composer_per_sample_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]
         logits = out.logits if hasattr(out, "logits") else out
         if isinstance(logits, Mapping):
             logits = logits["logits"]
-        logits = logits[:, :-1]
-        targets, mask = _lm_targets(batch)
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="none")
-        ce = ce.view(targets.shape)
-        if mask is None:
-            return ce.mean(dim=1)
-        m = mask.to(ce.dtype)
-        return (ce * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0)
-    from grape_stream.models import per_sample_lm_loss
-
+        return per_sample_lm_loss_from_logits(logits[:, :-1], batch)
     return per_sample_lm_loss(model, batch)
 
 

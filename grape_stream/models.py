@@ -110,23 +110,35 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def per_sample_lm_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Mean next-token cross-entropy of each sample: Tensor[B].
-
-    `batch["tokens"]` is (B, T) integer ids; the optional `batch["loss_mask"]` (B, T) marks which tokens
-    count as prediction targets (task samples are padded; padding must never count). A sample with no
-    counted target contributes 0 rather than NaN.
-    """
+def lm_targets(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Next-token targets (B, T-1) and their loss mask (or None) for logits of ``tokens[:, :-1]``."""
     tokens = batch["tokens"].long()
-    logits = model(tokens[:, :-1])
-    targets = tokens[:, 1:]
+    mask = batch.get("loss_mask") if hasattr(batch, "get") else None
+    return tokens[:, 1:], None if mask is None else mask[:, 1:]
+
+
+def per_sample_lm_loss_from_logits(logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Mean next-token cross-entropy of each sample, Tensor[B], from logits (B, T-1, V) of ``tokens[:, :-1]``.
+
+    The optional ``batch["loss_mask"]`` (B, T) marks which tokens count as prediction targets (task samples
+    are padded; padding must never count). A sample with no counted target contributes 0 rather than NaN.
+    Shared by the plain model, the Composer wrapper and the GRAPE probe so all three score the same loss.
+    """
+    targets, mask = lm_targets(batch)
     if logits.dtype in (torch.float16, torch.bfloat16):  # half-precision logits: softmax in float32
         logits = logits.float()
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none").view(
         targets.shape
     )
-    mask = batch.get("loss_mask") if hasattr(batch, "get") else None
     if mask is None:
         return ce.mean(dim=1)
-    m = mask[:, 1:].to(ce.dtype)
+    m = mask.to(ce.dtype)
     return (ce * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0)
+
+
+def per_sample_lm_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Mean next-token cross-entropy of each sample: Tensor[B] (see per_sample_lm_loss_from_logits).
+
+    `batch["tokens"]` is (B, T) integer ids; the optional `batch["loss_mask"]` (B, T) marks counted targets.
+    """
+    return per_sample_lm_loss_from_logits(model(batch["tokens"].long()[:, :-1]), batch)
