@@ -13,7 +13,7 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -155,62 +155,45 @@ def get_field(obj: Any, dotted: str) -> Any:
 _CHUNK = 1 << 16
 
 
+def _frame_chunks(f, new_decoder: Callable[[], Any], errors: tuple[type[BaseException], ...], what: str) -> Iterator[bytes]:
+    """Decompressed bytes of a multi-frame (zstd) or multi-member (gzip) stream: yields what decodes, then
+    raises ValueError on a corrupt or truncated frame (zstandard's stream reader, for one, silently returns
+    a truncated file's prefix)."""
+    obj = new_decoder()
+    fed = False
+    while True:
+        chunk = f.read(_CHUNK)
+        if not chunk:
+            break
+        while chunk:
+            try:
+                out = obj.decompress(chunk)
+            except errors as e:
+                raise ValueError(f"{what} does not decode: {e}") from e
+            fed = True
+            if out:
+                yield out
+            if obj.eof:
+                chunk = obj.unused_data
+                obj = new_decoder()
+                fed = False
+            else:
+                chunk = b""
+    if fed:
+        raise ValueError(f"file ends inside a {what} (truncated download?)")
+
+
 def _zstd_chunks(f) -> Iterator[bytes]:
-    """Decompressed bytes of a (possibly multi-frame) zstd stream; raises ValueError on a corrupt or
-    truncated frame (zstandard's stream reader silently returns a truncated file's prefix)."""
     import zstandard
 
     dctx = zstandard.ZstdDecompressor()
-    obj = dctx.decompressobj()
-    fed = False
-    while True:
-        chunk = f.read(_CHUNK)
-        if not chunk:
-            break
-        while chunk:
-            try:
-                out = obj.decompress(chunk)
-            except zstandard.ZstdError as e:
-                raise ValueError(f"zstd frame does not decode: {e}") from e
-            fed = True
-            if out:
-                yield out
-            if obj.eof:
-                chunk = obj.unused_data
-                obj = dctx.decompressobj()
-                fed = False
-            else:
-                chunk = b""
-    if fed:
-        raise ValueError("file ends inside a zstd frame (truncated download?)")
+    return _frame_chunks(f, dctx.decompressobj, (zstandard.ZstdError,), "zstd frame")
 
 
 def _gzip_chunks(f) -> Iterator[bytes]:
-    """Like _zstd_chunks for (multi-member) gzip: yields what decodes, then raises on the damage."""
     import zlib
 
-    obj = zlib.decompressobj(wbits=31)
-    fed = False
-    while True:
-        chunk = f.read(_CHUNK)
-        if not chunk:
-            break
-        while chunk:
-            try:
-                out = obj.decompress(chunk)
-            except zlib.error as e:
-                raise ValueError(f"gzip stream does not decode: {e}") from e
-            fed = True
-            if out:
-                yield out
-            if obj.eof:
-                chunk = obj.unused_data
-                obj = zlib.decompressobj(wbits=31)
-                fed = False
-            else:
-                chunk = b""
-    if fed:
-        raise ValueError("file ends inside a gzip member (truncated download?)")
+    return _frame_chunks(f, lambda: zlib.decompressobj(wbits=31), (zlib.error,), "gzip member")
 
 
 def _plain_chunks(f) -> Iterator[bytes]:
