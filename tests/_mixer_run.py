@@ -3,7 +3,7 @@
     python _mixer_run.py CONFIG.json
 
 CONFIG: dirs, seed, batch_size, workers, batches, changes ({consumed: alpha}), log, state (path), every
-(state_dict period), resume (optional state path), lag; caches (read ``dirs`` as remotes into these local
+(state_dict period), resume (optional state path), lag; hold_after (sleep after that many batches); caches (read ``dirs`` as remotes into these local
 caches); hold (construct the mixer, print its shm prefixes, then sleep until killed). Writes one JSON line per batch to ``log``
 (batch index, versions, sample identities) and, every ``every`` batches, the mixer's state_dict to
 ``state`` atomically (what a checkpoint callback does). Prints the shm prefixes first.
@@ -53,6 +53,8 @@ def main(cfg_path: str) -> int:
                 os.replace(tmp, cfg["state"])
             if consumed >= cfg["batches"]:
                 break
+            if consumed == cfg.get("hold_after"):  # bound how far a run gets before the test kills it
+                time.sleep(3600)
     mixer.close()
     return 0
 

@@ -197,8 +197,10 @@ def test_sigkill_mid_epoch_then_resume_reproduces_the_uninterrupted_run(dirs, tm
 
     base = {"dirs": dirs, "seed": 8, "batch_size": B, "workers": 2, "batches": 10_000,
             "changes": {str(k): v for k, v in changes.items()}, "every": 5}
+    # The killed run must stop inside the reference's 60 batches however fast it runs: it holds after 40
+    # (a quiet machine once let it race past 60 before the kill landed).
     log1, state = tmp_path / "run1.jsonl", tmp_path / "state.json"
-    proc = _start({**base, "log": str(log1), "state": str(state)}, tmp_path / "cfg1.json")
+    proc = _start({**base, "log": str(log1), "state": str(state), "hold_after": 40}, tmp_path / "cfg1.json")
     deadline = time.time() + 120
     while len(_read_log(log1)) < 27:
         if proc.poll() is not None:
