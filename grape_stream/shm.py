@@ -312,34 +312,29 @@ def cleanup_stale_streaming_shm(*, shm_dir: str = SHM_DIR, lock_dir: str | None 
     except OSError:
         pass
 
-    for name, prefix, _ in shm:
-        if prefix in live:
-            continue
-        try:
-            os.unlink(os.path.join(shm_dir, name))
-            removed["shm"].append(name)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:  # pragma: no cover - permissions on an odd system
-            logger.debug("could not remove stale %s: %s", name, exc)
-    for name, prefix, _ in locks:
-        if prefix in live:
-            continue
-        try:
-            os.unlink(os.path.join(lock_dir, name))
-            removed["locks"].append(name)
-        except OSError:
-            pass
+    for kind, entries, folder in (("shm", shm, shm_dir), ("locks", locks, lock_dir)):
+        for name, prefix, _ in entries:
+            if prefix not in live and _unlink(os.path.join(folder, name)):
+                removed[kind].append(name)
     for name, prefix, _ in owners:
         if prefix in recorded and not recorded[prefix][0]:
-            try:
-                os.unlink(os.path.join(shm_dir, name))
+            if _unlink(os.path.join(shm_dir, name)):
                 removed["owners"].append(name)
-            except OSError:
-                pass
     if any(removed.values()):
         logger.info("removed stale streaming state of dead processes: %s", removed)
     return removed
+
+
+def _unlink(path: str) -> bool:
+    """Remove a stale file; False when it is already gone or cannot be removed (logged, never raised)."""
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError as exc:  # pragma: no cover - permissions on an odd system
+        logger.debug("could not remove stale %s: %s", path, exc)
+        return False
 
 
 def release_streaming_dataset(dataset: Any) -> None:

@@ -68,7 +68,8 @@ def reference_pcgrad(h: np.ndarray, orders: list[list[int]]) -> np.ndarray:
 
 
 def reference_floor(w: np.ndarray, floor: float) -> np.ndarray:
-    lo, hi = 0.0, 1.0 / float(w.max())
+    """Independent reference: find c with sum(max(floor, c*w)) = 1 by bisection."""
+    lo, hi = 0.0, 1.0 / max(float(w.max()), 1e-300)
     for _ in range(400):
         mid = 0.5 * (lo + hi)
         if np.maximum(floor, mid * w).sum() > 1.0:

@@ -9,6 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from test_reweighting import reference_floor  # the one bisection reference for alpha_floor
+
 from grape_stream.simplex import (
     apply_floor,
     check_simplex,
@@ -89,18 +91,6 @@ def test_mix_uniform():
         mix_uniform(np.array([1.0, 0.0]), 1.5)
 
 
-def _floor_by_bisection(w: np.ndarray, floor: float) -> np.ndarray:
-    """Independent reference: find c with sum(max(floor, c*w)) = 1 by bisection."""
-    lo, hi = 0.0, 1.0 / max(float(w.max()), 1e-300)
-    for _ in range(400):
-        mid = 0.5 * (lo + hi)
-        if np.maximum(floor, mid * w).sum() > 1.0:
-            hi = mid
-        else:
-            lo = mid
-    return np.maximum(floor, lo * w)
-
-
 @SETTINGS
 @given(
     raw=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=12).filter(lambda v: sum(v) > 1e-3),
@@ -113,7 +103,7 @@ def test_apply_floor_is_the_ratio_preserving_projection(raw, frac):
     out = apply_floor(w, floor)
     assert abs(out.sum() - 1.0) < 1e-12
     assert out.min() >= floor * (1 - 1e-12)
-    ref = _floor_by_bisection(w, floor)
+    ref = reference_floor(w, floor)
     np.testing.assert_allclose(out, ref, rtol=1e-9, atol=1e-12)
     free = out > floor * (1 + 1e-9)
     if free.sum() >= 2:  # the weights above the floor keep their ratios
