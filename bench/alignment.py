@@ -60,7 +60,7 @@ def worker(args: argparse.Namespace) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    from grape_stream.alignment import group_gram
+    from grape_stream.grape.gram.group_gram import group_gram
     from grape_stream.models import GPT, GPTConfig, per_sample_lm_loss
 
     torch.manual_seed(0)

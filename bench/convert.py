@@ -8,7 +8,7 @@ punctuation), then measures, in tokens per second (document tokens + one EOS per
             The practical ceiling per core.
   limit x2  the same loop in two processes at once (half the files each): what 2 busy processes
             can do on this machine right now, the ceiling for --workers 2.
-  convert   `grape_stream.convert` end to end (read, tokenize, pack, write zstd MDS shards, merge
+  convert   `grape_stream.convert.pipeline` end to end (read, tokenize, pack, write zstd MDS shards, merge
             indexes, manifest) with --workers 1 and --workers 2.
 
 Goals: workers=2 >= 1.7x workers=1, and workers=1 >= 80% of the limit (per-worker efficiency).
@@ -102,8 +102,8 @@ def generate(root: Path, mb: int, seed: int = 0, files: int = 8) -> list[Path]:
 
 def limit_rate(paths: list[Path]) -> dict:
     """Decompress + parse + tokenize in this process, batch by batch, as the converter does."""
-    from grape_stream.converters.common import _raw_lines
-    from grape_stream.tokenization import load_tokenizer
+    from grape_stream.convert.readers.common import _raw_lines
+    from grape_stream.convert.tokenization import load_tokenizer
 
     tok = load_tokenizer("gpt2")
     tokens = docs = 0
@@ -143,7 +143,7 @@ def limit_rate_2proc(paths: list[Path]) -> dict:
 
 
 def convert_rate(root: Path, out: Path, workers: int, seq_len: int) -> dict:
-    from grape_stream.convert import convert
+    from grape_stream.convert.pipeline import convert
 
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()

@@ -4,7 +4,7 @@ The paper's claim to check (wiki40b set-up): GRAPE reaches lower target log-perp
 DoGE on every target, and reaches uniform's final level in at most 0.6x the tokens. Here: the demo set-up
 (6 source languages, 7 target languages, the demo-cpu recipe's byte-level decoder) at a fixed, smaller
 token budget so that 6 methods x 3 seeds fit in ~40 minutes on 2 CPU cores. Every run is the product
-path (recipe -> Composer Trainer with GrapeAlgorithm) through :func:`grape_stream.demo.run_method`, with
+path (recipe -> Composer Trainer with GrapeAlgorithm) through :func:`grape_stream.apps.demo.run_method`, with
 the same GRAPE step sizes as the demo.
 
 Numbers: token-level test cross-entropy (nats per byte) on a fixed strided subset of each target's test
@@ -38,7 +38,7 @@ ALL_METHODS = ("uniform", "doge", "doge_pcgrad", "grape", "grape_gap", "grape_em
 
 def bench_settings(steps: int) -> Any:
     """The demo's settings (same model, lr, GRAPE step sizes) at a smaller budget; eval on a subset."""
-    from grape_stream.demo import DEMO
+    from grape_stream.apps.demo import DEMO
 
     return DEMO.replace(steps=steps, warmup=max(steps // 10, 1), update_every=max(steps // 5, 1),
                         curve_every=max(steps // 8, 1), curve_samples=48, final_eval=False, final_samples=192)
@@ -182,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--extra", action="append", default=[], help="extra recipe override key=value for every run")
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
 
-    from grape_stream.demo import ensure_converted, find_corpus, recipe_overrides, run_method
+    from grape_stream.apps.demo import ensure_converted, find_corpus, recipe_overrides, run_method
 
     methods = [m for m in args.methods.split(",") if m]
     bad = [m for m in methods if m not in ALL_METHODS]
@@ -227,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, c in agg["claims"].items():
         print(f"claim {name}: {json.dumps(c)}")
     if args.plots:
-        from grape_stream.demo_plots import plot_test_loss, plot_weights
+        from grape_stream.apps.demo_plots import plot_test_loss, plot_weights
 
         s0 = seeds[0]
         sel = {m: runs[m][s0] for m in methods if s0 in runs.get(m, {})}

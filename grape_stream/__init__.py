@@ -12,13 +12,13 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "WeightedStreamingMixer": "grape_stream.mixer",
-    "DomainStream": "grape_stream.mixer",
-    "build_reweighter": "grape_stream.reweighting",
-    "Reweighter": "grape_stream.reweighting",
-    "group_gram": "grape_stream.alignment",
-    "GrapeController": "grape_stream.controller",
-    "TaskStream": "grape_stream.tasks",
+    "WeightedStreamingMixer": "grape_stream.mixing.mixer",
+    "DomainStream": "grape_stream.mixing.mixer",
+    "build_reweighter": "grape_stream.grape.reweighting",
+    "Reweighter": "grape_stream.grape.reweighting",
+    "group_gram": "grape_stream.grape.gram.group_gram",
+    "GrapeController": "grape_stream.grape.controller",
+    "TaskStream": "grape_stream.grape.tasks",
 }
 
 __all__ = ["__version__", *_LAZY]

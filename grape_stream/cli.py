@@ -11,11 +11,11 @@ from typing import Callable, Sequence
 
 # name -> (module, function, one-line help). Each function takes argv (list[str]) and returns an exit code.
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "convert": ("grape_stream.convert_cli", "main", "convert a corpus into per-domain MDS shards (local or s3://)"),
-    "train": ("grape_stream.recipe", "main", "train from a YAML recipe (Composer)"),
-    "demo": ("grape_stream.demo", "main", "multilingual demo: uniform vs DoGE vs GRAPE on bundled real text"),
-    "plot": ("grape_stream.plots", "main", "plot a weight trajectory (JSONL) to PNG"),
-    "inspect": ("grape_stream.inspect", "main", "summarise an MDS output directory or a trajectory"),
+    "convert": ("grape_stream.convert.cli", "main", "convert a corpus into per-domain MDS shards (local or s3://)"),
+    "train": ("grape_stream.integrations.composer.trainer", "main", "train from a YAML recipe (Composer)"),
+    "demo": ("grape_stream.apps.demo", "main", "multilingual demo: uniform vs DoGE vs GRAPE on bundled real text"),
+    "plot": ("grape_stream.apps.plots", "main", "plot a weight trajectory (JSONL) to PNG"),
+    "inspect": ("grape_stream.apps.inspect", "main", "summarise an MDS output directory or a trajectory"),
 }
 
 

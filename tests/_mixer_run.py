@@ -22,7 +22,7 @@ from _mds_fixtures import batch_identities  # noqa: E402
 
 
 def main(cfg_path: str) -> int:
-    from grape_stream.mixer import DomainStream, WeightedStreamingMixer
+    from grape_stream.mixing.mixer import DomainStream, WeightedStreamingMixer
 
     cfg = json.loads(open(cfg_path).read())
     if cfg.get("caches"):

@@ -96,7 +96,7 @@ def write_slimpajama_parquet(path: Path, records: list[dict], *, meta_as_string:
 
 
 def gpt2_docs(n: int, seed: int) -> list[list[int]]:
-    from grape_stream.tokenization import load_tokenizer
+    from grape_stream.convert.tokenization import load_tokenizer
 
     tok = load_tokenizer("gpt2")
     return [a.astype(int).tolist() for a in tok.encode_batch(make_docs(n, seed))]

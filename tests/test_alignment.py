@@ -22,7 +22,7 @@ from _alignment_helpers import (
     zoo_groups,
     zoo_loss,
 )
-from grape_stream.alignment import GramInfo, group_gram
+from grape_stream.grape.gram.group_gram import GramInfo, group_gram
 from grape_stream.models import per_sample_lm_loss
 
 SIZES = [1, 3, 2, 5, 1, 4]  # K=3 domains then N=3 tasks, 1..5 samples each

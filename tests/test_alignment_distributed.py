@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from _alignment_helpers import gpt, lm_groups
-from grape_stream.alignment import group_gram
+from grape_stream.grape.gram.group_gram import group_gram
 from grape_stream.models import per_sample_lm_loss
 
 

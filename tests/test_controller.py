@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from _grape_data import SEQ, VOCAB, write_dataset
-from grape_stream.controller import GrapeController, filter_reweighter_options, load_trajectory
+from grape_stream.grape.controller import GrapeController, filter_reweighter_options, load_trajectory
 from grape_stream.models import GPT, GPTConfig, per_sample_lm_loss
-from grape_stream.reweighting import build_reweighter
-from grape_stream.tasks import TaskStream, probe_indices
+from grape_stream.grape.reweighting import build_reweighter
+from grape_stream.grape.tasks import TaskStream, probe_indices
 
 DOMAINS = ["d0", "d1", "d2"]
 
@@ -42,7 +42,7 @@ def _close_mixers():
 
 
 def _mixer(root: str, **kw):
-    from grape_stream.mixer import DomainStream, WeightedStreamingMixer
+    from grape_stream.mixing.mixer import DomainStream, WeightedStreamingMixer
 
     m = WeightedStreamingMixer(
         domains=[DomainStream(d, local=os.path.join(root, d), split="train") for d in DOMAINS],

@@ -23,10 +23,10 @@ from convert_data import (
     write_slimpajama_tree,
     write_wiki40b,
 )
-from grape_stream.convert import convert
-from grape_stream.convert_cli import main as cli_main
-from grape_stream.converters.wiki40b import strip_markers
-from grape_stream.tokenization import load_tokenizer
+from grape_stream.convert.pipeline import convert
+from grape_stream.convert.cli import main as cli_main
+from grape_stream.convert.readers.wiki40b import strip_markers
+from grape_stream.convert.tokenization import load_tokenizer
 
 SEQ = 64
 
@@ -261,7 +261,7 @@ def test_task_conversion_one_padded_example_per_sample(tmp_path):
 
 
 def test_split_spec_parsing_and_option_errors(tmp_path):
-    from grape_stream.convert import parse_split
+    from grape_stream.convert.pipeline import parse_split
 
     assert parse_split("train=0.8,probe=0.1,test=0.1") == {"train": 0.8, "probe": 0.1, "test": 0.1}
     assert parse_split(None, 0.05) == {"train": 0.95, "val": 0.05}

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from convert_data import expected_packed
-from grape_stream.packing import ExamplePadder, SequencePacker
+from grape_stream.convert.packing import ExamplePadder, SequencePacker
 
 docs_strategy = st.lists(st.lists(st.integers(0, 99), min_size=0, max_size=40), min_size=0, max_size=30)
 

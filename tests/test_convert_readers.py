@@ -18,9 +18,9 @@ from convert_data import (
     write_slimpajama_tree,
     write_wiki40b,
 )
-from grape_stream.converters import BadInput, Record, build_reader
-from grape_stream.converters.generic import domain_from_path
-from grape_stream.converters.tasks import detect_layout
+from grape_stream.convert.readers import BadInput, Record, build_reader
+from grape_stream.convert.readers.generic import domain_from_path
+from grape_stream.convert.readers.tasks import detect_layout
 
 
 def records(reader, path):

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from convert_data import make_docs, tree_bytes, write_climblab_tree, write_jsonl
-from grape_stream.convert import ConvertStateError, convert
+from grape_stream.convert.pipeline import ConvertStateError, convert
 
 ARGS = dict(seq_len=32, shard_size="2kb", progress=False)
 

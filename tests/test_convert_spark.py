@@ -1,4 +1,4 @@
-"""Spark path (grape_stream.convert_spark): a real local Spark session writes the same layout.
+"""Spark path (grape_stream.convert.spark): a real local Spark session writes the same layout.
 
 pyspark is pinned in requirements.txt (Java 17+ must be on the machine), so this runs in CI.
 """
@@ -26,8 +26,8 @@ def spark():
 
 
 def test_spark_writes_per_domain_mds_that_decodes_to_the_documents(spark, tmp_path):
-    from grape_stream.convert_spark import convert_dataframe
-    from grape_stream.tokenization import load_tokenizer
+    from grape_stream.convert.spark import convert_dataframe
+    from grape_stream.convert.tokenization import load_tokenizer
 
     docs = make_docs(200, 12)
     rows = [(t, "fr" if i % 2 else "de") for i, t in enumerate(docs)] + [(None, "fr"), ("  ", "de")]

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from convert_data import SENTENCES
-from grape_stream.tokenization import ByteTokenizer, load_tokenizer, token_dtype
+from grape_stream.convert.tokenization import ByteTokenizer, load_tokenizer, token_dtype
 
 
 def test_gpt2_offline_matches_reference_ids():

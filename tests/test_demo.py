@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from grape_stream import demo
+from grape_stream.apps import demo
 from grape_stream.cli import main as cli_main
 
 CORPUS = Path(__file__).resolve().parent.parent / "data" / "demo"

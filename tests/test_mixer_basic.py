@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from _mds_fixtures import batch_identities, identity, write_domains
-from grape_stream.mixer import (
+from grape_stream.mixing.mixer import (
     DomainStream,
     DomainUnavailableError,
     WeightedStreamingMixer,

@@ -32,7 +32,7 @@ def _rank_main(rank: int, cfg: dict) -> None:
                        "LOCAL_WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(cfg["port"])})
     out: dict = {"rank": rank}
     try:
-        from grape_stream.mixer import DomainStream, WeightedStreamingMixer
+        from grape_stream.mixing.mixer import DomainStream, WeightedStreamingMixer
 
         dist.init_process_group("gloo", rank=rank, world_size=WORLD)
         # 1) A rank whose `local` differs from the others' is named before streaming hangs or fails obscurely.

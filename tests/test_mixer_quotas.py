@@ -1,4 +1,4 @@
-"""Batch-composition math of the mixer (grape_stream.quotas / epoch_order), against slow references."""
+"""Batch-composition math of the mixer (grape_stream.mixing.quotas / epoch_order), against slow references."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from grape_stream.epoch_order import DomainOrder
-from grape_stream.quotas import (
+from grape_stream.mixing.epoch_order import DomainOrder
+from grape_stream.mixing.quotas import (
     TAG_OFFSET,
     TAG_REFILL,
     EffectiveSchedule,

@@ -12,7 +12,7 @@ import boto3
 import pytest
 
 from _mds_fixtures import batch_identities, write_domain, write_domains
-from grape_stream.mixer import DomainStream, DomainUnavailableError, RemoteMismatchError, WeightedStreamingMixer
+from grape_stream.mixing.mixer import DomainStream, DomainUnavailableError, RemoteMismatchError, WeightedStreamingMixer
 
 B = 8
 SIZES = [320, 240, 200]

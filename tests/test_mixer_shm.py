@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from _mds_fixtures import write_domains
-from grape_stream.mixer import DomainStream, WeightedStreamingMixer
-from grape_stream.shm import cleanup_stale_streaming_shm, segments_in_use_elsewhere
+from grape_stream.mixing.mixer import DomainStream, WeightedStreamingMixer
+from grape_stream.streaming_compat.shm import cleanup_stale_streaming_shm, segments_in_use_elsewhere
 
 HERE = Path(__file__).resolve().parent
 

@@ -16,7 +16,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from _mds_fixtures import batch_identities, write_domains
-from grape_stream.mixer import DomainStream, WeightedStreamingMixer
+from grape_stream.mixing.mixer import DomainStream, WeightedStreamingMixer
 
 B = 8
 HERE = Path(__file__).resolve().parent
@@ -243,6 +243,6 @@ def _segments_of(prefixes: list[int]) -> set[str]:
 
 
 def _live_segments() -> set[str]:
-    from grape_stream.shm import segments_in_use_elsewhere
+    from grape_stream.streaming_compat.shm import segments_in_use_elsewhere
 
     return segments_in_use_elsewhere()

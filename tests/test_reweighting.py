@@ -1,4 +1,4 @@
-"""grape_stream.reweighting against an independent slow computation on explicit gradient vectors.
+"""grape_stream.grape.reweighting against an independent slow computation on explicit gradient vectors.
 
 The reference below never looks at a Gram matrix: it forms the K domain and N task gradients as float64
 vectors, does the paper's arithmetic on the vectors (update direction d = sum_k alpha_k g_k, inner
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from grape_stream.reweighting import (
+from grape_stream.grape.reweighting import (
     REWEIGHTERS,
     Reweighter,
     available_methods,

@@ -1,6 +1,6 @@
 """Weight and loss trajectories to PNG: what a person looks at to see what GRAPE did.
 
-One figure per trajectory JSONL (written by :class:`~grape_stream.controller.GrapeController`):
+One figure per trajectory JSONL (written by :class:`~grape_stream.grape.controller.GrapeController`):
 stacked areas of the domain weights alpha and the task weights z over training steps, the
 domain-task alignment A[k, n] over time as a heatmap (one row per pair, each update's column scaled
 by its largest magnitude so early and late updates are equally readable), and the probe loss of each
@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from grape_stream.controller import load_trajectory
+from grape_stream.grape.controller import load_trajectory
 
 __all__ = ["plot_trajectory", "main"]
 

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 if TYPE_CHECKING:  # pragma: no cover
-    from grape_stream.mixer import WeightedStreamingMixer
+    from grape_stream.mixing.mixer import WeightedStreamingMixer
 
 __all__ = ["MixerDataLoader", "collate_samples"]
 
@@ -87,7 +87,7 @@ class MixerDataLoader(DataLoader):
     """
 
     def __init__(self, mixer: "WeightedStreamingMixer", num_workers: int = 0, **kwargs: Any) -> None:
-        from grape_stream.mixer import WeightedStreamingMixer
+        from grape_stream.mixing.mixer import WeightedStreamingMixer
 
         if not isinstance(mixer, WeightedStreamingMixer):
             raise TypeError(f"MixerDataLoader needs a WeightedStreamingMixer, got {type(mixer).__name__}")

@@ -1,7 +1,7 @@
 """Dataset-specific readers (SlimPajama, ClimbLab/ClimbMix, wiki40b, target tasks, generic jsonl/parquet).
 
 Readers only read: they turn files into `Record`s (text or token ids, with a domain and maybe a split)
-and `BadInput`s. Tokenizing, packing and writing MDS shards all live in `grape_stream.convert`.
+and `BadInput`s. Tokenizing, packing and writing MDS shards all live in `grape_stream.convert.pipeline`.
 """
 
 from __future__ import annotations

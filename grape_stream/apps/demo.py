@@ -6,8 +6,8 @@ held-out text we want to model well. Every method trains the same byte-level dec
 initialisation on the same token budget; only the domain weights differ.
 
 Everything runs on the product path: the bundled corpus (``data/demo``) is converted with
-:func:`grape_stream.convert.convert` into per-language MDS shards, and each method is the bundled
-``demo-cpu`` recipe (:mod:`grape_stream.recipe`) built into a Composer Trainer with ``GrapeAlgorithm``,
+:func:`grape_stream.convert.pipeline.convert` into per-language MDS shards, and each method is the bundled
+``demo-cpu`` recipe (:mod:`grape_stream.integrations.composer.trainer`) built into a Composer Trainer with ``GrapeAlgorithm``,
 with a few overrides (:func:`recipe_overrides`). Two callbacks of this module watch the run: a tqdm
 progress bar, and a test-loss curve on a fixed strided subset of each target's test split (the
 headline numbers come from the recipe's own evaluators, on the whole test split, at the end).
@@ -126,7 +126,7 @@ def _corpus_fingerprint(corpus: Path, files: Sequence[Path], seq_len: int) -> di
     for f in files:
         h.update(str(f.relative_to(corpus)).encode())
         h.update(f.read_bytes())
-    from grape_stream.convert import CONVERTER_VERSION
+    from grape_stream.convert.pipeline import CONVERTER_VERSION
 
     return {"inputs_sha256": h.hexdigest(), "tokenizer": "bytes", "seq_len": int(seq_len),
             "domain_field": "lang", "split_field": "split", "converter_version": CONVERTER_VERSION}
@@ -151,7 +151,7 @@ def ensure_converted(corpus: Path, out: Path, *, seq_len: int = 256, progress: b
             have = None
         if have == want:
             return json.loads(manifest_path.read_text()), False
-    from grape_stream.convert import convert
+    from grape_stream.convert.pipeline import convert
 
     overwrite = out.exists() and any(out.iterdir())
     result = convert("jsonl", [str(f) for f in files], str(out), tokenizer="bytes", seq_len=seq_len,
@@ -233,7 +233,7 @@ def _make_callbacks(method: str, settings: DemoSettings, progress: bool, positio
             self.loss = {t.name: [] for t in self.tasks}
 
         def _subset(self, n: int) -> dict[str, list[dict[str, torch.Tensor]]]:
-            from grape_stream.tasks import collate_task_samples
+            from grape_stream.grape.tasks import collate_task_samples
 
             out = {}
             for t in self.tasks:
@@ -342,7 +342,7 @@ def _make_callbacks(method: str, settings: DemoSettings, progress: bool, positio
 @contextlib.contextmanager
 def _quiet() -> Any:
     """Composer and streaming talk a lot for a demo; keep warnings and errors, drop the chatter."""
-    noisy = ["composer", "streaming", "grape_stream.recipe", "torch.distributed"]
+    noisy = ["composer", "streaming", "grape_stream.integrations.composer.trainer", "torch.distributed"]
     old = {n: logging.getLogger(n).level for n in noisy}
     for n in noisy:
         logging.getLogger(n).setLevel(logging.ERROR)
@@ -360,7 +360,7 @@ def _quiet() -> Any:
 
 def _release(built: Any) -> None:
     """Free streaming's shared memory so the next run in this process can open the same directories."""
-    from grape_stream.streaming_fixes import release_streaming_dataset
+    from grape_stream.streaming_compat.local_index import release_streaming_dataset
 
     with contextlib.suppress(Exception):
         built.trainer.close()
@@ -381,7 +381,7 @@ def run_method(method: str, *, mds: str | os.PathLike[str], out_dir: str | os.Pa
     """Train one method with the ``demo-cpu`` recipe and return its result (also written to
     ``out_dir/result.json``): final per-target test log-perplexity (nats per token = per byte), the
     test-loss curve, the alpha/z trajectory and timings."""
-    from grape_stream.recipe import build, load_recipe
+    from grape_stream.integrations.composer.trainer import build, load_recipe
 
     out_dir = Path(out_dir)
     if out_dir.exists():
@@ -574,7 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"[{i}/{n_steps}] training {m} ...", flush=True)
         results[m] = run_method(m, mds=mds, out_dir=out / m, settings=settings, seed=args.seed, progress=progress,
                                 position=f"[{i}/{n_steps}]")
-    from grape_stream.demo_plots import plot_test_loss, plot_weights
+    from grape_stream.apps.demo_plots import plot_test_loss, plot_weights
 
     summary = _summary(results, settings, args.seed, corpus, mds)
     out.mkdir(parents=True, exist_ok=True)

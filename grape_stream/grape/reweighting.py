@@ -163,6 +163,8 @@ class Reweighter:
     options_accepted: ClassVar[tuple[str, ...]] = ("history_limit",)
     moves_alpha: ClassVar[bool] = False
     moves_z: ClassVar[bool] = False
+    #: Whether an update needs the probe Gram (False: the weights never move, so no probe is run).
+    needs_probe: ClassVar[bool] = True
 
     def __init__(self, num_domains: int, num_tasks: int, **options: Any) -> None:
         self.num_domains = _positive_int(num_domains, "num_domains")
@@ -556,12 +558,14 @@ class Reweighter:
 class UniformReweighter(Reweighter):
     method = "uniform"
     description = "alpha fixed at 1/K (baseline); alignments are still logged"
+    needs_probe = False
 
 
 class StaticReweighter(Reweighter):
     method = "static"
     description = "alpha fixed at given weights, e.g. a published mixture (weights=...)"
     options_accepted = ("weights", "history_limit")
+    needs_probe = False
 
     def _resolve_options(self, opts: dict[str, Any]) -> dict[str, Any]:
         weights = opts.pop("weights", None)
@@ -694,6 +698,11 @@ REWEIGHTERS: dict[str, type[Reweighter]] = {
 def available_methods() -> list[str]:
     """Method names accepted by build_reweighter, in the order of GRAPE-SPEC.md."""
     return list(REWEIGHTERS)
+
+
+def method_needs_probe(name: str) -> bool:
+    """Whether `name`'s updates read the probe Gram (uniform and static never do)."""
+    return REWEIGHTERS[_canonical(name)].needs_probe
 
 
 def _canonical(name: str) -> str:

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from grape_stream.packing import ExamplePadder, SequencePacker
+from grape_stream.convert.packing import ExamplePadder, SequencePacker
 
 __all__ = ["UnitJob", "ConvertInputError", "run_unit", "assign_split", "atomic_write_json", "STATE_DIR"]
 
@@ -170,8 +170,8 @@ class _Output:
 
 def run_unit(job: UnitJob, progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Convert one unit and write its done-marker; returns the marker's content."""
-    from grape_stream.converters.common import BadInput
-    from grape_stream.tokenization import load_tokenizer
+    from grape_stream.convert.readers.common import BadInput
+    from grape_stream.convert.tokenization import load_tokenizer
 
     plan = job.plan
     tok = None if job.reader.pretokenized else load_tokenizer(plan["tokenizer"], plan["eos_id"])

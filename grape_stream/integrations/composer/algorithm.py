@@ -1,4 +1,4 @@
-"""Composer adapters: GrapeAlgorithm (over :class:`~grape_stream.controller.GrapeController`), the trajectory
+"""Composer adapters: GrapeAlgorithm (over :class:`~grape_stream.grape.controller.GrapeController`), the trajectory
 and evaluation-summary callbacks, and ComposerGPT (a ComposerModel for any tokens -> logits decoder).
 
 Why these events (Composer 0.32.1): there is no BEFORE_OPTIMIZER_STEP event, and AFTER_TRAIN_BATCH runs
@@ -28,9 +28,9 @@ from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
 from composer.models import ComposerModel
 from torch import nn
 
-from grape_stream.controller import GrapeController, filter_reweighter_options
+from grape_stream.grape.controller import GrapeController, filter_reweighter_options
 from grape_stream.models import lm_targets, per_sample_lm_loss, per_sample_lm_loss_from_logits
-from grape_stream.tasks import TaskStream
+from grape_stream.grape.tasks import TaskStream
 
 __all__ = [
     "GrapeAlgorithm",
@@ -116,7 +116,7 @@ def composer_per_sample_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]
 # ---------------------------------------------------------------------------------------------------
 def find_mixer(dataloader: Any) -> Any:
     """The WeightedStreamingMixer behind a (Composer) train dataloader, or a clear error."""
-    from grape_stream.mixer import WeightedStreamingMixer
+    from grape_stream.mixing.mixer import WeightedStreamingMixer
 
     obj = getattr(dataloader, "dataloader", dataloader)  # DataSpec -> DataLoader
     dataset = getattr(obj, "dataset", None)
@@ -144,10 +144,10 @@ class GrapeAlgorithm(Algorithm):
     """GRAPE inside a Composer Trainer: every ``alpha_every`` / ``z_every`` optimizer steps (at BATCH_END),
     probe the K domains and N tasks, update alpha and z, and hand alpha to the mixer.
 
-    ``tasks`` are :class:`~grape_stream.tasks.TaskStream` objects or dicts of their arguments (the form
+    ``tasks`` are :class:`~grape_stream.grape.tasks.TaskStream` objects or dicts of their arguments (the form
     an llm-foundry YAML gives). ``mu_alpha`` / ``mu_z`` are passed only to methods that take them, so
     ``method="uniform"`` works with the same arguments. Other keyword options go to the reweighter
-    (see ``grape_stream.reweighting``) or the controller (``probe_mode``, ``schedule_path``, ...).
+    (see ``grape_stream.grape.reweighting``) or the controller (``probe_mode``, ``schedule_path``, ...).
     """
 
     def __init__(
@@ -350,7 +350,7 @@ class GrapeTrajectoryCallback(Callback):
         path = self._write(state)
         if path is None or not self.plots or dist.get_global_rank() != 0:
             return
-        from grape_stream.plots import plot_trajectory
+        from grape_stream.apps.plots import plot_trajectory
 
         try:
             plot_trajectory(path, os.path.splitext(path)[0] + ".png")
@@ -459,17 +459,17 @@ def build_grape_mixture_dataloader(
     pin_memory: bool = False,
     **mixer_kwargs: Any,
 ) -> Any:
-    """A Composer ``DataSpec`` over a :class:`~grape_stream.mixer.WeightedStreamingMixer`, built the way
+    """A Composer ``DataSpec`` over a :class:`~grape_stream.mixing.mixer.WeightedStreamingMixer`, built the way
     llm-foundry builds a train loader (``train_loader: {name: grape_mixture, ...}``).
 
     ``domains`` are names (read from ``<remote or local>/<name>/<split>``) or mappings of
-    :class:`~grape_stream.mixer.DomainStream` arguments. Batches hold ``tokens`` and, for llm-foundry's
+    :class:`~grape_stream.mixing.mixer.DomainStream` arguments. Batches hold ``tokens`` and, for llm-foundry's
     models, ``input_ids`` and ``labels`` (the same ids; the models shift labels themselves). ``tokenizer``
     is accepted for the registry's signature and unused: the data is already tokenized.
     """
     from composer.core import DataSpec
 
-    from grape_stream.mixer import DomainStream, WeightedStreamingMixer
+    from grape_stream.mixing.mixer import DomainStream, WeightedStreamingMixer
 
     if int(device_batch_size) != device_batch_size or device_batch_size < 1:
         raise ValueError(f"grape_mixture needs a whole device_batch_size >= 1, got {device_batch_size!r}")

@@ -1,7 +1,7 @@
 """The same conversion on Apache Spark, for corpora that outgrow one machine (optional: needs pyspark).
 
     from pyspark.sql import SparkSession
-    from grape_stream.convert_spark import convert_dataframe
+    from grape_stream.convert.spark import convert_dataframe
 
     spark = SparkSession.builder.getOrCreate()
     df = spark.read.json("s3a://raw/slimpajama/train/*/*.jsonl.zst")   # or spark.read.parquet(...)
@@ -10,7 +10,7 @@
 
 Each (domain, split) is written with streaming's `dataframe_to_mds` (one MDS partition per Spark task,
 merged with `merge_index`), so the output layout, sample schema and manifest are those of
-`grape_stream.convert`: `OUT/<domain>[/<split>]/index.json`, `tokens` packed to seq_len with EOS
+`grape_stream.convert.pipeline`: `OUT/<domain>[/<split>]/index.json`, `tokens` packed to seq_len with EOS
 between documents. Differences from the single-machine converter, by design of Spark:
 - packing restarts at every Arrow batch of a task (`spark.sql.execution.arrow.maxRecordsPerBatch`,
   10,000 rows by default): the remainder of each batch is dropped (or padded with remainder="pad");
@@ -34,8 +34,8 @@ __all__ = ["convert_dataframe"]
 def _pack_batch(pdf: Any, *, text_column: str, tokenizer: str, eos_id: int | None, seq_len: int, eos: str,
                 remainder: str, dtype: str) -> Iterator[dict[str, np.ndarray]]:
     """Runs on the executors: tokenize one Arrow batch (a pandas DataFrame) and yield packed rows."""
-    from grape_stream.packing import SequencePacker
-    from grape_stream.tokenization import load_tokenizer
+    from grape_stream.convert.packing import SequencePacker
+    from grape_stream.convert.tokenization import load_tokenizer
 
     tok = load_tokenizer(tokenizer, eos_id)
     texts = [t for t in pdf[text_column].tolist() if isinstance(t, str) and t.strip()]
@@ -71,10 +71,10 @@ def convert_dataframe(
     from pyspark.sql import functions as F
     from streaming.base.converters import dataframe_to_mds
 
-    from grape_stream.convert import CONVERTER_VERSION, _is_remote, _upload
-    from grape_stream.convert_unit import atomic_write_json
-    from grape_stream.converters.common import check_domain_name
-    from grape_stream.tokenization import load_tokenizer, token_dtype
+    from grape_stream.convert.pipeline import CONVERTER_VERSION, _is_remote, _upload
+    from grape_stream.convert.unit import atomic_write_json
+    from grape_stream.convert.readers.common import check_domain_name
+    from grape_stream.convert.tokenization import load_tokenizer, token_dtype
 
     if (domain is None) == (domain_column is None):
         raise ValueError("give exactly one of domain (fixed) or domain_column (per row)")
@@ -127,7 +127,7 @@ def convert_dataframe(
             agg["documents"] += n_docs
             agg["samples"] += samples
     manifest = {
-        "format": "grape_stream.convert", "converter": "spark", "converter_version": CONVERTER_VERSION,
+        "format": "grape_stream.convert.pipeline", "converter": "spark", "converter_version": CONVERTER_VERSION,
         "kind": "domain", "tokenizer": {"name": tok.name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id},
         "seq_len": seq_len, "dtype": dtype.name, "columns": columns, "eos": eos, "remainder": remainder,
         "compression": compression, "domains": domains,

@@ -1,6 +1,6 @@
 """`grape-stream convert SOURCE --input PATH_OR_GLOB... --out DIR_OR_URL [options]`.
 
-A thin argparse layer over `grape_stream.convert.convert`; docs/converters.md has one worked example per
+A thin argparse layer over `grape_stream.convert.pipeline.convert`; docs/converters.md has one worked example per
 source. Exit status: 0 done, 1 bad input under --strict or an output that holds another conversion,
 2 a usage error (unknown option, missing input file, inconsistent options).
 """
@@ -15,8 +15,8 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from grape_stream.converters import SOURCES
-    from grape_stream.converters.tasks import TASK_LAYOUTS
+    from grape_stream.convert.readers import SOURCES
+    from grape_stream.convert.readers.tasks import TASK_LAYOUTS
 
     p = argparse.ArgumentParser(
         prog="grape-stream convert",
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    from grape_stream.convert import ConvertInputError, ConvertStateError, convert
+    from grape_stream.convert.pipeline import ConvertInputError, ConvertStateError, convert
 
     compression = None if args.compression.lower() in ("none", "") else args.compression
     try:

@@ -159,7 +159,6 @@ SCHEMA: dict[str, Any] = {
     },
 }
 
-_METHOD_CHOICES = ("grape", "grape_gap", "grape_ema", "doge", "doge_pcgrad", "uniform", "static", "schedule")
 _ENTRY_KEYS = {
     "domains": {"name", "remote", "local", "split"},
     "tasks": {"name", "remote", "local", "split", "test_split"},
@@ -319,8 +318,11 @@ def _validate(cfg: dict[str, Any]) -> None:
         if dup:
             raise ValueError(f"recipe key 'data.{group}' repeats {dup}")
     alg = cfg["algorithm"]
-    if alg["method"] not in _METHOD_CHOICES:
-        raise ValueError(f"recipe key 'algorithm.method' is {alg['method']!r}; choose one of {', '.join(_METHOD_CHOICES)}")
+    from grape_stream.grape.controller import controller_methods
+
+    choices = controller_methods()
+    if alg["method"] not in choices:
+        raise ValueError(f"recipe key 'algorithm.method' is {alg['method']!r}; choose one of {', '.join(choices)}")
     if alg["method"] not in ("uniform", "static", "schedule") and not data["tasks"]:
         raise ValueError(f"algorithm.method={alg['method']} needs target tasks: set 'data.tasks'")
     if cfg["model"]["kind"] not in ("gpt", "hf"):
@@ -440,7 +442,7 @@ def build_model(cfg: Mapping[str, Any], *, vocab_size: int, seq_len: int, device
 
 
 def _streams(cfg: Mapping[str, Any]) -> tuple[list[Any], list[Any]]:
-    from grape_stream.tasks import TaskStream
+    from grape_stream.grape.tasks import TaskStream
 
     data = cfg["data"]
     domains = []
@@ -467,7 +469,7 @@ def _streams(cfg: Mapping[str, Any]) -> tuple[list[Any], list[Any]]:
 
 
 def build_mixer(cfg: Mapping[str, Any], domains: list[dict[str, Any]], batch_size: int, seed: int) -> Any:
-    from grape_stream.mixer import DomainStream, WeightedStreamingMixer
+    from grape_stream.mixing.mixer import DomainStream, WeightedStreamingMixer
 
     streams = []
     for d in domains:
@@ -578,8 +580,8 @@ def _device_name(cfg: Mapping[str, Any]) -> str:
 
 
 def build_algorithm(cfg: Mapping[str, Any], tasks: list[Any]) -> Any:
-    from grape_stream.composer import GrapeAlgorithm
-    from grape_stream.controller import filter_reweighter_options
+    from grape_stream.integrations.composer.algorithm import GrapeAlgorithm
+    from grape_stream.grape.controller import filter_reweighter_options
 
     a = cfg["algorithm"]
     method = a["method"]
@@ -627,7 +629,7 @@ def _loggers(cfg: Mapping[str, Any], output_dir: str) -> list[Any]:
             raise ValueError(f"unknown logger 'trainer.loggers.{name}'; choose from {sorted(classes)}")
         out.append(classes[name](**dict(kwargs or {})))
     if cfg["trainer"]["metrics_jsonl"]:
-        from grape_stream.composer import JSONLMetricsLogger
+        from grape_stream.integrations.composer.algorithm import JSONLMetricsLogger
 
         out.append(JSONLMetricsLogger(os.path.join(output_dir, "metrics.jsonl")))
     return out
@@ -653,7 +655,7 @@ def build(cfg: Mapping[str, Any], *, dry_run: bool = False, extra_callbacks: Seq
         # Trainer(seed=) seeds only after the model exists: seed first so initial weights are reproducible.
         reproducibility.seed_all(cfg["seed"])
     module = build_model(cfg, vocab_size=vocab, seq_len=seq, device="meta" if dry_run else None)
-    from grape_stream.composer import ComposerGPT, GrapeTrajectoryCallback, TaskEvalSummary
+    from grape_stream.integrations.composer.algorithm import ComposerGPT, GrapeTrajectoryCallback, TaskEvalSummary
 
     model = ComposerGPT(module)
     domains, tasks = _streams(cfg)

@@ -22,8 +22,8 @@ from typing import Any, Callable, Iterable, Literal, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from grape_stream._gram_accum import DEFAULT_BUDGET
-from grape_stream._gram_hooks import FAST_PARAM_NAMES, FusedGramEngine, MicroBatch, classify_layout, fast_kind
+from grape_stream.grape.gram.accumulators import DEFAULT_BUDGET
+from grape_stream.grape.gram.hooks import FAST_PARAM_NAMES, FusedGramEngine, MicroBatch, classify_layout, fast_kind
 
 __all__ = ["GramInfo", "group_gram"]
 

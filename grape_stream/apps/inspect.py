@@ -70,7 +70,7 @@ def _manifest_summary(root: str) -> dict[str, Any]:
 
 
 def _trajectory_summary(path: str) -> dict[str, Any]:
-    from grape_stream.controller import load_trajectory
+    from grape_stream.grape.controller import load_trajectory
 
     meta, records = load_trajectory(path)
     updates = [r for r in records if not r.get("initial")]

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from grape_stream.quotas import EffectiveSchedule
+from grape_stream.mixing.quotas import EffectiveSchedule
 
 __all__ = ["SharedWeightTable", "ScheduleOverflow", "MAX_SLOTS"]
 

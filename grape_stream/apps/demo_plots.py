@@ -1,7 +1,7 @@
 """Comparison plots for the demo and the mixture-quality benchmark: several methods side by side.
 
-(:mod:`grape_stream.plots` draws one run's trajectory; these put the methods on common axes.)
-Results are the dicts returned by :func:`grape_stream.demo.run_method`.
+(:mod:`grape_stream.apps.plots` draws one run's trajectory; these put the methods on common axes.)
+Results are the dicts returned by :func:`grape_stream.apps.demo.run_method`.
 """
 
 from __future__ import annotations

@@ -7,10 +7,10 @@ The controller is the loop-independent half of GRAPE. A training loop calls
 1. draws one probe batch per domain (``mixer.probe``) and per target task (``TaskStream.probe``), each a
    pure function of ``(seed, step, ...)`` so a resumed run draws the same probes;
 2. computes the (K+N) x (K+N) Gram matrix of the groups' mean-loss gradients with one fused
-   forward/backward (``grape_stream.alignment.group_gram``), which never touches ``.grad`` and keeps
+   forward/backward (``grape_stream.grape.gram.group_gram.group_gram``), which never touches ``.grad`` and keeps
    memory bounded by the largest layer;
 3. feeds the Gram matrix, the task losses and the optimizer's current learning rate to the reweighter
-   (``grape_stream.reweighting``), and
+   (``grape_stream.grape.reweighting``), and
 4. hands the new domain weights to the mixer (``mixer.set_weights``), which applies them to batches
    composed from then on.
 
@@ -41,14 +41,22 @@ import numpy as np
 import torch
 from torch import nn
 
-from grape_stream.tasks import TaskStream, task_names
+from grape_stream.grape.tasks import TaskStream, task_names
 
-__all__ = ["GrapeController", "filter_reweighter_options", "load_trajectory", "unwrap_for_probe", "NO_PROBE_METHODS", "STATE_FORMAT"]
+__all__ = ["GrapeController", "filter_reweighter_options", "load_trajectory", "unwrap_for_probe", "controller_methods", "REPLAY_METHOD", "STATE_FORMAT"]
 
 log = logging.getLogger(__name__)
 
 #: Methods whose weights never depend on gradients: no probe is drawn, no Gram is computed.
-NO_PROBE_METHODS = frozenset({"uniform", "static"})
+#: Besides the reweighting methods, the controller replays a recorded trajectory.
+REPLAY_METHOD = "schedule"
+
+
+def controller_methods() -> list[str]:
+    """Every `method` a GrapeController (and so a recipe) accepts: the reweighter registry plus replay."""
+    from grape_stream.grape.reweighting import available_methods
+
+    return [*available_methods(), REPLAY_METHOD]
 #: Version of the controller's state_dict layout (bumped on incompatible change).
 STATE_FORMAT = 1
 
@@ -216,7 +224,7 @@ class GrapeController:
     """Drives the mixture: every ``alpha_every`` / ``z_every`` optimizer steps, probe -> Gram -> weights.
 
     Args:
-        mixer: the :class:`~grape_stream.mixer.WeightedStreamingMixer` feeding training (anything with
+        mixer: the :class:`~grape_stream.mixing.mixer.WeightedStreamingMixer` feeding training (anything with
             ``domain_names`` or ``domains``, ``probe(k, n, key)`` and ``set_weights(alpha)``).
         tasks: the target tasks (probe split = validation).
         method: a reweighter name (``uniform``, ``static``, ``doge``, ``doge_pcgrad``, ``grape``,
@@ -315,12 +323,12 @@ class GrapeController:
             self.schedule_path = os.fspath(schedule_path)
             self.reweighter = None
         else:
-            from grape_stream.reweighting import build_reweighter
+            from grape_stream.grape.reweighting import build_reweighter
 
             # uniform / static need no tasks, but a reweighter always has a task side: give it one placeholder.
             self.reweighter = build_reweighter(self.method, num_domains=K, num_tasks=max(N, 1), **self.reweighter_options)
             self.schedule_path = None
-        self.needs_probe = self.method not in NO_PROBE_METHODS and self.method != "schedule"
+        self.needs_probe = self.reweighter is not None and self.reweighter.needs_probe
         if self.needs_probe and N == 0:
             raise ValueError(f"method {self.method!r} needs at least one target task")
         self._update_params = _signature_params(self.reweighter.update) if self.reweighter is not None else set()
@@ -502,7 +510,7 @@ class GrapeController:
 
     def _gram(self, model: nn.Module, groups: list[dict[str, torch.Tensor]],
               autocast: Callable[[], ContextManager[Any]] | None, reduce: str | None) -> tuple[np.ndarray, np.ndarray]:
-        from grape_stream.alignment import group_gram
+        from grape_stream.grape.gram.group_gram import group_gram
 
         was_training = model.training
         model.train(self.probe_train_mode)
@@ -660,7 +668,7 @@ def filter_reweighter_options(
     belongs to *another* method (``mu_z`` under ``method=doge``) is dropped instead of failing, so a recipe
     written for GRAPE runs unchanged with ``algorithm.method=uniform``. ``schedule`` takes none.
     """
-    from grape_stream.reweighting import REWEIGHTERS, method_options
+    from grape_stream.grape.reweighting import REWEIGHTERS, method_options
 
     everything = {o for cls in REWEIGHTERS.values() for o in cls.options_accepted}
     unknown = sorted(set(options) - everything)

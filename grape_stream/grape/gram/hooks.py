@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from grape_stream._gram_accum import (
+from grape_stream.grape.gram.accumulators import (
     DEFAULT_BUDGET,
     MatmulContribution,
     RowAccumulator,

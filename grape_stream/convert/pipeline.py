@@ -3,7 +3,7 @@
     result = convert("jsonl", ["data/*.jsonl.zst"], "out/", tokenizer="bytes", seq_len=256,
                      domain_field="lang", split_field="split", workers=2)
 
-Pipeline: a reader (grape_stream.converters) turns files into records -> tokenize in batches -> pack
+Pipeline: a reader (grape_stream.convert.readers) turns files into records -> tokenize in batches -> pack
 into seq_len rows (or pad per example for tasks) -> one MDSWriter per (work unit, domain, split) ->
 streaming's `merge_index` joins a domain's unit partitions once all of them are written.
 
@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-from grape_stream.convert_unit import (
+from grape_stream.convert.unit import (
     STATE_DIR,
     ConvertInputError,
     UnitJob,
@@ -41,7 +41,7 @@ from grape_stream.convert_unit import (
     remote_dir,
     run_unit,
 )
-from grape_stream.packing import EOS_MODES, REMAINDER_MODES, PackStats
+from grape_stream.convert.packing import EOS_MODES, REMAINDER_MODES, PackStats
 
 __all__ = ["convert", "ConvertResult", "ConvertInputError", "ConvertStateError", "CONVERTER_VERSION", "parse_split", "format_table"]
 
@@ -108,7 +108,7 @@ def parse_split(spec: str | dict[str, float] | None, holdout: float | None = Non
                 raise ValueError(f"--split: {frac!r} is not a number (in {spec!r})") from None
     else:
         out = {str(k): float(v) for k, v in spec.items()}
-    from grape_stream.converters.common import check_domain_name
+    from grape_stream.convert.readers.common import check_domain_name
 
     for name, frac in out.items():
         why = check_domain_name(name)
@@ -193,9 +193,9 @@ def convert(
     Re-running with the same arguments resumes (or returns at once if complete); different arguments on
     the same `out` raise ConvertStateError unless `overwrite`. See docs/converters.md for every option.
     """
-    from grape_stream.converters import build_reader
-    from grape_stream.converters.common import check_domain_name, expand_patterns
-    from grape_stream.tokenization import GPT2_EOS_ID, load_tokenizer, token_dtype
+    from grape_stream.convert.readers import build_reader
+    from grape_stream.convert.readers.common import check_domain_name, expand_patterns
+    from grape_stream.convert.tokenization import GPT2_EOS_ID, load_tokenizer, token_dtype
 
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
@@ -600,7 +600,7 @@ def _build_report(plan: dict[str, Any], units: list, done: dict[str, dict[str, A
 
 def _build_manifest(plan: dict[str, Any], domain_stats: dict, report: dict[str, Any]) -> dict[str, Any]:
     from grape_stream import __version__
-    from grape_stream.converters.common import natural_key
+    from grape_stream.convert.readers.common import natural_key
 
     domains: dict[str, Any] = {}
     warnings: list[str] = []
@@ -624,7 +624,7 @@ def _build_manifest(plan: dict[str, Any], domain_stats: dict, report: dict[str, 
     keys = ("source", "reader", "seq_len", "dtype", "columns", "eos", "remainder", "per_example", "split",
             "split_seed", "split_by", "compression", "shard_size", "hashes", "files_per_unit", "input_root")
     return {
-        "format": "grape_stream.convert",
+        "format": "grape_stream.convert.pipeline",
         "converter_version": CONVERTER_VERSION,
         "grape_stream_version": __version__,
         "kind": "task" if plan["per_example"] else "domain",

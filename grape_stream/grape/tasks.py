@@ -6,7 +6,7 @@ random access, never as an iterator: the probe indices are a pure function of ``
 controller's key contains the optimizer step, so a resumed run draws the same probes as an uninterrupted
 one without saving any reader position. Evaluation reads the separate test split sequentially.
 
-Task MDS datasets (written by ``grape_stream.convert``) hold ``tokens`` (seq_len, padded) and
+Task MDS datasets (written by ``grape_stream.convert.pipeline``) hold ``tokens`` (seq_len, padded) and
 ``loss_mask`` (seq_len, uint8: 1 where the token is a counted prediction target). A dataset without a
 ``loss_mask`` column (e.g. held-out text of a target language, packed like a domain) counts every token.
 
@@ -127,7 +127,7 @@ class TaskStream:
         if self.remote is None:
             assert self.local is not None
             return self.local
-        from grape_stream.streaming_fixes import default_local_for
+        from grape_stream.streaming_compat.local_index import default_local_for
 
         return self.local if self.local is not None else default_local_for(self.remote)
 
@@ -148,7 +148,7 @@ class TaskStream:
         if self.remote is not None:
             # The mixer's guards against streaming's traps apply to task data too: fail early without S3
             # credentials, and never trust a cached index.json of another (or an older) remote dataset.
-            from grape_stream.streaming_fixes import check_s3_credentials, sync_local_index
+            from grape_stream.streaming_compat.local_index import check_s3_credentials, sync_local_index
 
             check_s3_credentials([(f"task {self.name}", self.remote)])
             if int(os.environ.get("LOCAL_RANK", "0")) == 0:
@@ -200,7 +200,7 @@ class TaskStream:
 
     def close(self) -> None:
         """Release streaming's shared memory and file locks of the opened splits (after their loaders)."""
-        from grape_stream.streaming_fixes import release_streaming_dataset
+        from grape_stream.streaming_compat.local_index import release_streaming_dataset
 
         for ds in self._datasets.values():
             release_streaming_dataset(ds)

@@ -8,10 +8,10 @@ starts every epoch with a barrier across all workers of the node, while a mixtur
 needs per-batch quotas and independent epochs per domain. The plan is a pure function of
 ``(seed, batch index, rank, weight schedule)``:
 
-* batch ``i`` of rank ``r`` takes ``quota[k]`` samples of domain ``k`` (:mod:`grape_stream.quotas`),
+* batch ``i`` of rank ``r`` takes ``quota[k]`` samples of domain ``k`` (:mod:`grape_stream.mixing.quotas`),
 * read at the next positions of the rank's endless stream of that domain
-  (:mod:`grape_stream.epoch_order`: shard-aware shuffled epochs, disjoint across ranks),
-* with the weights of the schedule entry in force at batch ``i`` (:mod:`grape_stream.weight_table`),
+  (:mod:`grape_stream.mixing.epoch_order`: shard-aware shuffled epochs, disjoint across ranks),
+* with the weights of the schedule entry in force at batch ``i`` (:mod:`grape_stream.mixing.weight_table`),
 
 so DataLoader workers compose their batches independently (worker ``w`` composes batches
 ``w, w + W, ...``, exactly the ones torch's DataLoader asks it for), the samples do not depend on the
@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from grape_stream.epoch_order import DEFAULT_BLOCK_SIZE, DomainOrder
-from grape_stream.quotas import (
+from grape_stream.mixing.epoch_order import DEFAULT_BLOCK_SIZE, DomainOrder
+from grape_stream.mixing.quotas import (
     COMPOSITIONS,
     TAG_PROBE,
     BatchPlan,
@@ -45,9 +45,9 @@ from grape_stream.quotas import (
     hash64,
     slot_permutation,
 )
-from grape_stream.mixer_loader import MixerDataLoader, _convert, collate_samples
-from grape_stream.shard_reader import DomainReader, DomainReadError, Prefetcher
-from grape_stream.shm import (
+from grape_stream.mixing.loader import MixerDataLoader, _convert, collate_samples
+from grape_stream.mixing.shard_reader import DomainReader, DomainReadError, Prefetcher
+from grape_stream.streaming_compat.shm import (
     cleanup_stale_streaming_shm,
     describe_local_users,
     detach_scanner_attachments,
@@ -55,7 +55,7 @@ from grape_stream.shm import (
     registration_lock,
     release_streaming_dataset,
 )
-from grape_stream.streaming_fixes import (
+from grape_stream.streaming_compat.local_index import (
     DomainUnavailableError,
     RemoteMismatchError,
     check_s3_credentials,
@@ -63,7 +63,7 @@ from grape_stream.streaming_fixes import (
     default_local_for,
     sync_local_index,
 )
-from grape_stream.weight_table import MAX_SLOTS, ScheduleOverflow, SharedWeightTable
+from grape_stream.mixing.weight_table import MAX_SLOTS, ScheduleOverflow, SharedWeightTable
 
 try:  # the simplex helpers are shared with the reweighters
     from grape_stream.simplex import check_simplex as _check_simplex
@@ -83,7 +83,7 @@ __all__ = [
     "STATE_FORMAT",
 ]
 
-STATE_FORMAT = "grape_stream.mixer/1"
+STATE_FORMAT = "grape_stream.mixing.mixer/1"
 
 #: Keys the mixer adds to every sample; a dataset column with one of these names is refused.
 RESERVED_KEYS = ("domain", "weights_version", "batch_index", "sample_index", "epoch")
@@ -221,7 +221,7 @@ class WeightedStreamingMixer(IterableDataset):
         seed: seeds the batch composition and every domain's shuffle.
         shuffle: shuffle each domain's epochs (shard-aware block shuffle); False reads in index order.
         composition: ``"systematic"`` (exact quotas, default) or ``"multinomial"``; see
-            :mod:`grape_stream.quotas`.
+            :mod:`grape_stream.mixing.quotas`.
         shuffle_block_size: samples per shuffle block (like streaming's ``shuffle_block_size``): larger
             mixes better, smaller touches fewer shards at a time (cache-friendly).
         lag: batches between a ``set_weights`` call and the first batch it changes. Default: the loader's
@@ -584,7 +584,7 @@ class WeightedStreamingMixer(IterableDataset):
             ) from None
         on_spent = None
         if worker == 0:
-            from grape_stream.quotas import default_on_spent
+            from grape_stream.mixing.quotas import default_on_spent
 
             on_spent = default_on_spent(self.domain_names)
         planner = QuotaPlanner(seed=self.seed, rank=self.rank, batch_size=self.batch_size,
@@ -773,7 +773,7 @@ class WeightedStreamingMixer(IterableDataset):
         assert p is not None
         version, alpha = self._sched.at(n)
         avail = counts < p.budgets
-        from grape_stream.quotas import effective_weights
+        from grape_stream.mixing.quotas import effective_weights
 
         eff = effective_weights(alpha, avail) if avail.any() else np.zeros(self.K)
         doms = []

@@ -2,7 +2,7 @@
 
 Each function here handles one trap that was seen on a real machine; docs/mixer.md lists them.
 
-(Shared-memory traps are handled in :mod:`grape_stream.shm`.)
+(Shared-memory traps are handled in :mod:`grape_stream.streaming_compat.shm`.)
 
 * **A stale local ``index.json``.** A local cache directory that already holds an ``index.json`` is
   reused without looking at the remote, even when the remote is a different dataset or has been
@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from grape_stream.shm import (  # noqa: F401 - re-exported: other modules import them from here
+from grape_stream.streaming_compat.shm import (  # noqa: F401 - re-exported: other modules import them from here
     cleanup_stale_streaming_shm,
     detach_scanner_attachments,
     release_streaming_dataset,

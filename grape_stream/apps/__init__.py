@@ -1,0 +1,1 @@
+"""Command-line applications built on the library: the demo, inspect, plot."""

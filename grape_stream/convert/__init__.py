@@ -1,0 +1,1 @@
+"""Corpus -> per-domain MDS shards: readers, tokenization, packing, parallel resumable units, upload."""

@@ -1,0 +1,1 @@
+"""The Gram matrix of per-group gradients from one fused forward/backward pass."""

@@ -1,0 +1,1 @@
+"""WeightedStreamingMixer and its parts: quotas, epoch order, live weight table, shard reading, loader."""

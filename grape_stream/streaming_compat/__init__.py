@@ -1,0 +1,1 @@
+"""Workarounds for mosaicml-streaming traps (shared memory, local index cache), kept in one guarded place."""

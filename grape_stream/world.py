@@ -1,0 +1,81 @@
+"""Who this process is in a distributed job: rank, world size, local rank, DataLoader worker.
+
+mosaicml-streaming reads RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE from the environment, while
+collectives use torch.distributed's process group; this module is the one place that reads either, so
+every component agrees on who it is. It imports torch lazily: the converters use it without torch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["World", "dist_active", "process_world", "streaming_world", "worker_slot"]
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    size: int
+    local_rank: int = 0
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def dist_active() -> bool:
+    """True when a torch.distributed process group is initialised (collectives are needed)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch is a dependency; converters may run without it
+        return False
+    return bool(dist.is_available() and dist.is_initialized())
+
+
+def process_world() -> World:
+    """The process group's view (rank 0 of 1 without one): what collectives and rank-0 work use."""
+    local = _env_int("LOCAL_RANK", 0)
+    if dist_active():
+        import torch.distributed as dist
+
+        return World(dist.get_rank(), dist.get_world_size(), local)
+    return World(_env_int("RANK", 0), _env_int("WORLD_SIZE", 1), local)
+
+
+def streaming_world() -> World:
+    """The environment's view, which streaming uses, checked against the process group when there is one.
+
+    A process group initialised without RANK / WORLD_SIZE in the environment would make every rank a
+    "local leader" inside streaming, so a disagreement is an error, not a silent mis-partition.
+    """
+    env = World(_env_int("RANK", 0), _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0))
+    if dist_active():
+        import torch.distributed as dist
+
+        rank, size = dist.get_rank(), dist.get_world_size()
+        if (rank, size) != (env.rank, env.size):
+            raise RuntimeError(
+                f"torch.distributed says rank {rank} of {size} but the environment says RANK={env.rank} "
+                f"WORLD_SIZE={env.size}; streaming reads the environment: set RANK, WORLD_SIZE, LOCAL_RANK "
+                "and LOCAL_WORLD_SIZE (torchrun does)"
+            )
+    return env
+
+
+def worker_slot() -> tuple[int, int]:
+    """(worker id, number of workers) of the current DataLoader worker; (0, 1) in the main process."""
+    from torch.utils.data import get_worker_info
+
+    info = get_worker_info()
+    return (0, 1) if info is None else (info.id, info.num_workers)
