@@ -5,7 +5,7 @@ VENV := .venv
 STAMP := $(VENV)/.requirements.stamp
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test bench clean-venv
+.PHONY: venv demo test test-fast lint bench clean-venv
 
 venv: $(STAMP)
 
@@ -24,8 +24,17 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
+# The fast half only (no servers, processes, Spark or training runs): about 40 s.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not integration" $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check grape_stream tests bench scripts
+	$(BIN)/mypy
+
+# Every bench script in turn (ARGS=--quick for a smoke run that leaves bench/results/ alone).
 bench: $(STAMP)
-	$(BIN)/python bench/run_all.py
+	$(BIN)/python bench/run_all.py $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,7 +1,12 @@
-"""Shared fixtures: a real S3-compatible HTTP server (moto_server) on 127.0.0.1.
+"""Shared fixtures (a real S3-compatible HTTP server, moto_server, on 127.0.0.1) and the test split.
 
-The code under test reaches it only through boto3 / streaming with an endpoint URL, exactly as it would
-reach MinIO, R2 or AWS S3.
+The code under test reaches the S3 server only through boto3 / streaming with an endpoint URL, exactly
+as it would reach MinIO, R2 or AWS S3.
+
+Tests are split in two by marker, so a developer can run the fast half while editing
+(`make test-fast`, i.e. `pytest -m "not integration"`): a test is `integration` when it starts processes
+or servers or trains (S3 server, torch.distributed, SIGKILL, Spark, Composer Trainer runs), decided here
+from its fixtures and module rather than by hand in each file. `make test` runs both.
 """
 
 from __future__ import annotations
@@ -15,15 +20,49 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import pytest
+
+if TYPE_CHECKING:
+    from grape_stream.testing import FaultProxy
 
 _S3_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
     "AWS_DEFAULT_REGION": "us-east-1",
 }
+
+
+#: Test modules whose tests start processes, servers, Spark or training runs.
+INTEGRATION_MODULES = frozenset({
+    "test_alignment_distributed",
+    "test_composer",
+    "test_composer_foundry",
+    "test_composer_multiprocess",
+    "test_convert_resume",
+    "test_convert_s3",
+    "test_convert_spark",
+    "test_demo",
+    "test_demo_corpus",
+    "test_mixer_dist",
+    "test_mixer_s3",
+    "test_mixer_shm",
+    "test_mixer_workers",
+    "test_plain_loop",
+    "test_recipe_cli",
+    "test_s3_fixture",
+})
+_INTEGRATION_FIXTURES = frozenset({"s3_server", "s3_bucket", "fault_proxy"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2] if item.module else ""
+        if module in INTEGRATION_MODULES or _INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+        else:
+            item.add_marker(pytest.mark.unit)
 
 
 def _free_port() -> int:
@@ -83,3 +122,20 @@ def s3_bucket(s3_server: str) -> str:
     name = f"test-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=name)
     return name
+
+
+@pytest.fixture
+def fault_proxy(s3_server: str) -> Iterator["FaultProxy"]:
+    """A fault-injecting proxy in front of the session's S3 server; S3_ENDPOINT_URL points at it meanwhile.
+
+    Faults are off at the start: a test uploads its data first, then turns them on.
+    """
+    from grape_stream.testing import FaultProxy
+
+    proxy = FaultProxy(s3_server, seed=0).start()
+    os.environ["S3_ENDPOINT_URL"] = proxy.url
+    try:
+        yield proxy
+    finally:
+        os.environ["S3_ENDPOINT_URL"] = s3_server
+        proxy.stop()

@@ -1,0 +1,66 @@
+"""Errors a user can fix, and how the command line reports them: one line, traceback on request.
+
+A known failure (bad config key, missing data, unreachable or forbidden storage, a corrupt record under
+--strict) is a `UserFacingError` or one of the standard errors listed in `USER_ERRORS`; the CLI prints
+``grape-stream: error: <message>`` (one line) and exits 2 (1 for storage), without a 30-frame traceback. The
+traceback comes back with ``--debug`` or ``GRAPE_STREAM_DEBUG=1``. Anything else is a bug and keeps its
+traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable, Sequence
+
+__all__ = [
+    "UserFacingError",
+    "ConfigError",
+    "DataError",
+    "StorageError",
+    "debug_enabled",
+    "run_cli",
+]
+
+DEBUG_ENV = "GRAPE_STREAM_DEBUG"
+
+
+class UserFacingError(Exception):
+    """A failure the user can act on; its message names the key / path / endpoint and the fix."""
+
+    exit_code = 2
+
+
+class ConfigError(UserFacingError, ValueError):
+    """A recipe or option is wrong (unknown key, bad type, inconsistent values)."""
+
+
+class DataError(UserFacingError, ValueError):
+    """The data is missing, of the wrong shape, or inconsistent with the model/recipe."""
+
+
+class StorageError(UserFacingError, ConnectionError):
+    """Remote storage is unreachable, forbidden, or kept failing past the retry deadline."""
+
+    exit_code = 1
+
+
+def debug_enabled(argv: Sequence[str] = ()) -> bool:
+    return "--debug" in argv or os.environ.get(DEBUG_ENV, "").strip() not in ("", "0", "false", "no")
+
+
+def run_cli(prog: str, entry: Callable[[list[str]], int], argv: Sequence[str]) -> int:
+    """Run a sub-command; known failures become one line on stderr (unless --debug)."""
+    args = [a for a in argv if a != "--debug"]
+    debug = debug_enabled(argv)
+    try:
+        return int(entry(args) or 0)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - user errors become one line; anything else re-raises
+        if debug or not isinstance(exc, UserFacingError):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"{prog}: error: {first}  [--debug or {DEBUG_ENV}=1 shows the traceback]", file=sys.stderr)
+        return getattr(exc, "exit_code", 2)

@@ -1,0 +1,265 @@
+"""A fault-injecting HTTP proxy for an S3-compatible server: what a flaky network does, on demand.
+
+It sits between the client (boto3 / streaming, through S3_ENDPOINT_URL) and a real server (moto_server)
+on 127.0.0.1 and, per request, either forwards it unchanged or injects one fault:
+
+* ``error_rate``    answer 503 SlowDown (an S3 XML error body) without forwarding,
+* ``reset_rate``    read the request, then drop the connection with a TCP reset (no response),
+* ``latency``       sleep this many seconds before forwarding,
+* ``outage(s)``     refuse connections for ``s`` seconds: the listening socket is closed and re-opened
+                    on the same port, so clients see ECONNREFUSED exactly as when a server restarts.
+
+Faults are drawn from a seeded RNG, so a scenario is repeatable. Used by the tests (fixtures drive it
+in-process) and by bench/faults.py; point it at your own MinIO / R2 endpoint to try your job against a
+blip. It speaks HTTP/1.1 with keep-alive and chunked request bodies, which is what botocore sends; it is
+a test tool, not a general-purpose proxy (plain http:// upstreams only).
+"""
+
+from __future__ import annotations
+
+import http.client
+import random
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+_HOP_HEADERS = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te", "trailer"}
+_SLOWDOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate. (injected by fault_proxy)</Message></Error>"
+)
+
+
+@dataclass
+class FaultStats:
+    forwarded: int = 0
+    errors: int = 0
+    resets: int = 0
+    refused_windows: int = 0
+
+
+class FaultProxy:
+    """Start with ``FaultProxy(upstream_url).start()``; point clients at ``proxy.url``; ``stop()`` at the end."""
+
+    def __init__(self, upstream: str, *, seed: int = 0, host: str = "127.0.0.1", port: int = 0) -> None:
+        if not upstream.startswith("http://"):
+            raise ValueError("upstream must be an http:// URL")
+        hostport = upstream[len("http://"):].rstrip("/")
+        self._up_host, _, up_port = hostport.partition(":")
+        self._up_port = int(up_port or 80)
+        self._host = host
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self.error_rate = 0.0
+        self.reset_rate = 0.0
+        self.latency = 0.0
+        self.stats = FaultStats()
+        self._stopping = threading.Event()
+        self._refuse_until = 0.0
+        self._listener: socket.socket | None = None
+        self._listener_ready = threading.Event()
+        self._port = port
+        self._threads: list[threading.Thread] = []
+
+    # -- control -------------------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return f"http://{self._host}:{self._port}"
+
+    def set_faults(self, *, error_rate: float = 0.0, reset_rate: float = 0.0, latency: float = 0.0) -> None:
+        with self._lock:
+            self.error_rate, self.reset_rate, self.latency = error_rate, reset_rate, latency
+
+    def clear(self) -> None:
+        self.set_faults()
+        self._refuse_until = 0.0
+
+    def outage(self, seconds: float) -> None:
+        """Refuse every connection for `seconds`, starting now (existing connections are cut too)."""
+        with self._lock:
+            self._refuse_until = time.monotonic() + seconds
+            self.stats.refused_windows += 1
+        self._close_listener()
+
+    def in_outage(self) -> bool:
+        return time.monotonic() < self._refuse_until
+
+    def start(self) -> "FaultProxy":
+        self._open_listener()
+        t = threading.Thread(target=self._accept_loop, name="fault-proxy-accept", daemon=True)
+        t.start()
+        self._threads.append(t)
+        return self
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._close_listener()
+        for t in self._threads:
+            t.join(timeout=5)
+
+    def __enter__(self) -> "FaultProxy":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # -- listening -----------------------------------------------------------------------------------
+    def _open_listener(self) -> None:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((self._host, self._port))
+        s.listen(128)
+        s.settimeout(0.1)
+        self._port = s.getsockname()[1]
+        self._listener = s
+
+    def _close_listener(self) -> None:
+        s, self._listener = self._listener, None
+        if s is not None:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def _accept_loop(self) -> None:
+        while not self._stopping.is_set():
+            if self._listener is None:
+                if self.in_outage():
+                    time.sleep(0.02)
+                    continue
+                try:
+                    self._open_listener()
+                except OSError:
+                    time.sleep(0.05)
+                    continue
+            try:
+                conn, _ = self._listener.accept()  # type: ignore[union-attr]
+            except socket.timeout:
+                continue
+            except OSError:
+                continue
+            if self.in_outage():
+                _reset(conn)
+                continue
+            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            t.start()
+
+    # -- one client connection ----------------------------------------------------------------------
+    def _serve(self, conn: socket.socket) -> None:
+        conn.settimeout(60)
+        f = conn.makefile("rb")
+        upstream: http.client.HTTPConnection | None = None
+        try:
+            while not self._stopping.is_set():
+                req = _read_request(f, conn)
+                if req is None:
+                    return
+                method, target, headers, body = req
+                if self.in_outage():
+                    _reset(conn)
+                    return
+                with self._lock:
+                    roll = self._rng.random()
+                    err, rst, lat = self.error_rate, self.reset_rate, self.latency
+                if roll < rst:
+                    self.stats.resets += 1
+                    _reset(conn)
+                    return
+                if roll < rst + err:
+                    self.stats.errors += 1
+                    conn.sendall(_response(503, [("Content-Type", "application/xml")], _SLOWDOWN))
+                    continue
+                if lat:
+                    time.sleep(lat)
+                if upstream is None:
+                    upstream = http.client.HTTPConnection(self._up_host, self._up_port, timeout=60)
+                fwd = [(k, v) for k, v in headers if k.lower() not in _HOP_HEADERS and k.lower() != "content-length"]
+                fwd.append(("Content-Length", str(len(body))))
+                try:
+                    upstream.putrequest(method, target, skip_host=True, skip_accept_encoding=True)
+                    for k, v in fwd:
+                        upstream.putheader(k, v)
+                    upstream.endheaders(body)
+                    resp = upstream.getresponse()
+                    data = resp.read()
+                except (OSError, http.client.HTTPException):
+                    _reset(conn)
+                    return
+                self.stats.forwarded += 1
+                out_headers = [(k, v) for k, v in resp.getheaders() if k.lower() not in _HOP_HEADERS]
+                out_headers = [(k, v) for k, v in out_headers if k.lower() != "content-length"]
+                if method == "HEAD":
+                    length = resp.getheader("Content-Length")
+                    if length is not None:
+                        out_headers.append(("Content-Length", length))
+                    conn.sendall(_response(resp.status, out_headers, b"", reason=resp.reason, head=True))
+                else:
+                    conn.sendall(_response(resp.status, out_headers, data, reason=resp.reason))
+        except (OSError, ValueError):
+            return
+        finally:
+            if upstream is not None:
+                upstream.close()
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+
+def _reset(conn: socket.socket) -> None:
+    """Close with RST (SO_LINGER 0): the client sees 'connection reset by peer', not a clean EOF."""
+    try:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()
+    except OSError:
+        pass
+
+
+def _read_request(f: Any, conn: socket.socket) -> tuple[str, str, list[tuple[str, str]], bytes] | None:
+    line = f.readline(65537)
+    if not line:
+        return None
+    parts = line.decode("latin-1").rstrip("\r\n").split(" ")
+    if len(parts) != 3:
+        raise ValueError(f"bad request line {line!r}")
+    method, target, _ = parts
+    headers: list[tuple[str, str]] = []
+    while True:
+        h = f.readline(65537)
+        if h in (b"\r\n", b"\n", b""):
+            break
+        k, _, v = h.decode("latin-1").partition(":")
+        headers.append((k.strip(), v.strip()))
+    lower = {k.lower(): v for k, v in headers}
+    if lower.get("expect", "").lower() == "100-continue":
+        conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+        headers = [(k, v) for k, v in headers if k.lower() != "expect"]
+    if "chunked" in lower.get("transfer-encoding", "").lower():
+        body = _read_chunked(f)
+    else:
+        body = f.read(int(lower.get("content-length", "0") or 0))
+    return method, target, headers, body
+
+
+def _read_chunked(f: Any) -> bytes:
+    out = bytearray()
+    while True:
+        size = int(f.readline().split(b";")[0].strip() or b"0", 16)
+        if size == 0:
+            while f.readline() not in (b"\r\n", b"\n", b""):
+                pass  # trailers
+            return bytes(out)
+        out += f.read(size)
+        f.readline()
+
+
+def _response(status: int, headers: list[tuple[str, str]], body: bytes, *, reason: str = "",
+              head: bool = False) -> bytes:
+    reason = reason or {503: "Slow Down"}.get(status, "OK")
+    lines = [f"HTTP/1.1 {status} {reason}"] + [f"{k}: {v}" for k, v in headers]
+    if not head:
+        lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body

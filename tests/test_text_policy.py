@@ -1,0 +1,53 @@
+"""The converter's text policy: lone surrogates and control characters repaired or skipped, huge
+documents tokenized in pieces with exactly the token ids of the whole text."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from grape_stream.convert.text_policy import clean_text, split_for_tokenizer
+from grape_stream.convert.tokenization import load_tokenizer
+
+
+def test_clean_text_leaves_good_text_alone():
+    for text in ["plain", "tabs\tand\nnewlines\r\n", "page\x0cbreak", "é 日本語 ✓"]:
+        assert clean_text(text) == clean_text(text, "skip") and clean_text(text).text == text
+        assert clean_text(text).kind is None
+
+
+def test_lone_surrogates_and_control_characters_are_repaired_or_skipped():
+    text = json.loads('"a\\ud800b\\u0000c\\udfffd"')  # what json.loads gives for a crawl's broken escape
+    with pytest.raises(UnicodeEncodeError):
+        text.encode("utf-8")
+    fixed = clean_text(text)
+    assert fixed.text == "a\ufffdbc\ufffdd" and fixed.kind == "repaired_text"
+    assert "2 lone surrogate(s)" in fixed.reason and "1 control character(s)" in fixed.reason
+    fixed.text.encode("utf-8")  # now encodable
+    skipped = clean_text(text, "skip")
+    assert skipped.text is None and skipped.kind == "unencodable_text"
+    with pytest.raises(ValueError, match="text policy"):
+        clean_text(text, "ignore")
+
+
+@pytest.mark.parametrize("tokenizer", ["gpt2", "bytes"])
+def test_pieces_tokenize_exactly_like_the_whole_text(tokenizer):
+    rng = random.Random(0)
+    words = ["the", "  cat", " sat", "\n\non", "’s", "don't", "123", "4567", "ab,", "  ", "x" * 50, " \t ", "é", "日本"]
+    text = "".join(rng.choice(words) + rng.choice(["", " ", "  ", "\n"]) for _ in range(30_000))
+    tok = load_tokenizer(tokenizer)
+    whole = tok.encode_batch([text])[0]
+    for max_chars in (700, 10_000):
+        pieces = split_for_tokenizer(text, max_chars)
+        assert "".join(pieces) == text and len(pieces) > 3
+        assert max(map(len, pieces)) <= max_chars + 60  # one 'word' may overhang
+        assert np.array_equal(np.concatenate(tok.encode_batch(pieces)), whole)
+
+
+def test_a_text_without_a_safe_cut_stays_whole():
+    text = "y" * 5000
+    assert split_for_tokenizer(text, 1000) == [text]
+    assert split_for_tokenizer("short", 1000) == ["short"]
