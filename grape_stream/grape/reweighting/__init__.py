@@ -11,7 +11,8 @@ Layout: ``base`` (the Reweighter class: checks, clipping, log-space steps, histo
 
 Adding a method: write one file here with a ``Reweighter`` subclass decorated with ``@register``
 (class attributes ``method``, ``description``, ``options_accepted``, ``needs_probe``, ``moves_alpha`` /
-``moves_z``, and ``_alignments``), then add one import line below. The recipe's method choices, the
+``moves_z``, and ``_alignments``), then add one import line to the ``isort: off`` block below (its
+position there is the method's position in every listing). The recipe's method choices, the
 controller's methods and option filtering all read the registry.
 """
 
@@ -32,15 +33,18 @@ from grape_stream.grape.reweighting.registry import (
 )
 from grape_stream.grape.reweighting.state import STATE_FORMAT
 
-# The methods, in the order they are listed everywhere (one import line per method file).
-from grape_stream.grape.reweighting.fixed import StaticReweighter, UniformReweighter  # noqa: E402,I001
-from grape_stream.grape.reweighting.doge import (  # noqa: E402
+# The method files. Their import order is the registry's order, i.e. the order methods are listed
+# everywhere (recipe choices, docs, demo), so the import sorter must leave this block alone.
+# isort: off
+from grape_stream.grape.reweighting.fixed import StaticReweighter, UniformReweighter
+from grape_stream.grape.reweighting.doge import (
     DogePCGradReweighter,
     DogeReweighter,
     pcgrad_coefficients,
     pcgrad_task_orders,
 )
-from grape_stream.grape.reweighting.grape import GrapeEmaReweighter, GrapeGapReweighter, GrapeReweighter  # noqa: E402
+from grape_stream.grape.reweighting.grape import GrapeEmaReweighter, GrapeGapReweighter, GrapeReweighter
+# isort: on
 
 __all__ = [
     "GRAM_ASYMMETRY_RTOL",

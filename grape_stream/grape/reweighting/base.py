@@ -19,7 +19,12 @@ from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
-from grape_stream.grape.reweighting.options import positive_int, real, resolve_history_limit, resolve_step_options
+from grape_stream.grape.reweighting.options import (
+    positive_int,
+    real,
+    resolve_history_limit,
+    resolve_step_options,
+)
 from grape_stream.grape.reweighting.registry import all_options
 from grape_stream.grape.reweighting.state import (
     STATE_FORMAT,
