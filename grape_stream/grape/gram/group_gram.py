@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Literal, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from grape_stream.grape.collectives import all_reduce_mean
 from grape_stream.grape.gram.accumulators import DEFAULT_BUDGET
@@ -73,8 +74,6 @@ class _Retry(Exception):
 
 
 def _check_batch_coupling(model: nn.Module) -> None:
-    from torch.nn.modules.batchnorm import _BatchNorm
-
     for name, m in model.named_modules():
         if isinstance(m, _BatchNorm) and (m.training or not m.track_running_stats):
             raise ValueError(
@@ -169,20 +168,7 @@ def group_gram(
     sizes = [batch_size(b, f"groups[{i}]") for i, b in enumerate(groups)]
     num_groups = len(groups)
 
-    all_params = list(model.parameters())
-    model_ids = {id(p) for p in all_params}
-    if params is None:
-        scope = [p for p in all_params if p.requires_grad]
-    else:
-        scope, seen = [], set()
-        for p in params:
-            if not isinstance(p, Tensor) or id(p) not in model_ids:
-                raise ValueError("params must be parameters of the model (got a tensor that is not one of them)")
-            if id(p) not in seen:
-                seen.add(id(p))
-                scope.append(p)
-    if not scope:
-        raise ValueError("no parameter to probe: the model has no parameter with requires_grad (or params is empty)")
+    scope = _param_scope(model, params)
     device = scope[0].device
     batch = concat(list(groups))
     batch = map_tensors(batch, lambda t: t.to(device, non_blocking=True) if t.device != device else t)
@@ -222,6 +208,26 @@ def group_gram(
     return (gram, losses, info) if return_info else (gram, losses)
 
 
+def _param_scope(model: nn.Module, params: Optional[Iterable[nn.Parameter]]) -> list[nn.Parameter]:
+    """The parameters the Gram covers: `params` (deduplicated, checked to be the model's) or every
+    parameter with requires_grad."""
+    all_params = list(model.parameters())
+    model_ids = {id(p) for p in all_params}
+    if params is None:
+        scope = [p for p in all_params if p.requires_grad]
+    else:
+        scope, seen = [], set()
+        for p in params:
+            if not isinstance(p, Tensor) or id(p) not in model_ids:
+                raise ValueError("params must be parameters of the model (got a tensor that is not one of them)")
+            if id(p) not in seen:
+                seen.add(id(p))
+                scope.append(p)
+    if not scope:
+        raise ValueError("no parameter to probe: the model has no parameter with requires_grad (or params is empty)")
+    return scope
+
+
 def _classify(
     model: nn.Module, scope: list[nn.Parameter], forced: dict[int, str]
 ) -> tuple[list[tuple[str, nn.Module, str, dict[str, nn.Parameter]]], list[nn.Parameter], dict[int, tuple[str, str]]]:
@@ -256,6 +262,46 @@ def _classify(
     return fast_modules, fb_params, fallback
 
 
+def _plan(
+    model: nn.Module, scope: list[nn.Parameter], forced: dict[int, str], sizes: list[int], num_micro: int
+) -> tuple[list[tuple[str, nn.Module, str, dict[str, nn.Parameter]]], list[nn.Parameter], GramInfo]:
+    """Fast-path modules, fallback parameters, and a GramInfo that names the fallbacks (with a warning:
+    the fallback costs one extra backward per group)."""
+    fast_modules, fb_params, fb_reasons = _classify(model, scope, forced)
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    info = GramInfo(num_groups=len(sizes), group_sizes=list(sizes), num_micro_batches=num_micro, world_size=1)
+    info.fallback_params = [names.get(id(p), "?") for p in fb_params]
+    info.fallback_modules = sorted({m for m, _ in fb_reasons.values()})
+    info.fallback_reasons = {names.get(k, "?"): r for k, (_, r) in fb_reasons.items()}
+    if fb_params:
+        warnings.warn(
+            "group_gram: exact fallback (one extra backward per group) for "
+            + "; ".join(f"{n} ({r})" for n, r in sorted(info.fallback_reasons.items())),
+            stacklevel=4,
+        )
+    return fast_modules, fb_params, info
+
+
+def _check_losses(losses: Any, n: int) -> None:
+    if not isinstance(losses, Tensor) or losses.dim() != 1 or losses.shape[0] != n:
+        got = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
+        raise ValueError(f"per_sample_loss must return one loss per sample, shape ({n},); got {got}")
+
+
+def _fallback_backward(
+    losses: Tensor, w: Tensor, micro: MicroBatch, fb_params: list[nn.Parameter], fb_acc: list[Tensor]
+) -> None:
+    """Exact per-group gradients of the fallback parameters: one backward per group of the micro-batch."""
+    for li, (sa, sb) in enumerate(micro.sample_segments):
+        mask = torch.zeros_like(w)
+        mask[sa:sb] = w[sa:sb]
+        grads = torch.autograd.grad((losses * mask).sum(), fb_params, retain_graph=True, allow_unused=True)
+        g = int(micro.groups[li])
+        for acc, gr in zip(fb_acc, grads):
+            if gr is not None:
+                acc[g] += gr.reshape(-1).to(acc.dtype)
+
+
 def _run(
     model: nn.Module,
     per_sample_loss: PerSampleLoss,
@@ -269,20 +315,13 @@ def _run(
     chunk_elements: int,
     ghost: bool,
 ) -> tuple[Tensor, Tensor, GramInfo]:
-    num_groups = len(sizes)
-    fast_modules, fb_params, fb_reasons = _classify(model, scope, forced)
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    info = GramInfo(num_groups=num_groups, group_sizes=list(sizes), num_micro_batches=len(spans), world_size=1)
-    info.fallback_params = [names.get(id(p), "?") for p in fb_params]
-    info.fallback_modules = sorted({m for m, _ in fb_reasons.values()})
-    info.fallback_reasons = {names.get(k, "?"): r for k, (_, r) in fb_reasons.items()}
-    if fb_params:
-        warnings.warn(
-            "group_gram: exact fallback (one extra backward per group) for "
-            + "; ".join(f"{n} ({r})" for n, r in sorted(info.fallback_reasons.items())),
-            stacklevel=3,
-        )
+    """One attempt at the fused pass (the caller retries with more fallback parameters on `_Retry`).
 
+    Kept as one function (~90 lines) because one try/finally must cover the whole micro-batch loop: it
+    restores the parameters' requires_grad flags and removes the hooks whatever happens inside.
+    """
+    num_groups = len(sizes)
+    fast_modules, fb_params, info = _plan(model, scope, forced, sizes, len(spans))
     fast_ids = {id(p) for _, _, _, ps in fast_modules for p in ps.values()}
     in_scope = {id(p) for p in scope}
     weights = 1.0 / torch.tensor(sizes, dtype=torch.float64, device=device)
@@ -312,11 +351,7 @@ def _run(
                 losses = per_sample_loss(model, mb)
                 engine.end_forward()
                 timings["forward_s"] += time.perf_counter() - t0
-                if not isinstance(losses, Tensor) or losses.dim() != 1 or losses.shape[0] != b - a:
-                    got = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
-                    raise ValueError(
-                        f"per_sample_loss must return one loss per sample, shape ({b - a},); got {got}"
-                    )
+                _check_losses(losses, b - a)
                 if engine.layout_errors:
                     raise _Retry(engine.layout_errors)
                 loss_sums.index_add_(0, micro.sample_groups, losses.detach().to(torch.float64))
@@ -333,16 +368,7 @@ def _run(
 
                 t0 = time.perf_counter()
                 if fb_params:
-                    for li, (sa, sb) in enumerate(micro.sample_segments):
-                        mask = torch.zeros_like(w)
-                        mask[sa:sb] = w[sa:sb]
-                        grads = torch.autograd.grad(
-                            (losses * mask).sum(), fb_params, retain_graph=True, allow_unused=True
-                        )
-                        g = int(micro.groups[li])
-                        for acc, gr in zip(fb_acc, grads):
-                            if gr is not None:
-                                acc[g] += gr.reshape(-1).to(acc.dtype)
+                    _fallback_backward(losses, w, micro, fb_params, fb_acc)
                 timings["fallback_s"] += time.perf_counter() - t0
 
                 t0 = time.perf_counter()
