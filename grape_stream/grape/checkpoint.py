@@ -40,9 +40,10 @@ def check_state_format(state: Mapping[str, Any]) -> None:
         )
 
 
-def history_tail(history: list[dict[str, Any]], dropped: int, limit: int = CHECKPOINT_HISTORY
+def history_tail(history: list[dict[str, Any]], dropped: int, limit: int | None = None
                  ) -> tuple[list[dict[str, Any]], int]:
-    """(the newest `limit` records, how many older ones are then missing in all)."""
+    """(the newest `limit` records (default CHECKPOINT_HISTORY), how many older ones are then missing in all)."""
+    limit = CHECKPOINT_HISTORY if limit is None else limit
     keep = history[-limit:] if limit > 0 else []
     return keep, dropped + len(history) - len(keep)
 
