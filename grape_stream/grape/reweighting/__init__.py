@@ -4,7 +4,8 @@
     alpha, z = r.update(gram, task_losses, lr)
 
 Layout: ``base`` (the Reweighter class: checks, clipping, log-space steps, history, state), ``options``
-(option checks and the paper's defaults PAPER_MU_ALPHA / PAPER_MU_Z), ``state`` (exact JSON forms),
+(option checks and the paper's defaults PAPER_MU_ALPHA / PAPER_MU_Z), ``gram_input`` (reading, checking,
+clipping the Gram), ``state`` (exact JSON forms),
 ``registry`` (the one method list and the functions that read it), and one file per method family:
 ``fixed`` (uniform, static), ``doge`` (doge, doge_pcgrad, the PCGrad coefficient math), ``grape``
 (grape, grape_gap, grape_ema). docs/reweighting.md has the equations as implemented.

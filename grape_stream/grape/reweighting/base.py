@@ -19,6 +19,12 @@ from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
+from grape_stream.grape.reweighting.gram_input import (
+    GRAM_ASYMMETRY_RTOL,
+    check_and_symmetrise,
+    clip_gram,
+    to_matrix,
+)
 from grape_stream.grape.reweighting.options import (
     positive_int,
     real,
@@ -31,7 +37,6 @@ from grape_stream.grape.reweighting.state import (
     json_floats,
     log_weights_from_json,
     log_weights_to_json,
-    to_matrix,
 )
 from grape_stream.simplex import (
     apply_floor,
@@ -44,10 +49,6 @@ from grape_stream.simplex import (
 )
 
 __all__ = ["BOOKKEEPING_OPTIONS", "GRAM_ASYMMETRY_RTOL", "Reweighter"]
-
-#: Largest tolerated |G - G^T| relative to max|G|. A Gram computed in float32 by summing per-layer
-#: products in different orders is asymmetric at the 1e-7 level; anything near 1e-4 is a wrong matrix.
-GRAM_ASYMMETRY_RTOL = 1e-4
 
 #: Options that change what is remembered, not the weights: a strict load does not compare them (the
 #: controller keeps its own update records and asks its reweighter for the last one only).
@@ -252,35 +253,10 @@ class Reweighter:
         return value
 
     def _check_and_symmetrise(self, g: np.ndarray) -> np.ndarray:
-        scale = float(np.max(np.abs(g)))
-        asym = float(np.max(np.abs(g - g.T)))
-        if asym > GRAM_ASYMMETRY_RTOL * scale:
-            i, j = np.unravel_index(int(np.argmax(np.abs(g - g.T))), g.shape)
-            raise ValueError(
-                f"gram is not symmetric: |G[{i},{j}] - G[{j},{i}]| = {asym!r} exceeds "
-                f"{GRAM_ASYMMETRY_RTOL:g} * max|G| = {GRAM_ASYMMETRY_RTOL * scale!r}; pass the Gram matrix "
-                f"of inner products <v_i, v_j> of the K domain then N task gradients"
-            )
-        g = 0.5 * g + 0.5 * g.T  # (g + g.T) / 2 could overflow near the float64 limit
-        diag = np.diag(g)
-        neg = np.flatnonzero(diag < -GRAM_ASYMMETRY_RTOL * scale)
-        if neg.size:
-            raise ValueError(
-                f"gram has negative diagonal entries at {neg.tolist()} ({diag[neg].tolist()}); a diagonal "
-                f"entry is a squared gradient norm"
-            )
-        return g
+        return check_and_symmetrise(g)
 
     def _clip(self, g: np.ndarray) -> np.ndarray:
-        """Per-group gradient clipping g_i <- g_i * min(1, c/||g_i||), expressed on the Gram: D G D."""
-        c = self._options.get("clip_norm")
-        if c is None:
-            return g
-        norms = np.sqrt(np.maximum(np.diag(g), 0.0))
-        scale = np.ones_like(norms)
-        big = norms > c
-        scale[big] = c / norms[big]
-        return g * scale[:, None] * scale[None, :]
+        return clip_gram(g, self._options.get("clip_norm"))
 
     def _alignments(
         self, alignment: np.ndarray, task_gram: np.ndarray, losses: np.ndarray, index: int

@@ -7,11 +7,11 @@ values JSON cannot hold are non-finite ones, which get an explicit encoding here
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
-__all__ = ["STATE_FORMAT", "json_floats", "log_weights_from_json", "log_weights_to_json", "to_matrix"]
+__all__ = ["STATE_FORMAT", "json_floats", "log_weights_from_json", "log_weights_to_json"]
 
 STATE_FORMAT = "grape_stream.reweighter/1"
 
@@ -36,12 +36,3 @@ def log_weights_from_json(values: Sequence[float | None], size: int, name: str) 
         raise ValueError(f"state_dict[{name!r}] holds NaN or +inf")
     return out
 
-
-def to_matrix(gram: Any) -> np.ndarray:
-    """A float64 numpy copy of a Gram given as numpy, nested lists or a torch tensor (any device)."""
-    if hasattr(gram, "detach"):  # torch.Tensor, any device / dtype
-        gram = gram.detach().cpu().double().numpy()
-    try:
-        return np.array(gram, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"gram must be a square matrix of numbers, got {type(gram).__name__}: {exc}") from None
