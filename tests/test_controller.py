@@ -258,3 +258,68 @@ def test_fsdp_is_refused_with_a_clear_message(data_dir):
     msg = q.get(timeout=120)
     p.join(60)
     assert "FSDP" in msg and "DDP" in msg, msg
+
+
+def test_checkpoint_keeps_a_bounded_history_and_the_trajectory_stays_whole(data_dir, tmp_path, monkeypatch):
+    import grape_stream.grape.checkpoint as checkpoint
+
+    monkeypatch.setattr(checkpoint, "CHECKPOINT_HISTORY", 2)
+    model = _model()
+    kw = dict(alpha_every=2, z_every=2, probe_domain_batch=4, probe_task_batch=4, seed=3, mu_alpha=1e-3, mu_z=5e-4)
+    a = GrapeController(_mixer(data_dir), _tasks(data_dir), **kw)
+    resumed_path = tmp_path / "resumed.jsonl"
+    for step in range(1, 9):
+        if a.maybe_update(model, step, lr=1e-3) is not None:
+            a.write_trajectory(resumed_path)
+    state = torch.load(_saved(a.state_dict(), tmp_path), weights_only=True)
+    assert state["format"] == "grape_stream.controller/2"
+    assert [r["step"] for r in state["history"]] == [6, 8] and state["history_dropped"] == 3
+    assert len(state["reweighter"]["history"]) == 1  # the reweighter keeps only its last record
+
+    b = GrapeController(_mixer(data_dir), _tasks(data_dir), **kw)
+    b.load_state_dict(state)
+    ra, rb = a.maybe_update(model, 10, lr=1e-3), b.maybe_update(model, 10, lr=1e-3)
+    assert ra["alpha"] == rb["alpha"]
+    b.write_trajectory(resumed_path)
+    _, records = load_trajectory(a.write_trajectory(tmp_path / "straight.jsonl"))
+    _, resumed = load_trajectory(resumed_path)
+    assert [r["step"] for r in resumed] == [0, 2, 4, 6, 8, 10]
+    assert [r["alpha"] for r in resumed] == [r["alpha"] for r in records]
+
+
+def test_old_integer_state_format_still_loads(data_dir, tmp_path):
+    model = _model()
+    kw = dict(method="grape", alpha_every=2, z_every=2, probe_domain_batch=4, probe_task_batch=4, seed=1,
+              mu_alpha=1e-3, mu_z=5e-4)
+    a = GrapeController(_mixer(data_dir), _tasks(data_dir), **kw)
+    for step in (1, 2, 3, 4):
+        a.maybe_update(model, step, lr=1e-3)
+    old = a.state_dict()
+    old["format"] = 1  # the layout before the bounded history: no history_dropped, reweighter kept everything
+    old.pop("history_dropped")
+    old["reweighter"]["options"]["history_limit"] = None
+    b = GrapeController(_mixer(data_dir), _tasks(data_dir), **kw)
+    b.load_state_dict(old)
+    ra, rb = a.maybe_update(model, 6, lr=1e-3), b.maybe_update(model, 6, lr=1e-3)
+    assert ra["alpha"] == rb["alpha"] and ra["z"] == rb["z"]
+    with pytest.raises(ValueError, match="format"):
+        b.load_state_dict({**old, "format": 7})
+
+
+def test_metrics_dict_for_any_logger(data_dir):
+    ctl = GrapeController(_mixer(data_dir), _tasks(data_dir), alpha_every=1, z_every=1, probe_domain_batch=4,
+                          probe_task_batch=4, mu_alpha=1e-3, mu_z=5e-4)
+    rec = ctl.maybe_update(_model(), 1, lr=1e-3)
+    m = ctl.metrics(rec)
+    assert ctl.metrics() == m
+    assert m["grape/alpha/d1"] == rec["alpha"][1] and m["grape/z/t0"] == rec["z"][0] and m["grape/lr"] == 1e-3
+    assert m["grape/alignment/d2/t1"] == rec["alignment"][2][1] and m["grape/task_loss/t1"] == rec["task_loss"][1]
+    assert m["grape/seconds/total"] == rec["seconds"]["total"]
+    assert not any(k.startswith("grape/alignment/") for k in ctl.metrics(rec, alignment=False))
+    assert all(isinstance(v, float) for v in m.values())
+
+
+def _saved(state, tmp_path):
+    path = tmp_path / "ctl.pt"
+    torch.save(state, path)
+    return path

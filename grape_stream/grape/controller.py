@@ -1,16 +1,16 @@
-"""GrapeController: probe -> Gram matrix -> reweighter -> mixer, for any training loop.
+"""GrapeController: when to update the mixture, and probe -> Gram -> reweight -> mixer, for any loop.
 
 The controller is the loop-independent half of GRAPE. A training loop calls
 ``controller.maybe_update(model, step, lr)`` once after every optimizer step; every ``alpha_every`` /
 ``z_every`` steps the controller
 
-1. draws one probe batch per domain (``mixer.probe``) and per target task (``TaskStream.probe``), each a
-   pure function of ``(seed, step, ...)`` so a resumed run draws the same probes;
+1. draws one probe batch per domain and per target task (grape.probes), each a pure function of
+   ``(seed, step, rank)`` so a resumed run draws the same probes;
 2. computes the (K+N) x (K+N) Gram matrix of the groups' mean-loss gradients with one fused
-   forward/backward (``grape_stream.grape.gram.group_gram.group_gram``), which never touches ``.grad`` and keeps
-   memory bounded by the largest layer;
+   forward/backward (grape.gram), which never touches ``.grad`` and keeps memory bounded by the
+   largest layer;
 3. feeds the Gram matrix, the task losses and the optimizer's current learning rate to the reweighter
-   (``grape_stream.grape.reweighting``), and
+   (grape.reweighting), and
 4. hands the new domain weights to the mixer (``mixer.set_weights``), which applies them to batches
    composed from then on.
 
@@ -19,205 +19,70 @@ Across ranks the weights are identical by construction *and* by check: each rank
 feeds bit-identical inputs to the deterministic reweighter), and rank 0's alpha / z are then broadcast
 and used by every rank's mixer (a mismatch, which would reveal non-determinism, is logged once).
 
-Method ``"schedule"`` replays a recorded trajectory (the JSONL written by the trajectory callback or
-:meth:`GrapeController.write_trajectory`) without computing any alignment: weights found by a small
-proxy can steer a large run at no cost.
-
-Nothing here imports Composer.
+Each update returns a record (also kept in ``history`` and written by :meth:`write_trajectory`);
+:meth:`metrics` flattens it for any logger. Method ``"schedule"`` replays a recorded trajectory
+(grape.replay). Nothing here imports Composer; docs/design.md places this module in the package.
 """
 
 from __future__ import annotations
 
-import bisect
-import contextlib
-import inspect
 import json
 import logging
 import os
 import time
-from typing import Any, Callable, ContextManager, Iterable, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
+from grape_stream.grape.alignment import probe_gram
+from grape_stream.grape.checkpoint import (
+    STATE_FORMAT,
+    check_state_format,
+    from_plain,
+    history_tail,
+    to_plain,
+)
+from grape_stream.grape.collectives import agree_with_rank_zero
+from grape_stream.grape.methods import controller_methods, filter_reweighter_options
+from grape_stream.grape.metrics import update_metrics
+from grape_stream.grape.mixer_port import mixer_domain_names, push_weights
+from grape_stream.grape.probes import draw_probe_groups, module_device, unwrap_for_probe
+from grape_stream.grape.replay import REPLAY_METHOD, ScheduleReplay
+from grape_stream.grape.reweighting import Reweighter, build_reweighter, method_options
 from grape_stream.grape.tasks import TaskStream, task_names
+from grape_stream.grape.trajectory import (
+    floats,
+    jsonable,
+    load_trajectory,
+    write_trajectory,
+)
+from grape_stream.models import per_sample_lm_loss
+from grape_stream.world import dist_active, process_world
 
-__all__ = ["GrapeController", "filter_reweighter_options", "load_trajectory", "unwrap_for_probe", "controller_methods", "REPLAY_METHOD", "STATE_FORMAT"]
+__all__ = [
+    "REPLAY_METHOD",
+    "STATE_FORMAT",
+    "GrapeController",
+    "controller_methods",
+    "filter_reweighter_options",
+    "load_trajectory",
+    "unwrap_for_probe",
+]
 
 log = logging.getLogger(__name__)
 
-#: Methods whose weights never depend on gradients: no probe is drawn, no Gram is computed.
-#: Besides the reweighting methods, the controller replays a recorded trajectory.
-REPLAY_METHOD = "schedule"
+PerSampleLoss = Callable[[nn.Module, Mapping[str, torch.Tensor]], torch.Tensor]
 
 
-def controller_methods() -> list[str]:
-    """Every `method` a GrapeController (and so a recipe) accepts: the reweighter registry plus replay."""
-    from grape_stream.grape.reweighting import available_methods
-
-    return [*available_methods(), REPLAY_METHOD]
-#: Version of the controller's state_dict layout (bumped on incompatible change).
-STATE_FORMAT = 1
-
-
-# ---------------------------------------------------------------------------------------------------
-# model unwrapping: DDP is supported, FSDP is refused with a clear message
-# ---------------------------------------------------------------------------------------------------
-def unwrap_for_probe(model: nn.Module) -> nn.Module:
-    """The module whose parameters the probe differentiates.
-
-    DDP is unwrapped by type (``.module`` exists on many non-DDP wrappers, e.g. Composer's classifier):
-    differentiating the inner module with ``torch.autograd.grad`` runs no DDP hook, so no collective is
-    issued and every rank's ``.grad`` stays bit-identical. FSDP shards parameters (DTensor / flat
-    params): a per-rank gradient of a shard is not the gradient the Gram matrix needs, so it is refused
-    rather than silently computing a wrong answer.
-    """
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(model, DistributedDataParallel):
-        model = model.module
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        fsdp_types: tuple[type, ...] = (FullyShardedDataParallel,)
-    except Exception:  # pragma: no cover - torch without distributed
-        fsdp_types = ()
-    try:
-        from torch.distributed.tensor import DTensor
-    except Exception:  # pragma: no cover
-        DTensor = None  # type: ignore[assignment]
-    for m in model.modules():
-        if fsdp_types and isinstance(m, fsdp_types):
-            raise NotImplementedError(
-                "GRAPE probes do not support FSDP yet: parameters are sharded, so a per-rank gradient is not "
-                "the full gradient the alignment Gram matrix needs. Use DDP (Composer: no parallelism_config / "
-                "fsdp_config) or a plain single-device loop."
-            )
-    if DTensor is not None:
-        for name, p in model.named_parameters():
-            if isinstance(p, DTensor):
-                raise NotImplementedError(
-                    f"GRAPE probes do not support FSDP2/DTensor-sharded parameters yet (parameter {name!r} is a "
-                    "DTensor): the per-rank gradient of a shard is not the full gradient the alignment Gram matrix "
-                    "needs. Use DDP or a single-device loop."
-                )
-    return model
-
-
-# ---------------------------------------------------------------------------------------------------
-# distributed helpers (no-ops in a single process)
-# ---------------------------------------------------------------------------------------------------
-def _dist_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
-def _collective_device(fallback: torch.device) -> torch.device:
-    backend = torch.distributed.get_backend()
-    if backend == "nccl":
-        return fallback if fallback.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _broadcast_from_zero(x: np.ndarray, device: torch.device) -> np.ndarray:
-    t = torch.as_tensor(np.ascontiguousarray(x, dtype=np.float64)).to(_collective_device(device))
-    torch.distributed.broadcast(t, src=0)
-    return t.cpu().numpy()
-
-
-# ---------------------------------------------------------------------------------------------------
-# state sanitising: checkpoints must load with torch.load(weights_only=True)
-# ---------------------------------------------------------------------------------------------------
-def _to_plain(obj: Any) -> Any:
-    """numpy arrays -> tagged tensors, numpy scalars -> Python numbers, recursively."""
-    if isinstance(obj, np.ndarray):
-        return {"__ndarray__": torch.from_numpy(np.array(obj, copy=True))}
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, Mapping):
-        return {k: _to_plain(v) for k, v in obj.items()}
-    if isinstance(obj, tuple):
-        return tuple(_to_plain(v) for v in obj)
-    if isinstance(obj, list):
-        return [_to_plain(v) for v in obj]
-    return obj
-
-
-def _from_plain(obj: Any) -> Any:
-    if isinstance(obj, Mapping):
-        if set(obj.keys()) == {"__ndarray__"}:
-            return obj["__ndarray__"].cpu().numpy().copy()
-        return {k: _from_plain(v) for k, v in obj.items()}
-    if isinstance(obj, tuple):
-        return tuple(_from_plain(v) for v in obj)
-    if isinstance(obj, list):
-        return [_from_plain(v) for v in obj]
-    return obj
-
-
-# ---------------------------------------------------------------------------------------------------
-# trajectories
-# ---------------------------------------------------------------------------------------------------
-def load_trajectory(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Read a trajectory JSONL: (meta, update records sorted by step). Errors name the line."""
-    meta: dict[str, Any] = {}
-    records: list[dict[str, Any]] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
-            kind = rec.get("type", "update")
-            if kind == "meta":
-                meta = rec
-            elif kind == "update":
-                if "step" not in rec or "alpha" not in rec:
-                    raise ValueError(f"{path}:{lineno}: an update record needs 'step' and 'alpha'")
-                records.append(rec)
-    if not records:
-        raise ValueError(f"{path}: no update records")
-    records.sort(key=lambda r: r["step"])
-    return meta, records
-
-
-def _collate_domain_samples(samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-    """Domain probe samples (dicts with ``tokens``) -> ``{"tokens": int64 (B, T), "loss_mask": ones}``
-    (the mask makes the domain groups' keys match the task groups' for the fused probe)."""
-    if not samples:
-        raise ValueError("the mixer returned an empty probe")
-    toks = []
-    for s in samples:
-        t = s["tokens"]
-        toks.append(t.to(torch.int64) if isinstance(t, torch.Tensor) else torch.from_numpy(np.asarray(t).astype(np.int64)))
-    tokens = torch.stack(toks)
-    return {"tokens": tokens, "loss_mask": torch.ones_like(tokens, dtype=torch.uint8)}
-
-
-def _pad_groups(groups: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
-    """Give every probe group the same sequence length (the fused probe concatenates them).
-
-    Shorter groups are right-padded with token 0 and loss_mask 0: in a causal model, tokens after a
-    position never change its prediction, so the padded loss equals the unpadded one exactly.
-    """
-    T = max(g["tokens"].shape[1] for g in groups)
-    out = []
-    for g in groups:
-        t = g["tokens"].shape[1]
-        if t == T:
-            out.append(g)
-            continue
-        pad = T - t
-        out.append({
-            "tokens": torch.nn.functional.pad(g["tokens"], (0, pad), value=0),
-            "loss_mask": torch.nn.functional.pad(g["loss_mask"].to(torch.uint8), (0, pad), value=0),
-        })
-    return out
+def _collective_world() -> tuple[int, int]:
+    """(rank, size) of the process group, (0, 1) without one: the probe's collectives need a group
+    whatever RANK / WORLD_SIZE the environment holds."""
+    if not dist_active():
+        return 0, 1
+    world = process_world()
+    return world.rank, world.size
 
 
 class GrapeController:
@@ -227,8 +92,8 @@ class GrapeController:
         mixer: the :class:`~grape_stream.mixing.mixer.WeightedStreamingMixer` feeding training (anything with
             ``domain_names`` or ``domains``, ``probe(k, n, key)`` and ``set_weights(alpha)``).
         tasks: the target tasks (probe split = validation).
-        method: a reweighter name (``uniform``, ``static``, ``doge``, ``doge_pcgrad``, ``grape``,
-            ``grape_gap``, ``grape_ema``) or ``schedule`` (replay ``schedule_path``).
+        method: a reweighter name (see ``grape_stream.grape.reweighting.available_methods()``) or
+            ``schedule`` (replay ``schedule_path``).
         alpha_every, z_every: update periods in optimizer steps (paper: 100 and 100).
         probe_domain_batch, probe_task_batch: samples per domain / per task in one probe (per rank).
         per_sample_loss: ``f(model, batch) -> Tensor[B]``; the default is the LM loss of
@@ -240,6 +105,7 @@ class GrapeController:
             alignment of the deterministic network, which is what the next steps move along.
         schedule_path, schedule_stretch: for ``method="schedule"``, the trajectory JSONL and a factor
             on its steps (a proxy trajectory of 10k steps drives a 50k-step run with stretch 5).
+        gram_options: passed to ``group_gram`` (``micro_batch_size``, ``chunk_elements``, ``ghost``, ...).
         **reweighter_options: passed to ``build_reweighter`` (``mu_alpha``, ``mu_z``, ``step_size``,
             ``clip_norm``, ``z_smoothing``, initial weights, ...).
     """
@@ -253,7 +119,7 @@ class GrapeController:
         z_every: int = 100,
         probe_domain_batch: int = 8,
         probe_task_batch: int = 8,
-        per_sample_loss: Callable[[nn.Module, Mapping[str, torch.Tensor]], torch.Tensor] | None = None,
+        per_sample_loss: PerSampleLoss | None = None,
         seed: int = 0,
         *,
         probe_mode: str = "sharded",
@@ -274,87 +140,74 @@ class GrapeController:
         self.mixer = mixer
         self.tasks = list(tasks)
         self.task_names = task_names(self.tasks)
-        self.domain_names = _mixer_domain_names(mixer)
+        self.domain_names = mixer_domain_names(mixer)
         self.method = str(method)
         self.alpha_every = alpha_every
         self.z_every = z_every
         self.probe_domain_batch = probe_domain_batch
         self.probe_task_batch = probe_task_batch
-        if per_sample_loss is None:
-            from grape_stream.models import per_sample_lm_loss
-
-            per_sample_loss = per_sample_lm_loss
-        self.per_sample_loss = per_sample_loss
+        self.per_sample_loss = per_sample_loss if per_sample_loss is not None else per_sample_lm_loss
         self.seed = int(seed)
         self.probe_mode = probe_mode
         self.probe_train_mode = probe_train_mode
         self.gram_options = dict(gram_options or {})
         self.reweighter_options = dict(reweighter_options)
 
+        #: update records of this run (after a resume: the checkpoint's newest ones, then this process's)
         self.history: list[dict[str, Any]] = []
+        #: how many older records are not in `history` (they are in the trajectory file on disk)
+        self.history_dropped = 0
         self.num_updates = 0
         self._started = False
         self._resumed = False
         self._mismatch_warned = False
-        self._set_weights_params = _signature_params(getattr(mixer, "set_weights"))
         self._consumed: int | None = None
         self._last_from_batch: int | None = None
 
-        K, N = len(self.domain_names), len(self.task_names)
-        self._schedule: list[dict[str, Any]] = []
-        self._schedule_steps: list[float] = []
-        self._schedule_index = -1
-        if self.method == "schedule":
+        self.replay: ScheduleReplay | None = None
+        self.reweighter: Reweighter | None = None
+        self.schedule_path: str | None = None
+        if self.method == REPLAY_METHOD:
             if schedule_path is None:
                 raise ValueError("method='schedule' needs schedule_path (a trajectory JSONL)")
             if self.reweighter_options:
                 raise TypeError(f"method 'schedule' takes no reweighter options, got {sorted(self.reweighter_options)}")
-            meta, records = load_trajectory(schedule_path)
-            if meta.get("domains") and list(meta["domains"]) != self.domain_names:
-                raise ValueError(
-                    f"schedule {schedule_path} was recorded for domains {meta['domains']}, "
-                    f"but the mixer has {self.domain_names}"
-                )
-            for rec in records:
-                if len(rec["alpha"]) != K:
-                    raise ValueError(f"schedule {schedule_path}: step {rec['step']} has {len(rec['alpha'])} weights, expected {K}")
-            self._schedule = records
-            self._schedule_steps = [float(r["step"]) * schedule_stretch for r in records]
-            self.schedule_path = os.fspath(schedule_path)
-            self.reweighter = None
+            self.replay = ScheduleReplay(schedule_path, self.domain_names, schedule_stretch)
+            self.schedule_path = self.replay.path
         else:
-            from grape_stream.grape.reweighting import build_reweighter
-
-            # uniform / static need no tasks, but a reweighter always has a task side: give it one placeholder.
-            self.reweighter = build_reweighter(self.method, num_domains=K, num_tasks=max(N, 1), **self.reweighter_options)
-            self.schedule_path = None
+            self.reweighter = self._build_reweighter()
         self.needs_probe = self.reweighter is not None and self.reweighter.needs_probe
-        if self.needs_probe and N == 0:
+        if self.needs_probe and not self.task_names:
             raise ValueError(f"method {self.method!r} needs at least one target task")
-        self._update_params = _signature_params(self.reweighter.update) if self.reweighter is not None else set()
-        if self.needs_probe and alpha_every != z_every and not {"update_alpha", "update_z"} <= self._update_params:
-            raise ValueError(
-                f"alpha_every={alpha_every} differs from z_every={z_every}, but the {self.method!r} reweighter "
-                "updates alpha and z together; use equal periods"
-            )
+
+    def _build_reweighter(self) -> Reweighter:
+        opts = dict(self.reweighter_options)
+        if "history_limit" in method_options(self.method):
+            # The controller's records carry what it needs of the reweighter's (a, b, skipped): one is enough.
+            opts.setdefault("history_limit", 1)
+        # uniform / static need no tasks, but a reweighter always has a task side: give it one placeholder.
+        return build_reweighter(self.method, num_domains=len(self.domain_names),
+                                num_tasks=max(len(self.task_names), 1), **opts)
 
     # ------------------------------------------------------------------------------------------------
     @property
     def alpha(self) -> np.ndarray:
         if self.reweighter is not None:
             return np.asarray(self.reweighter.alpha, dtype=np.float64)
-        rec = self._schedule[max(self._schedule_index, 0)]
-        return np.asarray(rec["alpha"], dtype=np.float64)
+        assert self.replay is not None
+        return np.asarray(self.replay.current()["alpha"], dtype=np.float64)
 
     @property
     def z(self) -> np.ndarray | None:
         if self.reweighter is not None:
             z = getattr(self.reweighter, "z", None)
             return None if z is None or not self.task_names else np.asarray(z, dtype=np.float64)
-        rec = self._schedule[max(self._schedule_index, 0)]
+        assert self.replay is not None
+        rec = self.replay.current()
         return None if rec.get("z") is None else np.asarray(rec["z"], dtype=np.float64)
 
     def meta(self) -> dict[str, Any]:
+        """The trajectory's first line: what the records belong to."""
         return {
             "type": "meta",
             "method": self.method,
@@ -365,8 +218,15 @@ class GrapeController:
             "probe_domain_batch": self.probe_domain_batch,
             "probe_task_batch": self.probe_task_batch,
             "seed": self.seed,
-            "options": {k: _jsonable(v) for k, v in self.reweighter_options.items()},
+            "options": {k: jsonable(v) for k, v in self.reweighter_options.items()},
         }
+
+    def metrics(self, record: Mapping[str, Any] | None = None, *, alignment: bool = True) -> dict[str, float]:
+        """The flat ``{"grape/alpha/<domain>": ..., ...}`` dict of an update record (default: the last),
+        for any logger; ``alignment=False`` leaves out the K x N alignment entries."""
+        if record is None:
+            record = self.history[-1] if self.history else {}
+        return update_metrics(record, self.domain_names, self.task_names, alignment=alignment)
 
     def start(self) -> None:
         """Push the initial weights to the mixer (once, and never after a resume).
@@ -380,15 +240,15 @@ class GrapeController:
         if self._resumed:
             return
         initial = self.alpha
-        if self.method == "schedule":
-            if self._schedule_steps[0] > 0:  # the trajectory starts later: keep the mixer's weights until then
+        if self.replay is not None:
+            if not self.replay.starts_at_zero:  # the trajectory starts later: keep the mixer's weights until then
                 initial = np.asarray(getattr(self.mixer, "weights"), dtype=np.float64)
             else:
-                self._schedule_index = 0
+                self.replay.index = 0
         if not np.array_equal(np.asarray(getattr(self.mixer, "weights", []), dtype=np.float64), initial):
             self._apply_weights(initial, 0)
-        rec = {"type": "update", "step": 0, "initial": True, "alpha": _floats(initial),
-               "z": None if self.z is None else _floats(self.z)}
+        rec = {"type": "update", "step": 0, "initial": True, "alpha": floats(initial),
+               "z": None if self.z is None else floats(self.z)}
         self.history.append(rec)
 
     def due(self, step: int) -> tuple[bool, bool]:
@@ -419,61 +279,32 @@ class GrapeController:
         self._consumed = consumed_batches
         if not self._started:
             self.start()
-        if self.method == "schedule":
+        if self.replay is not None:
             return self._replay(step)
         a_due, z_due = self.due(step)
         if not (a_due or z_due):
             return None
         t0 = time.perf_counter()
         seconds: dict[str, float] = {}
-        rank, world = _dist_world()
-        device = _module_device(model)
-        K, N = len(self.domain_names), len(self.task_names)
+        rank, world = _collective_world()
+        device = module_device(model)
         rec: dict[str, Any] = {"type": "update", "step": int(step), "lr": float(lr), "method": self.method}
-
         if self.needs_probe:
-            probe_model = unwrap_for_probe(model)
-            t = time.perf_counter()
-            groups = self._probe_batches(step, rank, world, device)
-            seconds["probe_data"] = time.perf_counter() - t
-            t = time.perf_counter()
-            # Sharded: every rank probed different samples; group_gram averages Gram and losses over the
-            # ranks (one all-reduce), so every rank feeds identical numbers to the reweighter.
-            gram, losses = self._gram(probe_model, groups, autocast, reduce="mean" if self.probe_mode == "sharded" else None)
-            seconds["gram"] = time.perf_counter() - t
-            t = time.perf_counter()
-            self._reweight(gram, losses[K:], lr, step, a_due, z_due)
-            seconds["reweight"] = time.perf_counter() - t
-            rec["domain_loss"] = _floats(losses[:K])
-            rec["task_loss"] = _floats(losses[K:])
-            rec["alignment"] = [_floats(row) for row in gram[:K, K:]]
-            rec["gram_diag"] = _floats(np.diag(gram))
-            last = self.reweighter.history[-1] if self.reweighter.history else {}
-            if last.get("b") is not None:
-                rec["domain_alignment"] = last["b"]
-            if last.get("a") is not None:
-                rec["task_alignment"] = last["a"]
-            if last.get("skipped"):
-                rec["skipped"] = last["skipped"]
-                log.warning("GRAPE update at step %d skipped: %s", step, last["skipped"])
-
+            self._probe_and_reweight(model, step, lr, a_due, z_due, autocast, rank, world, device, rec, seconds)
         alpha, z = self.alpha, self.z
         if world > 1:
             t = time.perf_counter()
-            mine = np.concatenate([alpha, z if z is not None else np.zeros(0)])
-            agreed = _broadcast_from_zero(mine, device)
-            if not np.array_equal(agreed, mine) and not self._mismatch_warned:
+            agreed, diff = agree_with_rank_zero(np.concatenate([alpha, z if z is not None else np.zeros(0)]), device)
+            if diff and not self._mismatch_warned:  # would reveal non-determinism across ranks
                 self._mismatch_warned = True
-                log.warning("rank %d computed weights that differ from rank 0's by %.3g; using rank 0's",
-                            rank, float(np.max(np.abs(agreed - mine))))
-            alpha = agreed[:K]
-            z = agreed[K:] if z is not None else None
+                log.warning("rank %d computed weights that differ from rank 0's by %.3g; using rank 0's", rank, diff)
+            alpha, z = agreed[: len(alpha)], (agreed[len(alpha):] if z is not None else None)
             seconds["sync_weights"] = time.perf_counter() - t
         self._apply_weights(alpha, step)
         if self._last_from_batch is not None:
             rec["from_batch"] = self._last_from_batch
-        rec["alpha"] = _floats(alpha)
-        rec["z"] = None if z is None else _floats(z)
+        rec["alpha"] = floats(alpha)
+        rec["z"] = None if z is None else floats(z)
         rec["updated"] = {"alpha": bool(a_due), "z": bool(z_due)}
         seconds["total"] = time.perf_counter() - t0
         rec["seconds"] = seconds
@@ -483,112 +314,92 @@ class GrapeController:
                  np.round(alpha, 4).tolist())
         return rec
 
+    def _probe_and_reweight(self, model: nn.Module, step: int, lr: float, a_due: bool, z_due: bool,
+                            autocast: Callable[[], ContextManager[Any]] | None, rank: int, world: int,
+                            device: torch.device, rec: dict[str, Any], seconds: dict[str, float]) -> None:
+        """Probe, Gram, reweight; fill `rec` with the probe's losses and alignments."""
+        assert self.reweighter is not None
+        K = len(self.domain_names)
+        probe_model = unwrap_for_probe(model)
+        t = time.perf_counter()
+        groups = self._probe_batches(step, rank, world, device)
+        seconds["probe_data"] = time.perf_counter() - t
+        t = time.perf_counter()
+        # Sharded: every rank probed different samples; group_gram averages Gram and losses over the
+        # ranks (one all-reduce), so every rank feeds identical numbers to the reweighter.
+        gram, losses = probe_gram(probe_model, self.per_sample_loss, groups, train_mode=self.probe_train_mode,
+                                  autocast=autocast, reduce="mean" if self.probe_mode == "sharded" else None,
+                                  gram_options=self.gram_options)
+        seconds["gram"] = time.perf_counter() - t
+        t = time.perf_counter()
+        self.reweighter.update(gram, losses[K:], float(lr), step=step, update_alpha=a_due, update_z=z_due)
+        seconds["reweight"] = time.perf_counter() - t
+        rec["domain_loss"] = floats(losses[:K])
+        rec["task_loss"] = floats(losses[K:])
+        rec["alignment"] = [floats(row) for row in gram[:K, K:]]
+        rec["gram_diag"] = floats(np.diag(gram))
+        last = self.reweighter.history[-1] if self.reweighter.history else {}
+        if last.get("b") is not None:
+            rec["domain_alignment"] = last["b"]
+        if last.get("a") is not None:
+            rec["task_alignment"] = last["a"]
+        if last.get("skipped"):
+            rec["skipped"] = last["skipped"]
+            log.warning("GRAPE update at step %d skipped: %s", step, last["skipped"])
+
     # ------------------------------------------------------------------------------------------------
     def probe_batches(self, step: int, device: torch.device | str | None = None) -> list[dict[str, torch.Tensor]]:
         """The K domain + N task probe batches this rank uses at ``step`` (a pure function of the seed,
         the step and, in sharded mode, the rank)."""
-        rank, world = _dist_world()
+        rank, world = _collective_world()
         return self._probe_batches(step, rank, world, torch.device(device) if device is not None else torch.device("cpu"))
 
     def _probe_batches(self, step: int, rank: int, world: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
-        sharded = world > 1 and self.probe_mode == "sharded"
-        prank = rank if sharded else 0
-        groups: list[dict[str, torch.Tensor]] = []
-        for k in range(len(self.domain_names)):
-            if sharded:
-                samples = self.mixer.probe(k, self.probe_domain_batch, (self.seed, step), rank=rank, world_size=world)
-            else:
-                samples = self.mixer.probe(k, self.probe_domain_batch, (self.seed, step))
-            groups.append(_collate_domain_samples(samples))
-        for n, task in enumerate(self.tasks):
-            groups.append(
-                task.probe(self.probe_task_batch, key=(step, n), seed=self.seed, rank=prank,
-                           world_size=world if sharded else 1, disjoint=sharded)
-            )
-        groups = _pad_groups(groups)
-        return [{k: v.to(device, non_blocking=True) for k, v in g.items()} for g in groups]
-
-    def _gram(self, model: nn.Module, groups: list[dict[str, torch.Tensor]],
-              autocast: Callable[[], ContextManager[Any]] | None, reduce: str | None) -> tuple[np.ndarray, np.ndarray]:
-        from grape_stream.grape.gram.group_gram import group_gram
-
-        was_training = model.training
-        model.train(self.probe_train_mode)
-        # The probe must not advance the training RNG (dropout masks, etc.): a run with GRAPE and one
-        # resumed from a checkpoint must see the same random numbers as their uninterrupted twins.
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and _module_device(model).type == "cuda" else []
-        try:
-            with torch.random.fork_rng(devices=devices), (autocast() if autocast is not None else contextlib.nullcontext()):
-                opts = {"reduce": reduce, **self.gram_options}
-                gram, losses = group_gram(model, self.per_sample_loss, groups, **opts)
-        finally:
-            model.train(was_training)
-        gram = np.asarray(torch.as_tensor(gram).detach().double().cpu().numpy(), dtype=np.float64)
-        losses = np.asarray(torch.as_tensor(losses).detach().double().cpu().numpy(), dtype=np.float64).ravel()
-        G = len(groups)
-        if gram.shape != (G, G) or losses.shape != (G,):
-            raise RuntimeError(f"group_gram returned shapes {gram.shape} and {losses.shape}, expected {(G, G)} and {(G,)}")
-        if not (np.all(np.isfinite(gram)) and np.all(np.isfinite(losses))):
-            raise FloatingPointError(
-                "the probe's Gram matrix or losses are not finite (the model diverged, or the probe data holds "
-                "token ids outside the vocabulary); refusing to update the mixture"
-            )
-        return gram, losses
-
-    def _reweight(self, gram: np.ndarray, task_losses: np.ndarray, lr: float, step: int,
-                  a_due: bool, z_due: bool) -> None:
-        assert self.reweighter is not None
-        kwargs: dict[str, Any] = {}
-        if "step" in self._update_params:
-            kwargs["step"] = step
-        if {"update_alpha", "update_z"} <= self._update_params:
-            kwargs.update(update_alpha=a_due, update_z=z_due)
-        self.reweighter.update(gram, task_losses, float(lr), **kwargs)
+        return draw_probe_groups(
+            self.mixer, len(self.domain_names), self.tasks, step, seed=self.seed,
+            domain_batch=self.probe_domain_batch, task_batch=self.probe_task_batch,
+            rank=rank, world=world, sharded=self.probe_mode == "sharded", device=device,
+        )
 
     def _replay(self, step: int) -> dict[str, Any] | None:
-        idx = bisect.bisect_right(self._schedule_steps, float(step)) - 1
-        if idx < 0 or idx == self._schedule_index:
+        assert self.replay is not None
+        src = self.replay.advance(step)
+        if src is None:
             return None
-        self._schedule_index = idx
-        src = self._schedule[idx]
-        alpha = np.asarray(src["alpha"], dtype=np.float64)
-        self._apply_weights(alpha, step)
-        rec = {"type": "update", "step": int(step), "method": "schedule", "source_step": src["step"],
-               "alpha": _floats(alpha), "z": src.get("z"), "seconds": {"total": 0.0}}
+        self._apply_weights(np.asarray(src["alpha"], dtype=np.float64), step)
+        rec = ScheduleReplay.update_record(step, src)
         self.num_updates += 1
         self.history.append(rec)
         return rec
 
     def _apply_weights(self, alpha: np.ndarray, step: int) -> None:
-        # "As soon as possible": the mixer applies the weights from the first batch no DataLoader worker can
-        # have composed yet (batches consumed + the loader's prefetch depth), a deterministic batch when
-        # the loader is mixer.dataloader() or the caller says how many batches were consumed.
-        kwargs: dict[str, Any] = {}
-        if self._consumed is not None and "consumed" in self._set_weights_params:
-            kwargs["consumed"] = int(self._consumed)
-        version_at = self.mixer.set_weights(np.asarray(alpha, dtype=np.float64), **kwargs)
-        self._last_from_batch = int(version_at) if isinstance(version_at, (int, np.integer)) else None
+        self._last_from_batch = push_weights(self.mixer, alpha, self._consumed)
 
     # ------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Plain Python types and tensors only (loads with ``torch.load(weights_only=True)``)."""
+        """Plain Python types and tensors only (loads with ``torch.load(weights_only=True)``).
+
+        ``history`` holds the newest records only (grape.checkpoint.CHECKPOINT_HISTORY); the whole run is
+        in the trajectory JSONL.
+        """
+        tail, dropped = history_tail(self.history, self.history_dropped)
         return {
             "format": STATE_FORMAT,
             "method": self.method,
             "domains": list(self.domain_names),
             "tasks": list(self.task_names),
-            "reweighter": None if self.reweighter is None else _to_plain(self.reweighter.state_dict()),
-            "schedule_index": int(self._schedule_index),
+            "reweighter": None if self.reweighter is None else to_plain(self.reweighter.state_dict()),
+            "schedule_index": -1 if self.replay is None else int(self.replay.index),
             "num_updates": int(self.num_updates),
-            "history": json.loads(json.dumps(self.history)),
+            "history": json.loads(json.dumps(tail)),
+            "history_dropped": dropped,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a checkpoint. The mixer's weights are restored by the mixer's own state (the data
-        position and the weights that composed each batch belong together), so nothing is pushed here."""
-        fmt = state.get("format")
-        if fmt != STATE_FORMAT:
-            raise ValueError(f"controller state format {fmt!r} is not supported (expected {STATE_FORMAT})")
+        """Restore a checkpoint (this format or the older int 1). The mixer's weights are restored by the
+        mixer's own state (the data position and the weights that composed each batch belong together),
+        so nothing is pushed here."""
+        check_state_format(state)
         for key, mine in (("method", self.method), ("domains", self.domain_names), ("tasks", self.task_names)):
             if state.get(key) != mine:
                 raise ValueError(
@@ -596,92 +407,18 @@ class GrapeController:
                     "resume with the same recipe"
                 )
         if self.reweighter is not None:
-            self.reweighter.load_state_dict(_from_plain(state["reweighter"]))
-        self._schedule_index = int(state.get("schedule_index", -1))
+            self.reweighter.load_state_dict(from_plain(state["reweighter"]))
+        if self.replay is not None:
+            self.replay.index = int(state.get("schedule_index", -1))
         self.num_updates = int(state.get("num_updates", 0))
         self.history = list(state.get("history", []))
+        self.history_dropped = int(state.get("history_dropped", 0))
         self._resumed = True
 
-    # ------------------------------------------------------------------------------------------------
     def write_trajectory(self, path: str | os.PathLike[str]) -> str:
-        """Write meta + every update record as JSONL (atomically: a reader never sees half a file)."""
-        path = os.fspath(path)
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps(self.meta()) + "\n")
-            for rec in self.history:
-                f.write(json.dumps(rec) + "\n")
-        os.replace(tmp, path)
-        return path
+        """Write meta + every update record as JSONL (atomically: a reader never sees half a file).
 
-
-# ---------------------------------------------------------------------------------------------------
-def _mixer_domain_names(mixer: Any) -> list[str]:
-    names = getattr(mixer, "domain_names", None)
-    if names is None:
-        domains = getattr(mixer, "domains", None)
-        if domains is None:
-            raise TypeError(f"{type(mixer).__name__} has neither `domain_names` nor `domains`; is it a WeightedStreamingMixer?")
-        names = [getattr(d, "name", d) for d in domains]
-    names = [str(n) for n in names]
-    if not names:
-        raise ValueError("the mixer has no domains")
-    return names
-
-
-def _module_device(model: nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
-def _signature_params(fn: Callable[..., Any]) -> set[str]:
-    try:
-        return set(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return set()
-
-
-def _floats(x: Iterable[Any]) -> list[float]:
-    return [float(v) for v in np.asarray(x, dtype=np.float64).ravel()]
-
-
-def _jsonable(v: Any) -> Any:
-    try:
-        json.dumps(v)
-        return v
-    except TypeError:
-        if isinstance(v, np.ndarray):
-            return v.tolist()
-        if isinstance(v, (list, tuple)):
-            return [_jsonable(x) for x in v]
-        return repr(v)
-
-
-def filter_reweighter_options(
-    method: str, options: Mapping[str, Any], *, strict: bool
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split options into (kept, dropped) for ``method``.
-
-    An option no reweighter knows is always an error that names it. With ``strict=False`` an option that
-    belongs to *another* method (``mu_z`` under ``method=doge``) is dropped instead of failing, so a recipe
-    written for GRAPE runs unchanged with ``algorithm.method=uniform``. ``schedule`` takes none.
-    """
-    from grape_stream.grape.reweighting import REWEIGHTERS, method_options
-
-    everything = {o for cls in REWEIGHTERS.values() for o in cls.options_accepted}
-    unknown = sorted(set(options) - everything)
-    if unknown:
-        raise TypeError(
-            f"unknown reweighting option(s) {', '.join(map(repr, unknown))}; known options: {', '.join(sorted(everything))}"
-        )
-    accepted = set() if method == "schedule" else set(method_options(method))
-    kept = {k: v for k, v in options.items() if k in accepted}
-    dropped = {k: v for k, v in options.items() if k not in accepted}
-    if dropped and strict:
-        raise TypeError(
-            f"option(s) {', '.join(map(repr, sorted(dropped)))} do not apply to method {method!r}; "
-            f"its options: {', '.join(sorted(accepted)) or 'none'}"
-        )
-    return kept, dropped
+        After a resume from a checkpoint that held only the newest records, the older records already in
+        the file at `path` are kept in front of them.
+        """
+        return write_trajectory(path, self.meta(), self.history, keep_earlier=self.history_dropped > 0)

@@ -23,6 +23,14 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
+from grape_stream.streaming_compat.local_index import (
+    check_s3_credentials,
+    default_local_for,
+    release_streaming_dataset,
+    sync_local_index,
+)
+from grape_stream.world import dist_active, streaming_world
+
 __all__ = ["TaskStream", "collate_task_samples", "probe_indices", "task_names"]
 
 
@@ -127,8 +135,6 @@ class TaskStream:
         if self.remote is None:
             assert self.local is not None
             return self.local
-        from grape_stream.streaming_compat.local_index import default_local_for
-
         return self.local if self.local is not None else default_local_for(self.remote)
 
     def dataset(self, split: str | None = None, *, batch_size: int | None = None) -> Any:
@@ -148,13 +154,11 @@ class TaskStream:
         if self.remote is not None:
             # The mixer's guards against streaming's traps apply to task data too: fail early without S3
             # credentials, and never trust a cached index.json of another (or an older) remote dataset.
-            from grape_stream.streaming_compat.local_index import check_s3_credentials, sync_local_index
-
             check_s3_credentials([(f"task {self.name}", self.remote)])
-            if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            if streaming_world().local_rank == 0:
                 sync_local_index(f"task {self.name}", self.remote, local, split,
                                  download_timeout=self.download_timeout)
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
+            if dist_active():
                 torch.distributed.barrier()
         ds = StreamingDataset(
             remote=self.remote,
@@ -200,8 +204,6 @@ class TaskStream:
 
     def close(self) -> None:
         """Release streaming's shared memory and file locks of the opened splits (after their loaders)."""
-        from grape_stream.streaming_compat.local_index import release_streaming_dataset
-
         for ds in self._datasets.values():
             release_streaming_dataset(ds)
         self._datasets.clear()

@@ -21,9 +21,21 @@ from typing import Any, Callable, Iterable, Literal, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
+from grape_stream.grape.collectives import all_reduce_mean
 from grape_stream.grape.gram.accumulators import DEFAULT_BUDGET
-from grape_stream.grape.gram.hooks import FAST_PARAM_NAMES, FusedGramEngine, MicroBatch, classify_layout, fast_kind
+from grape_stream.grape.gram.batches import (
+    MicroBatch,
+    batch_signature,
+    batch_size,
+    concat,
+    map_tensors,
+)
+from grape_stream.grape.gram.hooks import FusedGramEngine
+from grape_stream.grape.gram.layouts import FAST_PARAM_NAMES, fast_kind, probe_layouts
+from grape_stream.grape.probes import unwrap_for_probe
+from grape_stream.world import dist_active
 
 __all__ = ["GramInfo", "group_gram"]
 
@@ -61,115 +73,7 @@ class _Retry(Exception):
         self.reasons = reasons
 
 
-# ---------------------------------------------------------------------------------------------- batches
-def _tensor_leaves(obj: Any, path: str = "") -> Iterable[tuple[str, Tensor]]:
-    if isinstance(obj, Tensor):
-        yield path or "<batch>", obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _tensor_leaves(v, f"{path}[{k!r}]")
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _tensor_leaves(v, f"{path}[{i}]")
-
-
-def _batch_size(batch: Any, where: str) -> int:
-    sizes = {(p, t.shape[0] if t.dim() else None) for p, t in _tensor_leaves(batch)}
-    if not sizes:
-        raise ValueError(f"{where} holds no tensor: a group must be a batch (e.g. a dict of tensors)")
-    for p, s in sizes:
-        if s is None:
-            raise ValueError(f"{where}{p} is a 0-d tensor: every tensor of a batch needs a leading batch dimension")
-    distinct = {s for _, s in sizes}
-    if len(distinct) != 1:
-        raise ValueError(f"{where} mixes batch sizes {sorted(distinct)} across its tensors: {sorted(sizes)}")
-    b = distinct.pop()
-    if b == 0:
-        raise ValueError(f"{where} is empty: the mean loss of a group with no sample is undefined")
-    return b
-
-
-def _concat(batches: Sequence[Any], path: str = "") -> Any:
-    first = batches[0]
-    if isinstance(first, Tensor):
-        for i, t in enumerate(batches):
-            if not isinstance(t, Tensor) or t.shape[1:] != first.shape[1:] or t.dtype != first.dtype:
-                got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
-                raise ValueError(
-                    f"groups[{i}]{path} has shape {got} ({getattr(t, 'dtype', '?')}) but groups[0]{path} has "
-                    f"{tuple(first.shape)} ({first.dtype}): every group must share all non-batch dimensions and "
-                    "dtypes; pad sequences to one length (and mask the padding with loss_mask)"
-                )
-        return torch.cat(list(batches), dim=0)
-    if isinstance(first, dict):
-        for i, b in enumerate(batches):
-            if not isinstance(b, dict) or set(b) != set(first):
-                raise ValueError(f"groups[{i}]{path} has keys {sorted(map(str, b))} but groups[0]{path} has "
-                                 f"{sorted(map(str, first))}")
-        return type(first)((k, _concat([b[k] for b in batches], f"{path}[{k!r}]")) for k in first)
-    if isinstance(first, (list, tuple)):
-        for i, b in enumerate(batches):
-            if type(b) is not type(first) or len(b) != len(first):
-                raise ValueError(f"groups[{i}]{path} does not have the structure of groups[0]{path}")
-        items = [_concat([b[j] for b in batches], f"{path}[{j}]") for j in range(len(first))]
-        return type(first)(items) if not hasattr(first, "_fields") else type(first)(*items)
-    for i, b in enumerate(batches):
-        if b != first:
-            raise ValueError(f"groups[{i}]{path} = {b!r} differs from groups[0]{path} = {first!r}; non-tensor "
-                             "entries must be equal across groups")
-    return first
-
-
-def _map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
-    if isinstance(obj, Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _map_tensors(v, fn)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)):
-        items = [_map_tensors(v, fn) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return obj
-
-
-# ---------------------------------------------------------------------------------------------- model
-def _unwrap(model: nn.Module) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel
-
-    while True:
-        if isinstance(model, (DistributedDataParallel, nn.DataParallel)):
-            # Probing through DDP would trigger its gradient all-reduce hooks; the local module computes
-            # the local Gram and we average Grams explicitly.
-            model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(getattr(model, "_orig_mod"), nn.Module):
-            model = model._orig_mod  # torch.compile wrapper: hooks need the eager module
-        else:
-            break
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        fsdp1 = any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
-    except Exception:  # pragma: no cover - distributed not built
-        fsdp1 = False
-    try:
-        from torch.distributed.tensor import DTensor
-    except Exception:  # pragma: no cover
-        DTensor = ()  # type: ignore[assignment]
-    sharded = fsdp1 or any(
-        type(p).__name__ == "FlatParameter" or getattr(p, "_is_flat_param", False) or isinstance(p, DTensor)
-        for p in model.parameters()
-    )
-    if sharded:
-        raise NotImplementedError(
-            "group_gram does not support sharded parameters (FSDP FlatParameter / FSDP2 DTensor): each rank "
-            "holds only a shard, so per-layer per-group gradients are incomplete. Probe an unsharded replica "
-            "(e.g. a DDP model) instead."
-        )
-    return model
-
-
 def _check_batch_coupling(model: nn.Module) -> None:
-    from torch.nn.modules.batchnorm import _BatchNorm
-
     for name, m in model.named_modules():
         if isinstance(m, _BatchNorm) and (m.training or not m.track_running_stats):
             raise ValueError(
@@ -182,69 +86,6 @@ def _check_batch_coupling(model: nn.Module) -> None:
                 f"embedding {name!r} uses scale_grad_by_freq: its gradient depends on token counts of the whole "
                 "batch, so per-group gradients are not defined by the fused batch"
             )
-
-
-def _batch_signature(batch: Any) -> tuple:
-    return tuple((p, tuple(t.shape[1:]), t.dtype) for p, t in _tensor_leaves(batch))
-
-
-def _probe_layouts(
-    engine: FusedGramEngine, model: nn.Module, per_sample_loss: PerSampleLoss, batch: Any, total: int
-) -> dict[tuple[int, int], tuple[str, Optional[tuple[int, ...]]]]:
-    """Which leading dimension of each hooked module call is the batch (see `classify_layout`).
-
-    Runs the loss under no_grad on the first sample and on the first two samples and compares each
-    call's leading shape; a call computed once for the whole batch (positional embeddings of arange(T))
-    is then re-run expanded per sample and kept on the fast path only if the losses are unchanged.
-    Cached per model and batch signature: a few no-grad forwards of <= 2 samples, once.
-    """
-    if total < 2:
-        return {}
-    one = _map_tensors(batch, lambda t: t[:1])
-    two = _map_tensors(batch, lambda t: t[:2])
-    rng = torch.get_rng_state()
-    cuda_dev = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
-    cuda_rng = torch.cuda.get_rng_state(cuda_dev) if cuda_dev is not None else None
-
-    def reset_rng() -> None:
-        torch.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state(cuda_rng, cuda_dev)
-
-    engine.capturing = True
-    try:
-        with torch.no_grad():
-            engine.begin(None, "probe")
-            per_sample_loss(model, one)
-            rec1, engine.recorded = engine.recorded, {}
-            reset_rng()
-            engine.begin(None, "probe")
-            ref = per_sample_loss(model, two)
-            rec2, engine.recorded = engine.recorded, {}
-            layouts = {k: (classify_layout(rec1.get(k), rec2.get(k)), rec1.get(k)) for k in set(rec1) | set(rec2)}
-            ref = ref.detach()
-            tol = math.sqrt(torch.finfo(ref.dtype).eps) if ref.is_floating_point() else 0.0
-            for key, (layout, lead1) in sorted(layouts.items()):
-                if layout not in ("shared", "shared1"):
-                    continue
-                reset_rng()
-                engine.begin(None, "verify")
-                engine.expand_keys, engine.probe_batch = {key: layout}, 2
-                try:
-                    out = per_sample_loss(model, two)
-                    same = isinstance(out, Tensor) and out.shape == ref.shape and bool(
-                        torch.allclose(out.detach(), ref, rtol=tol, atol=tol, equal_nan=True)
-                    )
-                except Exception:
-                    same = False
-                if not same:
-                    layouts[key] = ("unsupported", lead1)
-    finally:
-        engine.capturing = False
-        engine.mode = None
-        engine.expand_keys = {}
-        engine.recorded = {}
-    return layouts
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -321,29 +162,16 @@ def group_gram(
         raise ValueError(f"micro_batch_size must be a positive int or None, got {micro_batch_size!r}")
     if not isinstance(groups, Sequence) or isinstance(groups, (str, bytes)) or len(groups) == 0:
         raise ValueError("groups must be a non-empty list of batches (K domain probes, then N task probes)")
-    model = _unwrap(model)
+    model = unwrap_for_probe(model)
     _check_batch_coupling(model)
 
-    sizes = [_batch_size(b, f"groups[{i}]") for i, b in enumerate(groups)]
+    sizes = [batch_size(b, f"groups[{i}]") for i, b in enumerate(groups)]
     num_groups = len(groups)
 
-    all_params = list(model.parameters())
-    model_ids = {id(p) for p in all_params}
-    if params is None:
-        scope = [p for p in all_params if p.requires_grad]
-    else:
-        scope, seen = [], set()
-        for p in params:
-            if not isinstance(p, Tensor) or id(p) not in model_ids:
-                raise ValueError("params must be parameters of the model (got a tensor that is not one of them)")
-            if id(p) not in seen:
-                seen.add(id(p))
-                scope.append(p)
-    if not scope:
-        raise ValueError("no parameter to probe: the model has no parameter with requires_grad (or params is empty)")
+    scope = _param_scope(model, params)
     device = scope[0].device
-    batch = _concat(list(groups))
-    batch = _map_tensors(batch, lambda t: t.to(device, non_blocking=True) if t.device != device else t)
+    batch = concat(list(groups))
+    batch = map_tensors(batch, lambda t: t.to(device, non_blocking=True) if t.device != device else t)
     total = sum(sizes)
     sample_groups = torch.repeat_interleave(torch.arange(num_groups, device=device), torch.tensor(sizes, device=device))
     mb = micro_batch_size or total
@@ -366,8 +194,8 @@ def group_gram(
     losses = loss_sums / torch.tensor(sizes, dtype=torch.float64, device=loss_sums.device)
     world = 1
     t_reduce = time.perf_counter()
-    if reduce == "mean" and torch.distributed.is_available() and torch.distributed.is_initialized():
-        gram, losses, world = _all_reduce_mean(gram, losses, process_group)
+    if reduce == "mean" and dist_active():
+        gram, losses, world = all_reduce_mean(gram, losses, process_group)
     info.timings["reduce_s"] = time.perf_counter() - t_reduce
     info.world_size = world
     info.timings["total_s"] = time.perf_counter() - t_start
@@ -380,17 +208,24 @@ def group_gram(
     return (gram, losses, info) if return_info else (gram, losses)
 
 
-def _all_reduce_mean(gram: Tensor, losses: Tensor, group: Any) -> tuple[Tensor, Tensor, int]:
-    import torch.distributed as dist
-
-    world = dist.get_world_size(group)
-    g = gram.shape[0]
-    backend = dist.get_backend(group)
-    dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    packed = torch.cat([gram.reshape(-1), losses]).to(dev, torch.float64)
-    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-    packed /= world
-    return packed[: g * g].reshape(g, g), packed[g * g :], world
+def _param_scope(model: nn.Module, params: Optional[Iterable[nn.Parameter]]) -> list[nn.Parameter]:
+    """The parameters the Gram covers: `params` (deduplicated, checked to be the model's) or every
+    parameter with requires_grad."""
+    all_params = list(model.parameters())
+    model_ids = {id(p) for p in all_params}
+    if params is None:
+        scope = [p for p in all_params if p.requires_grad]
+    else:
+        scope, seen = [], set()
+        for p in params:
+            if not isinstance(p, Tensor) or id(p) not in model_ids:
+                raise ValueError("params must be parameters of the model (got a tensor that is not one of them)")
+            if id(p) not in seen:
+                seen.add(id(p))
+                scope.append(p)
+    if not scope:
+        raise ValueError("no parameter to probe: the model has no parameter with requires_grad (or params is empty)")
+    return scope
 
 
 def _classify(
@@ -427,6 +262,46 @@ def _classify(
     return fast_modules, fb_params, fallback
 
 
+def _plan(
+    model: nn.Module, scope: list[nn.Parameter], forced: dict[int, str], sizes: list[int], num_micro: int
+) -> tuple[list[tuple[str, nn.Module, str, dict[str, nn.Parameter]]], list[nn.Parameter], GramInfo]:
+    """Fast-path modules, fallback parameters, and a GramInfo that names the fallbacks (with a warning:
+    the fallback costs one extra backward per group)."""
+    fast_modules, fb_params, fb_reasons = _classify(model, scope, forced)
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    info = GramInfo(num_groups=len(sizes), group_sizes=list(sizes), num_micro_batches=num_micro, world_size=1)
+    info.fallback_params = [names.get(id(p), "?") for p in fb_params]
+    info.fallback_modules = sorted({m for m, _ in fb_reasons.values()})
+    info.fallback_reasons = {names.get(k, "?"): r for k, (_, r) in fb_reasons.items()}
+    if fb_params:
+        warnings.warn(
+            "group_gram: exact fallback (one extra backward per group) for "
+            + "; ".join(f"{n} ({r})" for n, r in sorted(info.fallback_reasons.items())),
+            stacklevel=4,
+        )
+    return fast_modules, fb_params, info
+
+
+def _check_losses(losses: Any, n: int) -> None:
+    if not isinstance(losses, Tensor) or losses.dim() != 1 or losses.shape[0] != n:
+        got = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
+        raise ValueError(f"per_sample_loss must return one loss per sample, shape ({n},); got {got}")
+
+
+def _fallback_backward(
+    losses: Tensor, w: Tensor, micro: MicroBatch, fb_params: list[nn.Parameter], fb_acc: list[Tensor]
+) -> None:
+    """Exact per-group gradients of the fallback parameters: one backward per group of the micro-batch."""
+    for li, (sa, sb) in enumerate(micro.sample_segments):
+        mask = torch.zeros_like(w)
+        mask[sa:sb] = w[sa:sb]
+        grads = torch.autograd.grad((losses * mask).sum(), fb_params, retain_graph=True, allow_unused=True)
+        g = int(micro.groups[li])
+        for acc, gr in zip(fb_acc, grads):
+            if gr is not None:
+                acc[g] += gr.reshape(-1).to(acc.dtype)
+
+
 def _run(
     model: nn.Module,
     per_sample_loss: PerSampleLoss,
@@ -440,20 +315,13 @@ def _run(
     chunk_elements: int,
     ghost: bool,
 ) -> tuple[Tensor, Tensor, GramInfo]:
-    num_groups = len(sizes)
-    fast_modules, fb_params, fb_reasons = _classify(model, scope, forced)
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    info = GramInfo(num_groups=num_groups, group_sizes=list(sizes), num_micro_batches=len(spans), world_size=1)
-    info.fallback_params = [names.get(id(p), "?") for p in fb_params]
-    info.fallback_modules = sorted({m for m, _ in fb_reasons.values()})
-    info.fallback_reasons = {names.get(k, "?"): r for k, (_, r) in fb_reasons.items()}
-    if fb_params:
-        warnings.warn(
-            "group_gram: exact fallback (one extra backward per group) for "
-            + "; ".join(f"{n} ({r})" for n, r in sorted(info.fallback_reasons.items())),
-            stacklevel=3,
-        )
+    """One attempt at the fused pass (the caller retries with more fallback parameters on `_Retry`).
 
+    Kept as one function (~90 lines) because one try/finally must cover the whole micro-batch loop: it
+    restores the parameters' requires_grad flags and removes the hooks whatever happens inside.
+    """
+    num_groups = len(sizes)
+    fast_modules, fb_params, info = _plan(model, scope, forced, sizes, len(spans))
     fast_ids = {id(p) for _, _, _, ps in fast_modules for p in ps.values()}
     in_scope = {id(p) for p in scope}
     weights = 1.0 / torch.tensor(sizes, dtype=torch.float64, device=device)
@@ -471,23 +339,19 @@ def _run(
         engine.install()
         with torch.random.fork_rng(devices=devices), torch.inference_mode(False), torch.enable_grad():
             cache = _LAYOUT_CACHE.setdefault(model, {})
-            ckey = (_batch_signature(batch), frozenset(id(m) for _, m, _, _ in fast_modules))
+            ckey = (batch_signature(batch), frozenset(id(m) for _, m, _, _ in fast_modules))
             if ckey not in cache:
-                cache[ckey] = _probe_layouts(engine, model, per_sample_loss, batch, sum(sizes))
+                cache[ckey] = probe_layouts(engine, model, per_sample_loss, batch, sum(sizes))
             engine.layouts = cache[ckey]
             for m_idx, (a, b) in enumerate(spans):
                 micro = MicroBatch(sample_groups[a:b], is_last=m_idx == len(spans) - 1)
-                mb = _map_tensors(batch, lambda t: t[a:b])
+                mb = map_tensors(batch, lambda t: t[a:b])
                 t0 = time.perf_counter()
                 engine.begin(micro, None)
                 losses = per_sample_loss(model, mb)
                 engine.end_forward()
                 timings["forward_s"] += time.perf_counter() - t0
-                if not isinstance(losses, Tensor) or losses.dim() != 1 or losses.shape[0] != b - a:
-                    got = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
-                    raise ValueError(
-                        f"per_sample_loss must return one loss per sample, shape ({b - a},); got {got}"
-                    )
+                _check_losses(losses, b - a)
                 if engine.layout_errors:
                     raise _Retry(engine.layout_errors)
                 loss_sums.index_add_(0, micro.sample_groups, losses.detach().to(torch.float64))
@@ -504,16 +368,7 @@ def _run(
 
                 t0 = time.perf_counter()
                 if fb_params:
-                    for li, (sa, sb) in enumerate(micro.sample_segments):
-                        mask = torch.zeros_like(w)
-                        mask[sa:sb] = w[sa:sb]
-                        grads = torch.autograd.grad(
-                            (losses * mask).sum(), fb_params, retain_graph=True, allow_unused=True
-                        )
-                        g = int(micro.groups[li])
-                        for acc, gr in zip(fb_acc, grads):
-                            if gr is not None:
-                                acc[g] += gr.reshape(-1).to(acc.dtype)
+                    _fallback_backward(losses, w, micro, fb_params, fb_acc)
                 timings["fallback_s"] += time.perf_counter() - t0
 
                 t0 = time.perf_counter()

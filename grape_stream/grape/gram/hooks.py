@@ -19,9 +19,8 @@ the backward and the caller re-runs with that parameter on the exact fallback.
 from __future__ import annotations
 
 import math
-import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -35,80 +34,12 @@ from grape_stream.grape.gram.accumulators import (
     SparseRowContribution,
     TensorContribution,
 )
-
-
-def _hf_conv1d_forward() -> Optional[Callable]:
-    """HF Conv1D.forward (GPT-2 style models: a transposed Linear), if transformers is loaded at all: a
-    model holding a Conv1D has imported it, and nobody else should pay for importing transformers."""
-    mod = sys.modules.get("transformers.pytorch_utils")
-    conv = getattr(mod, "Conv1D", None) if mod is not None else None
-    return getattr(conv, "forward", None)
-
-
-_RMSNORM_FORWARD = getattr(getattr(nn, "RMSNorm", None), "forward", None)
-
-
-def fast_kind(module: nn.Module) -> Optional[str]:
-    """The fast path that handles this module's direct parameters exactly, or None.
-
-    Matching is on the *forward function*, not the class: a subclass that overrides forward computes
-    something we cannot know, so it goes through the exact fallback instead.
-    """
-    if "forward" in vars(module):  # forward patched on the instance (e.g. by an accelerator hook)
-        return None
-    fwd = type(module).forward
-    if fwd is nn.Linear.forward:
-        return "linear"
-    if fwd is nn.Embedding.forward:
-        return "embedding"
-    if fwd is nn.LayerNorm.forward:
-        return "layernorm"
-    if _RMSNORM_FORWARD is not None and fwd is _RMSNORM_FORWARD:
-        return "rmsnorm"
-    conv = _hf_conv1d_forward()
-    if conv is not None and fwd is conv:
-        return "conv1d"
-    return None
-
-
-FAST_PARAM_NAMES = {
-    "linear": ("weight", "bias"),
-    "conv1d": ("weight", "bias"),
-    "embedding": ("weight",),
-    "layernorm": ("weight", "bias"),
-    "rmsnorm": ("weight",),
-}
-
-
-@dataclass
-class MicroBatch:
-    """Which global group each sample of the current forward belongs to (groups contiguous, ascending)."""
-
-    sample_groups: Tensor  # (B,) int64
-    is_last: bool
-    batch_size: int = 0
-    groups: Tensor = field(default=None)  # (G_m,) unique global ids
-    sample_segments: list[tuple[int, int]] = field(default_factory=list)  # per local group
-
-    def __post_init__(self) -> None:
-        self.batch_size = int(self.sample_groups.numel())
-        self.groups, counts = torch.unique_consecutive(self.sample_groups, return_counts=True)
-        starts = [0]
-        for c in counts.tolist():
-            starts.append(starts[-1] + c)
-        self.sample_segments = list(zip(starts[:-1], starts[1:]))
-        self.local = torch.repeat_interleave(torch.arange(len(self.sample_segments)), counts.cpu()).to(
-            self.sample_groups.device
-        )
-        self._onehot: dict[torch.dtype, Tensor] = {}
-
-    def onehot(self, dtype: torch.dtype) -> Tensor:
-        """(G_m, B) sample-to-local-group indicator, for per-group sums as one small matmul."""
-        if dtype not in self._onehot:
-            m = torch.zeros((len(self.sample_segments), self.batch_size), dtype=dtype, device=self.local.device)
-            m[self.local, torch.arange(self.batch_size, device=self.local.device)] = 1
-            self._onehot[dtype] = m
-        return self._onehot[dtype]
+from grape_stream.grape.gram.batches import MicroBatch
+from grape_stream.grape.gram.layouts import (
+    expand_shared,
+    is_sample_major_view,
+    lead_shape,
+)
 
 
 @dataclass(eq=False)
@@ -124,53 +55,6 @@ class Use:
     node: Any = None  # grad_fn of the output (or the output itself when it is a leaf)
     fired: bool = False
     keep_ids: Optional[Tensor] = None  # embedding: rows it touches (for the tied-weight projection)
-
-
-def lead_shape(kind: str, module: nn.Module, inp: Tensor) -> tuple[int, ...]:
-    """The leading (per-token) dimensions of a module input: everything but the feature dims."""
-    if kind == "embedding":
-        return tuple(inp.shape)
-    if kind in ("layernorm", "rmsnorm"):
-        return tuple(inp.shape[: inp.dim() - len(module.normalized_shape)])
-    return tuple(inp.shape[:-1])
-
-
-def classify_layout(lead1: Optional[tuple[int, ...]], lead2: Optional[tuple[int, ...]]) -> str:
-    """How a module call's rows map to samples, from its leading shape with 1 and with 2 samples.
-
-    "batch": (B, ...) batch-first; "flat": (B*r, ...) flattened rows (attributed only when the input is
-    provably a contiguous view of a batch-first tensor); "shared1": (1, ...) broadcast over the batch;
-    "shared": no batch dimension at all (e.g. positional embeddings of arange(T)), broadcast over the
-    batch; "unsupported": anything else (e.g. sequence-first layouts) -> exact fallback.
-    """
-    if lead1 is None or lead2 is None or len(lead1) != len(lead2):
-        return "unsupported"
-    if lead1 == lead2:
-        return "shared1" if lead1 and lead1[0] == 1 else "shared"
-    if lead1 and lead2[0] == 2 * lead1[0] and lead2[1:] == lead1[1:]:
-        return "batch" if lead1[0] == 1 else "flat"
-    return "unsupported"
-
-
-def is_sample_major_view(inp: Tensor, batch: int) -> bool:
-    """True when `inp` (B*r, ...) is a contiguous reshape of a contiguous batch-first (B, ...) tensor."""
-    base = inp._base
-    return (
-        base is not None
-        and base.dim() >= 1
-        and base.shape[0] == batch
-        and base.is_contiguous()
-        and inp.is_contiguous()
-        and inp.data_ptr() == base.data_ptr()
-        and inp.numel() == base.numel()
-    )
-
-
-def expand_shared(t: Tensor, layout: str, batch: int) -> Tensor:
-    """A per-sample view (B, ...) of a tensor that the module computed once for the whole batch."""
-    if layout == "shared1":
-        return t.expand(batch, *t.shape[1:])
-    return t.unsqueeze(0).expand(batch, *t.shape)
 
 
 class FusedGramEngine:

@@ -1,0 +1,182 @@
+"""Which modules have a fast path, and how each module call's rows map to samples.
+
+The fused Gram attributes every row of a hooked module's input to one sample. That is only known for
+some forward functions (``fast_kind``) and some layouts of the call's leading dimensions, found once
+per model and batch signature by running the loss on one and on two samples (``probe_layouts``).
+Anything else goes to the exact fallback rather than being guessed.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from grape_stream.grape.gram.batches import map_tensors
+
+if TYPE_CHECKING:
+    from grape_stream.grape.gram.hooks import FusedGramEngine
+
+__all__ = [
+    "FAST_PARAM_NAMES",
+    "classify_layout",
+    "expand_shared",
+    "fast_kind",
+    "is_sample_major_view",
+    "lead_shape",
+    "probe_layouts",
+]
+
+PerSampleLoss = Callable[[nn.Module, Any], Tensor]
+
+
+def _hf_conv1d_forward() -> Optional[Callable]:
+    """HF Conv1D.forward (GPT-2 style models: a transposed Linear), if transformers is loaded at all: a
+    model holding a Conv1D has imported it, and nobody else should pay for importing transformers."""
+    mod = sys.modules.get("transformers.pytorch_utils")
+    conv = getattr(mod, "Conv1D", None) if mod is not None else None
+    return getattr(conv, "forward", None)
+
+
+_RMSNORM_FORWARD = getattr(getattr(nn, "RMSNorm", None), "forward", None)
+
+
+def fast_kind(module: nn.Module) -> Optional[str]:
+    """The fast path that handles this module's direct parameters exactly, or None.
+
+    Matching is on the *forward function*, not the class: a subclass that overrides forward computes
+    something we cannot know, so it goes through the exact fallback instead.
+    """
+    if "forward" in vars(module):  # forward patched on the instance (e.g. by an accelerator hook)
+        return None
+    fwd = type(module).forward
+    if fwd is nn.Linear.forward:
+        return "linear"
+    if fwd is nn.Embedding.forward:
+        return "embedding"
+    if fwd is nn.LayerNorm.forward:
+        return "layernorm"
+    if _RMSNORM_FORWARD is not None and fwd is _RMSNORM_FORWARD:
+        return "rmsnorm"
+    conv = _hf_conv1d_forward()
+    if conv is not None and fwd is conv:
+        return "conv1d"
+    return None
+
+
+FAST_PARAM_NAMES = {
+    "linear": ("weight", "bias"),
+    "conv1d": ("weight", "bias"),
+    "embedding": ("weight",),
+    "layernorm": ("weight", "bias"),
+    "rmsnorm": ("weight",),
+}
+
+
+def lead_shape(kind: str, module: nn.Module, inp: Tensor) -> tuple[int, ...]:
+    """The leading (per-token) dimensions of a module input: everything but the feature dims."""
+    if kind == "embedding":
+        return tuple(inp.shape)
+    if kind in ("layernorm", "rmsnorm"):
+        return tuple(inp.shape[: inp.dim() - len(module.normalized_shape)])
+    return tuple(inp.shape[:-1])
+
+
+def classify_layout(lead1: Optional[tuple[int, ...]], lead2: Optional[tuple[int, ...]]) -> str:
+    """How a module call's rows map to samples, from its leading shape with 1 and with 2 samples.
+
+    "batch": (B, ...) batch-first; "flat": (B*r, ...) flattened rows (attributed only when the input is
+    provably a contiguous view of a batch-first tensor); "shared1": (1, ...) broadcast over the batch;
+    "shared": no batch dimension at all (e.g. positional embeddings of arange(T)), broadcast over the
+    batch; "unsupported": anything else (e.g. sequence-first layouts) -> exact fallback.
+    """
+    if lead1 is None or lead2 is None or len(lead1) != len(lead2):
+        return "unsupported"
+    if lead1 == lead2:
+        return "shared1" if lead1 and lead1[0] == 1 else "shared"
+    if lead1 and lead2[0] == 2 * lead1[0] and lead2[1:] == lead1[1:]:
+        return "batch" if lead1[0] == 1 else "flat"
+    return "unsupported"
+
+
+def is_sample_major_view(inp: Tensor, batch: int) -> bool:
+    """True when `inp` (B*r, ...) is a contiguous reshape of a contiguous batch-first (B, ...) tensor."""
+    base = inp._base
+    return (
+        base is not None
+        and base.dim() >= 1
+        and base.shape[0] == batch
+        and base.is_contiguous()
+        and inp.is_contiguous()
+        and inp.data_ptr() == base.data_ptr()
+        and inp.numel() == base.numel()
+    )
+
+
+def expand_shared(t: Tensor, layout: str, batch: int) -> Tensor:
+    """A per-sample view (B, ...) of a tensor that the module computed once for the whole batch."""
+    if layout == "shared1":
+        return t.expand(batch, *t.shape[1:])
+    return t.unsqueeze(0).expand(batch, *t.shape)
+
+
+def probe_layouts(
+    engine: FusedGramEngine, model: nn.Module, per_sample_loss: PerSampleLoss, batch: Any, total: int
+) -> dict[tuple[int, int], tuple[str, Optional[tuple[int, ...]]]]:
+    """Which leading dimension of each hooked module call is the batch (see `classify_layout`).
+
+    Runs the loss under no_grad on the first sample and on the first two samples and compares each
+    call's leading shape; a call computed once for the whole batch (positional embeddings of arange(T))
+    is then re-run expanded per sample and kept on the fast path only if the losses are unchanged.
+    Cached per model and batch signature: a few no-grad forwards of <= 2 samples, once.
+    """
+    if total < 2:
+        return {}
+    one = map_tensors(batch, lambda t: t[:1])
+    two = map_tensors(batch, lambda t: t[:2])
+    rng = torch.get_rng_state()
+    cuda_dev = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
+    cuda_rng = torch.cuda.get_rng_state(cuda_dev) if cuda_dev is not None else None
+
+    def reset_rng() -> None:
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, cuda_dev)
+
+    engine.capturing = True
+    try:
+        with torch.no_grad():
+            engine.begin(None, "probe")
+            per_sample_loss(model, one)
+            rec1, engine.recorded = engine.recorded, {}
+            reset_rng()
+            engine.begin(None, "probe")
+            ref = per_sample_loss(model, two)
+            rec2, engine.recorded = engine.recorded, {}
+            layouts = {k: (classify_layout(rec1.get(k), rec2.get(k)), rec1.get(k)) for k in set(rec1) | set(rec2)}
+            ref = ref.detach()
+            tol = math.sqrt(torch.finfo(ref.dtype).eps) if ref.is_floating_point() else 0.0
+            for key, (layout, lead1) in sorted(layouts.items()):
+                if layout not in ("shared", "shared1"):
+                    continue
+                reset_rng()
+                engine.begin(None, "verify")
+                engine.expand_keys, engine.probe_batch = {key: layout}, 2
+                try:
+                    out = per_sample_loss(model, two)
+                    same = isinstance(out, Tensor) and out.shape == ref.shape and bool(
+                        torch.allclose(out.detach(), ref, rtol=tol, atol=tol, equal_nan=True)
+                    )
+                except Exception:
+                    same = False
+                if not same:
+                    layouts[key] = ("unsupported", lead1)
+    finally:
+        engine.capturing = False
+        engine.mode = None
+        engine.expand_keys = {}
+        engine.recorded = {}
+    return layouts
