@@ -39,7 +39,21 @@ _LAZY = {
     "build_algorithm": "grape_stream.integrations.composer.trainer",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = [
+    "Built",
+    "ComposerGPT",
+    "GrapeAlgorithm",
+    "GrapeTrajectoryCallback",
+    "JSONLMetricsLogger",
+    "TaskEvalSummary",
+    "WarmupStableDecayScheduler",
+    "build",
+    "build_algorithm",
+    "build_grape_mixture_dataloader",
+    "composer_per_sample_loss",
+    "find_mixer",
+    "grape_algorithm_of",
+]
 
 
 def __getattr__(name: str) -> Any:
