@@ -37,7 +37,7 @@ RESULTS = REPO / "bench" / "results" / "mixture_quality.json"
 
 def bench_settings(steps: int) -> Any:
     """The demo's settings (same model, lr, GRAPE step sizes) at a smaller budget; eval on a subset."""
-    from grape_stream.apps.demo_run import DEMO
+    from grape_stream.apps.demo_settings import DEMO
 
     return DEMO.replace(steps=steps, warmup=max(steps // 10, 1), update_every=max(steps // 5, 1),
                         curve_every=max(steps // 8, 1), curve_samples=48, final_eval=False, final_samples=192)

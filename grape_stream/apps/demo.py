@@ -34,7 +34,8 @@ from typing import Any, Mapping, Sequence
 from grape_stream.apps.demo_callbacks import strided_indices
 from grape_stream.apps.demo_corpus import CONVERT_SETTINGS_FILE, ensure_converted, find_corpus
 from grape_stream.apps.demo_plots import plot_test_loss, plot_weights
-from grape_stream.apps.demo_run import DEMO, QUICK, RECIPE, DemoSettings, recipe_overrides, run_method
+from grape_stream.apps.demo_run import RECIPE, recipe_overrides, run_method
+from grape_stream.apps.demo_settings import DEMO, QUICK, DemoSettings
 from grape_stream.grape.reweighting import REWEIGHTERS, available_methods, build_reweighter
 
 __all__ = [

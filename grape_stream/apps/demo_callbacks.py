@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from composer.core import Callback, State
@@ -13,10 +13,8 @@ from composer.loggers import Logger
 from torch.nn import functional as F
 from tqdm.auto import tqdm
 
+from grape_stream.apps.demo_settings import DemoSettings
 from grape_stream.grape.tasks import collate_task_samples
-
-if TYPE_CHECKING:
-    from grape_stream.apps.demo_run import DemoSettings
 
 __all__ = ["Progress", "TestCurve", "strided_indices"]
 
@@ -33,7 +31,7 @@ class TestCurve(Callback):
 
     __test__ = False  # not a pytest class
 
-    def __init__(self, settings: "DemoSettings") -> None:
+    def __init__(self, settings: DemoSettings) -> None:
         self.settings = settings
         self.tasks: list[Any] = []
         self.batches: dict[str, list[dict[str, torch.Tensor]]] = {}

@@ -161,7 +161,7 @@ def build(cfg: Mapping[str, Any], *, dry_run: bool = False, extra_callbacks: Seq
     o = cfg["optimizer"]
     optimizer = torch.optim.AdamW(model.parameters(), lr=float(o["lr"]), betas=tuple(o["betas"]), eps=float(o["eps"]),
                                   weight_decay=float(o["weight_decay"]))
-    built = Built(cfg=cfg, model=model, algorithm=algorithm, tasks=tasks, domains=domains,
+    built = Built(cfg=dict(cfg), model=model, algorithm=algorithm, tasks=tasks, domains=domains,
                   optimizer=optimizer, scheduler=build_scheduler(cfg), per_rank_batch_size=per_rank)
     if not dry_run:
         _build_trainer(built, world, extra_callbacks, extra_loggers)
