@@ -16,7 +16,6 @@ weights are saved by Composer itself through the train dataset's ``state_dict(nu
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -31,8 +30,6 @@ from grape_stream.integrations.common import as_task, find_mixer, split_algorith
 from grape_stream.integrations.composer.model import composer_per_sample_loss
 
 __all__ = ["GrapeAlgorithm"]
-
-log = logging.getLogger(__name__)
 
 #: The constructor's defaults are the recipe's (grape_stream.config), stated once.
 _DEFAULTS = AlgorithmConfig()
