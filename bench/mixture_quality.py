@@ -33,12 +33,11 @@ from typing import Any, Mapping, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "mixture_quality.json"
-ALL_METHODS = ("uniform", "doge", "doge_pcgrad", "grape", "grape_gap", "grape_ema")
 
 
 def bench_settings(steps: int) -> Any:
     """The demo's settings (same model, lr, GRAPE step sizes) at a smaller budget; eval on a subset."""
-    from grape_stream.apps.demo import DEMO
+    from grape_stream.apps.demo_settings import DEMO
 
     return DEMO.replace(steps=steps, warmup=max(steps // 10, 1), update_every=max(steps // 5, 1),
                         curve_every=max(steps // 8, 1), curve_samples=48, final_eval=False, final_samples=192)
@@ -170,8 +169,13 @@ def format_table(agg: Mapping[str, Any], train_tokens: int) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from grape_stream.apps.demo import demo_methods
+    from grape_stream.apps.demo_corpus import ensure_converted, find_corpus
+    from grape_stream.apps.demo_run import recipe_overrides, run_method
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--methods", default=",".join(ALL_METHODS))
+    all_methods = demo_methods()  # the reweighting registry's methods that run from a recipe's options
+    p.add_argument("--methods", default=",".join(all_methods))
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default: 0,1,2)")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps per run (default: 100 = 0.82M bytes)")
     p.add_argument("--out", default=str(REPO / "runs" / "bench_mixture_quality"), help="run directories")
@@ -182,12 +186,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--extra", action="append", default=[], help="extra recipe override key=value for every run")
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
 
-    from grape_stream.apps.demo import ensure_converted, find_corpus, recipe_overrides, run_method
-
     methods = [m for m in args.methods.split(",") if m]
-    bad = [m for m in methods if m not in ALL_METHODS]
+    bad = [m for m in methods if m not in all_methods]
     if bad:
-        p.error(f"unknown methods {bad}; choose from {ALL_METHODS}")
+        p.error(f"unknown methods {bad}; choose from {all_methods}")
     seeds = [int(s) for s in args.seeds.split(",") if s != ""]
     settings = bench_settings(args.steps)
     out = Path(args.out)

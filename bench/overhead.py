@@ -68,7 +68,8 @@ def write_data(root: str, vocab: int, seq_len: int, per_domain: int) -> None:
 def run_once(method: str, root: str, out: str, args: argparse.Namespace) -> dict:
     from composer.core import Callback
 
-    from grape_stream.integrations.composer.trainer import build, load_recipe
+    from grape_stream.integrations.composer.trainer import build
+    from grape_stream.recipe import load_recipe
 
     cfg = load_recipe({
         "run_name": f"overhead-{method}",

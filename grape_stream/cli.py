@@ -9,6 +9,8 @@ import importlib
 import sys
 from typing import Callable, Sequence
 
+from grape_stream import __version__
+
 # name -> (module, function, one-line help). Each function takes argv (list[str]) and returns an exit code.
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "convert": ("grape_stream.convert.cli", "main", "convert a corpus into per-domain MDS shards (local or s3://)"),
@@ -32,8 +34,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_usage())
         return 0
     if args[0] == "--version":
-        from grape_stream import __version__
-
         print(__version__)
         return 0
     name, rest = args[0], args[1:]

@@ -28,7 +28,8 @@ def main() -> None:
 
     from composer.core import Callback
 
-    from grape_stream.integrations.composer.trainer import build, load_recipe
+    from grape_stream.integrations.composer.trainer import build
+    from grape_stream.recipe import load_recipe
 
     with open(args.recipe, encoding="utf-8") as f:
         cfg = load_recipe(json.load(f))

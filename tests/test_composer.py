@@ -57,7 +57,8 @@ def grape_run(data_dir, tmp_path_factory):
     from composer.core import Algorithm, Callback, Event
     from composer.loggers import InMemoryLogger
 
-    from grape_stream.integrations.composer.trainer import build, load_recipe
+    from grape_stream.integrations.composer.trainer import build
+    from grape_stream.recipe import load_recipe
 
     out = str(tmp_path_factory.mktemp("grape_run"))
     cfg = load_recipe(tiny_recipe(data_dir, out))
@@ -165,7 +166,8 @@ def test_trajectory_jsonl_png_and_metrics_files(grape_run):
 
 
 def test_schedule_method_replays_the_trajectory_in_a_trainer(grape_run, data_dir, tmp_path):
-    from grape_stream.integrations.composer.trainer import build, load_recipe
+    from grape_stream.integrations.composer.trainer import build
+    from grape_stream.recipe import load_recipe
 
     traj = os.path.join(grape_run["out"], "grape_trajectory.jsonl")
     cfg = load_recipe(tiny_recipe(data_dir, str(tmp_path), run_name="replay", algorithm={
@@ -237,7 +239,8 @@ def test_sigkill_then_autoresume_continues_the_same_trajectory(data_dir, tmp_pat
 def test_trains_from_a_real_s3_server(data_dir, s3_bucket, tmp_path):
     import boto3
 
-    from grape_stream.integrations.composer.trainer import build, load_recipe
+    from grape_stream.integrations.composer.trainer import build
+    from grape_stream.recipe import load_recipe
 
     s3 = boto3.client("s3", endpoint_url=os.environ["S3_ENDPOINT_URL"])
     for dirpath, _, files in os.walk(data_dir):
@@ -265,7 +268,7 @@ def test_trains_from_a_real_s3_server(data_dir, s3_bucket, tmp_path):
 def test_trainer_without_a_mixer_fails_with_a_clear_message(data_dir):
     from composer import Trainer
 
-    from grape_stream.integrations.composer.algorithm import ComposerGPT, GrapeAlgorithm
+    from grape_stream.integrations.composer import ComposerGPT, GrapeAlgorithm
     from grape_stream.models import GPT, GPTConfig
     from grape_stream.grape.tasks import TaskStream
 
@@ -280,7 +283,7 @@ def test_trainer_without_a_mixer_fails_with_a_clear_message(data_dir):
 
 
 def test_composer_gpt_loss_is_the_mean_per_sample_loss():
-    from grape_stream.integrations.composer.algorithm import ComposerGPT
+    from grape_stream.integrations.composer import ComposerGPT
     from grape_stream.models import GPT, GPTConfig, per_sample_lm_loss
 
     torch.manual_seed(0)

@@ -27,7 +27,7 @@ def _ep(group: str, name: str):
 
 
 def test_entry_points_resolve_to_the_adapters():
-    from grape_stream.integrations.composer.algorithm import (
+    from grape_stream.integrations.composer import (
         GrapeAlgorithm,
         GrapeTrajectoryCallback,
         TaskEvalSummary,
@@ -43,7 +43,7 @@ def test_entry_points_resolve_to_the_adapters():
 def test_objects_build_from_yaml_style_mappings(data_dir, tmp_path):
     import yaml
 
-    from grape_stream.integrations.composer.algorithm import find_mixer
+    from grape_stream.integrations.composer import find_mixer
 
     cfg = yaml.safe_load(f"""
 train_loader:
@@ -88,7 +88,7 @@ def test_probe_loss_for_a_huggingface_style_composer_model():
     from composer.models import HuggingFaceModel
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from grape_stream.integrations.composer.algorithm import composer_per_sample_loss
+    from grape_stream.integrations.composer import composer_per_sample_loss
 
     torch.manual_seed(0)
     config = AutoConfig.for_model("gpt2", vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=1, n_head=2)

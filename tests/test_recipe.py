@@ -11,7 +11,8 @@ import torch
 import yaml
 
 from _grape_data import SEQ, VOCAB, write_dataset
-from grape_stream.integrations.composer.trainer import apply_overrides, build, build_model, bundled_recipes, load_recipe, main
+from grape_stream.integrations.composer.trainer import build, main
+from grape_stream.recipe import apply_overrides, build_model, bundled_recipes, load_recipe
 
 METHODS = ["grape", "grape_gap", "grape_ema", "doge", "doge_pcgrad", "uniform"]
 PAPER_TASKS = ["arc_easy", "arc_challenge", "sciq", "piqa", "hellaswag", "logiqa"]
@@ -104,7 +105,7 @@ def test_wsd_schedule_shape():
     from composer.core import State, Time
     from composer.devices import DeviceCPU
 
-    from grape_stream.integrations.composer.trainer import WarmupStableDecayScheduler
+    from grape_stream.integrations.composer.schedulers import WarmupStableDecayScheduler
 
     state = State(model=torch.nn.Linear(1, 1), rank_zero_seed=0, run_name="x", device=DeviceCPU(), max_duration="100ba")
     sched = WarmupStableDecayScheduler(t_warmup="10ba", decay_fraction=0.2, alpha_f=0.1)

@@ -1,0 +1,168 @@
+"""One demo run on the product path: the ``demo-cpu`` recipe plus a few overrides, built into a Composer
+Trainer with GrapeAlgorithm, watched by the demo's callbacks. ``bench/mixture_quality.py`` drives the same
+runner (:func:`run_method`)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+from grape_stream.apps.demo_callbacks import Progress, TestCurve
+from grape_stream.apps.demo_settings import DEMO, DemoSettings
+from grape_stream.integrations.composer.trainer import build
+from grape_stream.recipe import load_recipe
+from grape_stream.streaming_compat.local_index import release_streaming_dataset
+
+__all__ = ["RECIPE", "recipe_overrides", "run_method"]
+
+RECIPE = "demo-cpu"
+
+
+def recipe_overrides(method: str, settings: DemoSettings, *, mds: str | os.PathLike[str], out_dir: str | os.PathLike[str],
+                     seed: int, extra: Sequence[str] = ()) -> list[str]:
+    """The ``key=value`` overrides that turn the ``demo-cpu`` recipe into one demo/bench run."""
+    s = settings
+    return [
+        f"run_name=demo-{method}",
+        f"output_dir={os.fspath(out_dir)}",
+        f"seed={seed}",
+        f"data.local={os.fspath(mds)}",
+        "data.split=train",
+        "data.task_probe_split=probe",  # the bundled corpus calls the targets' validation split "probe"
+        "data.task_test_split=test",
+        f"data.eval_batch_size={s.eval_batch_size}",
+        f"algorithm.method={method}",
+        f"algorithm.seed={seed}",
+        f"algorithm.alpha_every={s.update_every}",
+        f"algorithm.z_every={s.update_every}",
+        f"algorithm.probe_domain_batch={s.probe_domain_batch}",
+        f"algorithm.probe_task_batch={s.probe_task_batch}",
+        f"algorithm.mu_alpha={s.mu_alpha}",
+        f"algorithm.mu_z={s.mu_z}",
+        f"algorithm.options.clip_norm={'null' if s.clip_norm is None else s.clip_norm}",
+        f"optimizer.lr={s.lr}",
+        f"scheduler.t_warmup={s.warmup}ba",
+        f"trainer.max_duration={s.steps}ba",
+        f"trainer.global_train_batch_size={s.global_batch}",
+        # the final evaluation only; the curve comes from _TestCurve (cheaper, same test split)
+        f"trainer.eval_interval={s.steps if s.final_eval else 0}ba",  # 0: never (Composer)
+        "trainer.save_folder=null",
+        "trainer.autoresume=false",
+        "trainer.log_to_console=false",
+        "trainer.progress_bar=false",
+        *extra,
+    ]
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Composer and streaming talk a lot for a demo; keep warnings and errors, drop the chatter."""
+    noisy = ["composer", "streaming", "grape_stream.integrations.composer.trainer", "grape_stream.recipe", "torch.distributed"]
+    old = {n: logging.getLogger(n).level for n in noisy}
+    for n in noisy:
+        logging.getLogger(n).setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Cannot split tensor.*")
+        warnings.filterwarnings("ignore", category=UserWarning, module="composer")
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        try:
+            yield
+        finally:
+            for n, lvl in old.items():
+                logging.getLogger(n).setLevel(lvl)
+
+
+def _release(built: Any) -> None:
+    """Free streaming's shared memory so the next run in this process can open the same directories."""
+    with contextlib.suppress(Exception):
+        built.trainer.close()
+    with contextlib.suppress(Exception):
+        built.mixer.close()
+    for t in built.tasks:
+        # TaskStream has no close(); its datasets live in a private cache (see the report / issue).
+        for ds in list(getattr(t, "_datasets", {}).values()):
+            with contextlib.suppress(Exception):
+                release_streaming_dataset(ds)
+        if hasattr(t, "_datasets"):
+            t._datasets.clear()
+
+
+def run_method(method: str, *, mds: str | os.PathLike[str], out_dir: str | os.PathLike[str],
+               settings: DemoSettings = DEMO, seed: int = 17, progress: bool = True, position: str = "",
+               extra_overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Train one method with the ``demo-cpu`` recipe and return its result (also written to
+    ``out_dir/result.json``): final per-target test log-perplexity (nats per token = per byte), the
+    test-loss curve, the alpha/z trajectory and timings."""
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)  # a fresh run: metrics.jsonl appends, the trajectory must not mix runs
+    out_dir.mkdir(parents=True)
+    overrides = recipe_overrides(method, settings, mds=mds, out_dir=out_dir, seed=seed, extra=extra_overrides)
+    cfg = load_recipe(RECIPE, overrides)
+    t0 = time.perf_counter()
+    with _quiet():
+        curve = TestCurve(settings)
+        bar = Progress(curve, method, progress=progress, position=position)
+        built = build(cfg, extra_callbacks=[curve, bar])
+        try:
+            curve.prepare(built.tasks)
+            built.trainer.fit()
+            ctl = getattr(built.algorithm, "controller", None)
+            history = list(ctl.history) if ctl is not None else []
+            domains = list(ctl.domain_names) if ctl is not None else [d["name"] for d in built.domains]
+        finally:
+            _release(built)
+    seconds = time.perf_counter() - t0
+    result = _result(method, seed, settings, cfg, overrides, built, curve, bar, history, domains, seconds)
+    with open(out_dir / "result.json", "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+def _result(method: str, seed: int, settings: DemoSettings, cfg: Mapping[str, Any], overrides: list[str], built: Any,
+            curve: TestCurve, bar: Progress, history: list[dict[str, Any]], domains: list[str],
+            seconds: float) -> dict[str, Any]:
+    """What one run reports (result.json): final losses, the test-loss curve, the trajectory, timings."""
+    seq_len = int(cfg["data"]["seq_len"] or 256)
+    tokens_per_step = settings.global_batch * seq_len
+    tasks = [t.name for t in built.tasks]
+    final = curve.final or {n: curve.loss[n][-1] for n in tasks}
+    traj = [{"step": int(r["step"]), "alpha": r["alpha"], "z": r.get("z")} for r in history]
+    probe_seconds = sum(float((r.get("seconds") or {}).get("total", 0.0)) for r in history)
+    return {
+        "method": method,
+        "seed": seed,
+        "settings": dataclasses.asdict(settings),
+        "recipe": RECIPE,
+        "overrides": overrides,
+        "domains": domains,
+        "targets": tasks,
+        "steps": settings.steps,
+        "tokens_per_step": tokens_per_step,
+        "train_tokens": settings.steps * tokens_per_step,
+        "final_source": ("test split (full)" if settings.final_eval
+                         else f"test split, strided subset of {settings.final_samples} samples per target"),
+        "final": final,
+        "final_avg": sum(final.values()) / len(final),
+        "final_worst": max(final.values()),
+        "curve": {
+            "step": curve.steps,
+            "tokens": [s * tokens_per_step for s in curve.steps],
+            "loss": curve.loss,
+            "avg": [sum(curve.loss[n][i] for n in tasks) / len(tasks) for i in range(len(curve.steps))],
+            "worst": [max(curve.loss[n][i] for n in tasks) for i in range(len(curve.steps))],
+            "samples_per_target": settings.curve_samples,
+        },
+        "trajectory": traj,
+        "train_loss": bar.train_loss,
+        "seconds": {"total": seconds, "curve_eval": curve.eval_seconds, "reweighting": probe_seconds},
+    }

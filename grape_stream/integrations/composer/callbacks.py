@@ -1,0 +1,156 @@
+"""Composer callbacks and a logger for GRAPE runs: the trajectory JSONL (+ PNG at fit end), the task
+evaluation summary (the paper's average and worst log-perplexity), and every metric as JSON lines.
+
+Only global rank 0 writes files (:func:`grape_stream.world.process_world`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any, Optional, Sequence
+
+import torch
+from composer.core import Callback, State
+from composer.loggers import Logger, LoggerDestination
+
+from grape_stream.integrations.composer.algorithm import GrapeAlgorithm
+from grape_stream.integrations.trajectory_plot import plot_trajectory
+from grape_stream.world import process_world
+
+__all__ = ["GrapeTrajectoryCallback", "JSONLMetricsLogger", "TaskEvalSummary", "grape_algorithm_of"]
+
+log = logging.getLogger(__name__)
+
+
+def grape_algorithm_of(state: State) -> GrapeAlgorithm | None:
+    """The trainer's GrapeAlgorithm, if it has one."""
+    for algo in state.algorithms:
+        if isinstance(algo, GrapeAlgorithm):
+            return algo
+    return None
+
+
+class GrapeTrajectoryCallback(Callback):
+    """Writes the GRAPE trajectory as JSONL after every update (atomic rewrite: survives a kill) and the
+    PNG plots (stacked areas of alpha and z, the domain-task alignment heatmap, per-task losses) at fit end.
+
+    ``folder`` may contain ``{run_name}``. Only global rank 0 writes.
+    """
+
+    def __init__(self, folder: str = "{run_name}", filename: str = "grape_trajectory.jsonl", plots: bool = True) -> None:
+        self.folder = folder
+        self.filename = filename
+        self.plots = plots
+        self._written_updates = -1
+        self.path: str | None = None
+
+    def _path(self, state: State) -> str:
+        return os.path.join(self.folder.format(run_name=state.run_name), self.filename)
+
+    def _write(self, state: State) -> str | None:
+        algo = grape_algorithm_of(state)
+        if algo is None or algo.controller is None:
+            return None
+        self.path = self._path(state)
+        if process_world().is_leader:
+            algo.controller.write_trajectory(self.path)
+        self._written_updates = algo.controller.num_updates
+        return self.path
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        if grape_algorithm_of(state) is None:
+            log.warning("GrapeTrajectoryCallback: no GrapeAlgorithm in this trainer; nothing will be written")
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        algo = grape_algorithm_of(state)
+        if algo is not None and algo.controller is not None and algo.controller.num_updates != self._written_updates:
+            self._write(state)
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        path = self._write(state)
+        if path is None or not self.plots or not process_world().is_leader:
+            return
+        try:
+            plot_trajectory(path, os.path.splitext(path)[0] + ".png")
+        except Exception as exc:  # a plotting problem must not fail a finished training run
+            log.warning("could not plot the GRAPE trajectory %s: %s", path, exc)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+
+class TaskEvalSummary(Callback):
+    """After each evaluation round, log the average and the worst log-perplexity over the target tasks
+    (``metrics/grape/avg_log_ppl``, ``metrics/grape/worst_log_ppl``) — the paper's two headline numbers."""
+
+    def __init__(self, labels: Sequence[str], metric: str = "LanguageCrossEntropy") -> None:
+        self.labels = list(labels)
+        self.metric = metric
+        self.last: dict[str, float] = {}
+
+    def eval_after_all(self, state: State, logger: Logger) -> None:
+        values = {}
+        for label in self.labels:
+            metric = state.eval_metrics.get(label, {}).get(self.metric)
+            if metric is None:
+                continue
+            values[label] = float(metric.compute())
+        if not values:
+            return
+        self.last = values
+        logger.log_metrics({
+            "metrics/grape/avg_log_ppl": sum(values.values()) / len(values),
+            "metrics/grape/worst_log_ppl": max(values.values()),
+        })
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+
+class JSONLMetricsLogger(LoggerDestination):
+    """Every logged metric as one JSON line ``{"step": batch, name: value, ...}`` (global rank 0 only).
+
+    Lines are flushed as they are written, so a run killed mid-way keeps what it logged; a resumed run
+    appends (a reader keeps the last value per step and name).
+    """
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+        self._file: Any = None
+
+    def _open(self) -> Any:
+        if not process_world().is_leader:
+            return None
+        if self._file is None:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8")
+        return self._file
+
+    def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None) -> None:
+        f = self._open()
+        if f is None:
+            return
+        row: dict[str, Any] = {"step": step}
+        for k, v in metrics.items():
+            if isinstance(v, torch.Tensor):
+                if v.numel() != 1:
+                    continue
+                v = v.item()
+            if isinstance(v, (int, float)):
+                row[k] = float(v)
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+
+    def close(self, state: State, logger: Logger) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

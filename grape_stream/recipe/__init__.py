@@ -1,0 +1,30 @@
+"""Recipes without a trainer: load (YAML, bundled names), overrides (``key=value``), validation, and the
+parts a run is built from (data streams, mixer, model, GRAPE's arguments). No Composer import here: each
+trainer integration (``grape_stream.integrations.<trainer>``) builds its Trainer from these.
+"""
+
+from __future__ import annotations
+
+from grape_stream.recipe.data import build_mixer, read_manifest, recipe_streams, resolved_sizes, train_dataloader
+from grape_stream.recipe.grape import algorithm_kwargs
+from grape_stream.recipe.load import bundled_recipes, load_recipe, resolve_recipe_path
+from grape_stream.recipe.model import build_model
+from grape_stream.recipe.overrides import apply_overrides
+from grape_stream.recipe.schema import SCHEMA
+from grape_stream.recipe.validate import validate
+
+__all__ = [
+    "SCHEMA",
+    "algorithm_kwargs",
+    "apply_overrides",
+    "build_mixer",
+    "build_model",
+    "bundled_recipes",
+    "load_recipe",
+    "read_manifest",
+    "recipe_streams",
+    "resolve_recipe_path",
+    "resolved_sizes",
+    "train_dataloader",
+    "validate",
+]
