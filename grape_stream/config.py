@@ -40,7 +40,8 @@ __all__ = [
 #: A required value (omegaconf's literal for one, so the dataclasses keep their meaning there).
 MISSING: Any = "???"
 
-#: The paper's step-size denominators: eta_alpha = lr / mu_alpha, eta_z = lr / mu_z.
+#: The paper's regularisation strengths (Table "model_archs": eta = lr / mu = 1.5 and 10 at lr 1.5e-4):
+#: eta_alpha = lr / mu_alpha, eta_z = lr / mu_z. Every other default of mu_alpha / mu_z refers to these.
 PAPER_MU_ALPHA = 1e-4
 PAPER_MU_Z = 1.5e-5
 

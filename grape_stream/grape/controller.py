@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from grape_stream.config import AlgorithmConfig
 from grape_stream.grape.alignment import probe_gram
 from grape_stream.grape.checkpoint import (
     STATE_FORMAT,
@@ -85,6 +86,10 @@ def _collective_world() -> tuple[int, int]:
     return world.rank, world.size
 
 
+#: The defaults of every GRAPE setting, stated once (the recipe's `algorithm` section reads the same).
+_DEFAULTS = AlgorithmConfig()
+
+
 class GrapeController:
     """Drives the mixture: every ``alpha_every`` / ``z_every`` optimizer steps, probe -> Gram -> weights.
 
@@ -114,18 +119,18 @@ class GrapeController:
         self,
         mixer: Any,
         tasks: Sequence[TaskStream],
-        method: str = "grape",
-        alpha_every: int = 100,
-        z_every: int = 100,
-        probe_domain_batch: int = 8,
-        probe_task_batch: int = 8,
+        method: str = _DEFAULTS.method,
+        alpha_every: int = _DEFAULTS.alpha_every,
+        z_every: int = _DEFAULTS.z_every,
+        probe_domain_batch: int = _DEFAULTS.probe_domain_batch,
+        probe_task_batch: int = _DEFAULTS.probe_task_batch,
         per_sample_loss: PerSampleLoss | None = None,
-        seed: int = 0,
+        seed: int = _DEFAULTS.seed,
         *,
-        probe_mode: str = "sharded",
+        probe_mode: str = _DEFAULTS.probe_mode,
         probe_train_mode: bool = False,
         schedule_path: str | os.PathLike[str] | None = None,
-        schedule_stretch: float = 1.0,
+        schedule_stretch: float = _DEFAULTS.schedule_stretch,
         gram_options: Mapping[str, Any] | None = None,
         **reweighter_options: Any,
     ) -> None:

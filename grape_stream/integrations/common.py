@@ -1,14 +1,10 @@
 """What every trainer integration needs, with no trainer imported: find the mixer behind a train
-dataloader, split an algorithm's keyword options between controller and reweighter, turn a controller
-update record into a flat metrics dict for any logger.
-
-``update_metrics`` is a stop-gap: the controller is to grow a ``metrics()``-style method that returns this
-dict itself; once it has, integrations call that and this function goes.
+dataloader, and split an algorithm's keyword options between controller and reweighter. (The metrics
+dict for a logger is the controller's own: ``GrapeController.metrics(record)``.)
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping
 
 from grape_stream.config import AlgorithmConfig
@@ -16,7 +12,7 @@ from grape_stream.grape.controller import filter_reweighter_options
 from grape_stream.grape.tasks import TaskStream
 from grape_stream.mixing.mixer import WeightedStreamingMixer
 
-__all__ = ["CONTROLLER_OPTIONS", "as_task", "find_mixer", "split_algorithm_options", "update_metrics"]
+__all__ = ["CONTROLLER_OPTIONS", "as_task", "find_mixer", "split_algorithm_options"]
 
 #: Keyword options of an algorithm that go to GrapeController itself (everything else: the reweighter).
 CONTROLLER_OPTIONS = frozenset({"probe_mode", "probe_train_mode", "schedule_path", "schedule_stretch", "gram_options"})
@@ -72,27 +68,3 @@ def split_algorithm_options(
     reweighter = {**kept_defaults, **options}
     filter_reweighter_options(method, reweighter, strict=True)
     return controller, reweighter
-
-
-def update_metrics(controller: Any, rec: Mapping[str, Any], *, log_alignment: bool = True) -> dict[str, float]:
-    """One update record as ``{"grape/alpha/<domain>": ..., "grape/z/<task>": ..., ...}`` (finite floats)."""
-    c = controller
-    m: dict[str, float] = {}
-    for name, a in zip(c.domain_names, rec["alpha"]):
-        m[f"grape/alpha/{name}"] = a
-    if rec.get("z") is not None:
-        for name, z in zip(c.task_names, rec["z"]):
-            m[f"grape/z/{name}"] = z
-    for key, names in (("task_loss", c.task_names), ("domain_loss", c.domain_names),
-                       ("domain_alignment", c.domain_names), ("task_alignment", c.task_names)):
-        for name, v in zip(names, rec.get(key) or []):
-            m[f"grape/{key}/{name}"] = v
-    if log_alignment and rec.get("alignment"):
-        for dname, row in zip(c.domain_names, rec["alignment"]):
-            for tname, v in zip(c.task_names, row):
-                m[f"grape/alignment/{dname}/{tname}"] = v
-    for k, v in (rec.get("seconds") or {}).items():
-        m[f"grape/seconds/{k}"] = v
-    if "lr" in rec:
-        m["grape/lr"] = rec["lr"]
-    return {k: float(v) for k, v in m.items() if v is not None and math.isfinite(float(v))}

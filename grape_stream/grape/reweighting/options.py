@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from grape_stream.config import PAPER_MU_ALPHA, PAPER_MU_Z  # the one statement of the paper's defaults
 from grape_stream.simplex import check_simplex
 
 __all__ = [
@@ -23,10 +24,6 @@ __all__ = [
     "resolve_step_options",
 ]
 
-#: The paper's regularisation strengths (Table "model_archs": eta = lr / mu = 1.5 and 10 at lr 1.5e-4).
-#: Every other default of mu_alpha / mu_z in the package refers to these two names.
-PAPER_MU_ALPHA = 1e-4
-PAPER_MU_Z = 1.5e-5
 
 #: "lr_over_mu": the paper's eta = lr / mu; "constant": the authors' released code, eta given directly.
 STEP_SIZES = ("lr_over_mu", "constant")

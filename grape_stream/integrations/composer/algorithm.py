@@ -26,7 +26,7 @@ from torch import nn
 
 from grape_stream.config import AlgorithmConfig
 from grape_stream.grape.controller import REPLAY_METHOD, GrapeController
-from grape_stream.integrations.common import as_task, find_mixer, split_algorithm_options, update_metrics
+from grape_stream.integrations.common import as_task, find_mixer, split_algorithm_options
 from grape_stream.integrations.composer.model import composer_per_sample_loss
 
 __all__ = ["GrapeAlgorithm"]
@@ -135,9 +135,8 @@ class GrapeAlgorithm(Algorithm):
         return lambda: get_precision_context(precision, config)
 
     def _metrics(self, rec: Mapping[str, Any]) -> dict[str, float]:
-        # Kept for callers of the old private name; the dict will come from the controller itself.
         assert self.controller is not None
-        return update_metrics(self.controller, rec, log_alignment=self.log_alignment)
+        return self.controller.metrics(rec, alignment=self.log_alignment)
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
