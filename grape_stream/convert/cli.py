@@ -13,7 +13,7 @@ from typing import Sequence
 
 from grape_stream.convert.errors import ConvertInputError, ConvertStateError
 from grape_stream.convert.pipeline import convert
-from grape_stream.convert.readers import SOURCES, reader_options
+from grape_stream.convert.readers import REGISTRY, reader_options
 
 __all__ = ["main", "build_parser"]
 
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Convert a corpus into per-domain MDS shards (OUT/<domain>[/<split>]/), locally or to s3://.",
         epilog="Re-run the same command after an interruption to resume. See docs/converters.md.",
     )
-    p.add_argument("source", choices=SOURCES, help="input layout")
+    p.add_argument("source", choices=tuple(REGISTRY), help="input layout")
     p.add_argument("--input", "-i", required=True, nargs="+", action="extend", metavar="PATH",
                    help="input files, globs (quote them) or directories; repeatable")
     p.add_argument("--out", "-o", required=True, help="output directory, or a remote URL such as s3://bucket/prefix")

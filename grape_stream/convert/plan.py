@@ -23,6 +23,7 @@ __all__ = [
     "parse_split",
     "check_run_options",
     "check_shard_options",
+    "size_bytes",
     "tokenizer_facts",
     "build_plan",
     "prepare_out",

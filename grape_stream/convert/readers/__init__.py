@@ -27,6 +27,7 @@ from .tasks import TASK_LAYOUTS
 
 __all__ = [
     "SOURCES",
+    "REGISTRY",
     "build_reader",
     "reader_class",
     "reader_options",
@@ -39,14 +40,14 @@ __all__ = [
     "TASK_LAYOUTS",
 ]
 
-SOURCES: tuple[str, ...] = tuple(REGISTRY)
+SOURCES: tuple[str, ...] = tuple(REGISTRY)  # the bundled readers; REGISTRY also holds any registered later
 
 
 def reader_class(source: str) -> type[Reader]:
     """The registered reader class of `source`; ValueError naming the known sources otherwise."""
     cls = REGISTRY.get(source)
     if cls is None:
-        raise ValueError(f"unknown source {source!r}; choose one of {', '.join(SOURCES)}")
+        raise ValueError(f"unknown source {source!r}; choose one of {', '.join(REGISTRY)}")
     return cls
 
 

@@ -110,6 +110,9 @@ def register(cls: R) -> R:
     """Class decorator: make `cls` the reader of `cls.source` (sources are listed in registration order)."""
     if not cls.source:
         raise TypeError(f"{cls.__name__} has no `source` name")
+    bad = [o for o in cls.options if not isinstance(o, ReaderOption)]
+    if bad:
+        raise TypeError(f"{cls.__name__}.options must hold ReaderOption objects, got {bad!r}")
     if cls.source in REGISTRY and REGISTRY[cls.source] is not cls:
         raise TypeError(f"source {cls.source!r} is already registered by {REGISTRY[cls.source].__name__}")
     REGISTRY[cls.source] = cls
