@@ -34,7 +34,7 @@ _LAZY = {
     "convert_dataframe": "grape_stream.convert.spark",
 }
 
-__all__ = list(_LAZY)
+__all__ = ["convert", "ConvertResult", "ConvertInputError", "ConvertStateError", "CONVERTER_VERSION", "convert_dataframe"]
 
 
 def __getattr__(name: str) -> Any:

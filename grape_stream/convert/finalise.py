@@ -99,7 +99,7 @@ class Finaliser:
         per_split: dict[str | None, list[dict[str, Any]]] = {}
         for _, o in sorted(self.outputs[dom], key=lambda t: t[0]):  # unit order, whatever order they finished in
             per_split.setdefault(o["split"], []).append(o)
-        splits = []
+        splits: list[dict[str, Any]] = []
         for sp in sorted(per_split, key=lambda s: s or ""):
             outs = per_split[sp]
             stats = PackStats()

@@ -17,7 +17,7 @@ from grape_stream.convert.errors import ConvertStateError
 from grape_stream.convert.inputs import check_domain_name
 from grape_stream.convert.layout import CONVERTER_VERSION, STATE_DIR
 from grape_stream.convert.packing import EOS_MODES, REMAINDER_MODES
-from grape_stream.convert.tokenization import GPT2_EOS_ID, load_tokenizer, token_dtype
+from grape_stream.convert.tokenization import GPT2_EOS_ID, GPT2_VOCAB_SIZE, load_tokenizer, token_dtype
 
 __all__ = [
     "parse_split",
@@ -48,14 +48,14 @@ def parse_split(spec: str | dict[str, float] | None, holdout: float | None = Non
     if isinstance(spec, str):
         out: dict[str, float] = {}
         for part in spec.split(","):
-            name, eq, frac = part.partition("=")
-            name = name.strip()
-            if not eq or not name:
+            key, eq, value = part.partition("=")
+            key = key.strip()
+            if not eq or not key:
                 raise ValueError(f"--split expects name=fraction[,name=fraction...], got {spec!r}")
             try:
-                out[name] = float(frac)
+                out[key] = float(value)
             except ValueError:
-                raise ValueError(f"--split: {frac!r} is not a number (in {spec!r})") from None
+                raise ValueError(f"--split: {value!r} is not a number (in {spec!r})") from None
     else:
         out = {str(k): float(v) for k, v in spec.items()}
     for name, frac in out.items():
@@ -113,7 +113,7 @@ def tokenizer_facts(reader: Any, source: str, tokenizer: str, eos_id: int | None
         eos_final = GPT2_EOS_ID if eos_id is None else int(eos_id)
         if eos_final != GPT2_EOS_ID:
             raise ValueError(f"{source} uses GPT-2 ids; its EOS id is {GPT2_EOS_ID}")
-        return "gpt2", 50257, eos_final
+        return "gpt2", GPT2_VOCAB_SIZE, eos_final
     tok = load_tokenizer(tokenizer, eos_id)
     return tok.name, tok.vocab_size, tok.eos_id
 

@@ -56,7 +56,8 @@ def upload_partitions(local_root: str, remote: str, dirs: list[str], *, keep_loc
     from streaming.base.storage.upload import CloudUploader
 
     cu = CloudUploader.get((local_root, remote), keep_local=True, exist_ok=True)
-    shards, indexes = [], []
+    shards: list[str] = []
+    indexes: list[str] = []
     for d in dirs:
         for name in sorted(os.listdir(d)):
             rel = os.path.relpath(os.path.join(d, name), local_root).replace(os.sep, "/")

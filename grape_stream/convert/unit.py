@@ -108,7 +108,7 @@ class _Output:
     def _open(self) -> Any:
         from streaming import MDSWriter  # imports torch: only in the process that writes
 
-        job, p = self.job, self.job.plan
+        p = self.job.plan
         local = self.local_dir()
         if os.path.exists(local):
             shutil.rmtree(local)
@@ -230,9 +230,11 @@ def run_unit(job: UnitJob, progress: Progress | None = None) -> dict[str, Any]:
             rec = _usable(item, rep, rel, job)
             if rec is None:
                 continue
+            payload: Any
             if rec.text is not None:
                 payload, nbytes = rec.text, len(rec.text)
             else:
+                assert rec.tokens is not None  # _usable dropped records with neither
                 payload, nbytes = rec.tokens, 4 * rec.tokens.size
             split = rec.split
             if split is None and split_fracs:

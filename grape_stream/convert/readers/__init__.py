@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-# isort: off  (import order = registration order = SOURCES order)
+# Import order = registration order = the order of SOURCES (and of --help): keep it, sorters off.
+# isort: off
 from . import slimpajama  # noqa: F401
 from . import climblab  # noqa: F401
 from . import wiki40b  # noqa: F401

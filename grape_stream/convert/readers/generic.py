@@ -9,7 +9,7 @@ each record (e.g. `{"split": "probe"}` -> `OUT/<domain>/probe/`).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from grape_stream.convert.formats import iter_jsonl, iter_parquet_rows
@@ -88,13 +88,9 @@ def iter_records(path: str, columns: list[str]) -> Iterator[tuple[int, dict] | B
 @dataclass
 class _TextReader(Reader):
     text_field: str = "text"
-    fields: RecordFields | None = None
+    fields: RecordFields = field(default_factory=RecordFields)
 
     options = (TEXT_FIELD, DOMAIN, DOMAIN_FIELD, SPLIT_FIELD)
-
-    def __post_init__(self) -> None:
-        if self.fields is None:
-            self.fields = RecordFields()
 
     @classmethod
     def from_options(cls, **options: Any) -> Reader:

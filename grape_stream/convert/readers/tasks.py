@@ -21,12 +21,12 @@ loss is a mean over examples. Layouts (auto-detected per record from its fields,
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from grape_stream.convert.formats import iter_parquet_rows
 
-from .base import DOMAIN, DOMAIN_FIELD, SPLIT_FIELD, BadInput, Reader, Record, ReaderOption, register
+from .base import DOMAIN, DOMAIN_FIELD, SPLIT_FIELD, BadInput, Reader, ReaderOption, Record, register
 from .generic import RecordFields, iter_records
 
 __all__ = ["TaskReader", "TASK_LAYOUTS", "detect_layout", "format_example"]
@@ -189,15 +189,13 @@ class TaskReader(Reader):
     """layout: "auto" (per record, from its fields) or one of TASK_LAYOUTS."""
 
     layout: str = "auto"
-    fields: RecordFields | None = None
+    fields: RecordFields = field(default_factory=RecordFields)
     source = "task"
     per_example = True
     patterns = (".jsonl", ".jsonl.zst", ".jsonl.gz", ".parquet")
     options = (LAYOUT, DOMAIN, DOMAIN_FIELD, SPLIT_FIELD)
 
     def __post_init__(self) -> None:
-        if self.fields is None:
-            self.fields = RecordFields()
         if self.layout != "auto" and self.layout not in TASK_LAYOUTS:
             raise ValueError(f"unknown task layout {self.layout!r}; known: auto, {', '.join(TASK_LAYOUTS)}")
 

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 from grape_stream.convert.formats import iter_parquet_rows
 from grape_stream.convert.inputs import check_domain_name, split_from_path
 
-from .base import DOMAIN, SPLIT_FROM_PATH, BadInput, Reader, Record, ReaderOption, register
+from .base import DOMAIN, SPLIT_FROM_PATH, BadInput, Reader, ReaderOption, Record, register
 
 __all__ = ["Wiki40bReader", "strip_markers"]
 
@@ -55,7 +55,7 @@ class Wiki40bReader(Reader):
         if self.markers not in ("strip", "keep"):
             raise ValueError(f"markers must be 'strip' or 'keep', got {self.markers!r}")
 
-    def path_domain(self, path: str) -> str | None:
+    def path_domain(self, path: str) -> str:
         return self.domain or os.path.basename(os.path.dirname(os.path.abspath(path)))
 
     def describe(self) -> dict[str, Any]:
