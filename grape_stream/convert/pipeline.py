@@ -95,7 +95,7 @@ def convert(
     reader_options: options of readers added later than the named ones (see readers/base.py).
     Re-running with the same arguments resumes (or returns at once if complete); different arguments on
     the same `out` raise ConvertStateError unless `overwrite`. See docs/converters.md for every option.
-    Longer than 80 lines only because of its signature and docstring: every step is a call.
+    Long because the signature and this docstring name every option; the body is one call per step.
     """
     check_run_options(workers=workers, files_per_unit=files_per_unit, eos=eos, remainder=remainder,
                       seq_len=seq_len, domain=domain)
