@@ -102,7 +102,7 @@ def generate(root: Path, mb: int, seed: int = 0, files: int = 8) -> list[Path]:
 
 def limit_rate(paths: list[Path]) -> dict:
     """Decompress + parse + tokenize in this process, batch by batch, as the converter does."""
-    from grape_stream.convert.readers.common import _raw_lines
+    from grape_stream.convert.formats import raw_lines
     from grape_stream.convert.tokenization import load_tokenizer
 
     tok = load_tokenizer("gpt2")
@@ -110,7 +110,7 @@ def limit_rate(paths: list[Path]) -> dict:
     t0 = time.perf_counter()
     for p in paths:
         batch: list[str] = []
-        for raw in _raw_lines(str(p)):
+        for raw in raw_lines(str(p)):
             if raw:
                 batch.append(json.loads(raw)["text"])
             if len(batch) >= 512:

@@ -11,19 +11,36 @@ import argparse
 import sys
 from typing import Sequence
 
+from grape_stream.convert.errors import ConvertInputError, ConvertStateError
+from grape_stream.convert.pipeline import convert
+from grape_stream.convert.readers import REGISTRY, reader_options
+
 __all__ = ["main", "build_parser"]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from grape_stream.convert.readers import SOURCES
-    from grape_stream.convert.readers.tasks import TASK_LAYOUTS
+def _add_reader_flags(group: argparse._ArgumentGroup) -> None:
+    """One flag per reader option in the registry, its help naming the sources that accept it.
 
+    Defaults stay None / False ("not given") so that a flag the chosen source does not accept is
+    reported by build_reader instead of silently ignored; the reader's own default is in the help.
+    """
+    for name, (opt, sources) in reader_options().items():
+        where = f"sources: {', '.join(sources)}"
+        if opt.is_flag:
+            group.add_argument(opt.flag, dest=name, action="store_true", help=f"{opt.help} ({where})")
+            continue
+        default = f"; default: {opt.default}" if opt.default is not None else ""
+        group.add_argument(opt.flag, dest=name, default=None, choices=opt.choices, metavar=opt.metavar,
+                           help=f"{opt.help} ({where}{default})")
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="grape-stream convert",
         description="Convert a corpus into per-domain MDS shards (OUT/<domain>[/<split>]/), locally or to s3://.",
         epilog="Re-run the same command after an interruption to resume. See docs/converters.md.",
     )
-    p.add_argument("source", choices=SOURCES, help="input layout")
+    p.add_argument("source", choices=tuple(REGISTRY), help="input layout")
     p.add_argument("--input", "-i", required=True, nargs="+", action="extend", metavar="PATH",
                    help="input files, globs (quote them) or directories; repeatable")
     p.add_argument("--out", "-o", required=True, help="output directory, or a remote URL such as s3://bucket/prefix")
@@ -41,20 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one padded sample per record with a loss_mask (always on for the task source)")
 
     s = p.add_argument_group("domains and splits")
-    s.add_argument("--domain", default=None, help="put every record in this domain")
-    s.add_argument("--domain-field", default=None, help="record field (dotted path) naming the domain (jsonl/parquet/task)")
-    s.add_argument("--text-field", default=None, help="record field holding the text (jsonl/parquet; default: text)")
     s.add_argument("--holdout", type=float, default=None, metavar="FRACTION",
                    help="carve a val split of this fraction per domain (splits train/val)")
     s.add_argument("--split", default=None, metavar="NAME=FRAC,...", help="hash splits, e.g. train=0.8,probe=0.1,test=0.1")
     s.add_argument("--split-seed", type=int, default=0, help="seed of the hash split (default: 0)")
-    s.add_argument("--split-field", default=None, help="record field naming the split (jsonl/parquet/task)")
-    s.add_argument("--split-from-path", action="store_true",
-                   help="split named by the file path: train/validation/test (slimpajama, wiki40b)")
-    s.add_argument("--markers", choices=("strip", "keep"), default=None,
-                   help="wiki40b structure markers: strip (default; _NEWLINE_ -> newline) or keep verbatim")
-    s.add_argument("--layout", choices=("auto", *TASK_LAYOUTS), default=None,
-                   help="task layout (default: auto-detect from each record's fields)")
+    _add_reader_flags(p.add_argument_group("reader options (each applies to the sources named)"))
 
     w = p.add_argument_group("output and execution")
     w.add_argument("--workers", type=int, default=1, help="worker processes (default: 1)")
@@ -73,21 +81,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    from grape_stream.convert.pipeline import ConvertInputError, ConvertStateError, convert
-
     compression = None if args.compression.lower() in ("none", "") else args.compression
     try:
         result = convert(
             args.source, args.input, args.out,
             tokenizer=args.tokenizer, eos_id=args.eos_id, seq_len=args.seq_len, eos=args.eos,
             remainder=args.remainder, per_example=True if args.per_example else None,
-            holdout=args.holdout, split=args.split, split_seed=args.split_seed, split_field=args.split_field,
-            split_from_path=args.split_from_path, domain=args.domain, domain_field=args.domain_field,
-            text_field=args.text_field, markers=args.markers, layout=args.layout,
+            holdout=args.holdout, split=args.split, split_seed=args.split_seed,
             workers=args.workers, files_per_unit=args.files_per_unit, compression=compression,
             shard_size=args.shard_size, hashes=[h for h in args.hashes.split(",") if h],
             local=args.local, keep_local=args.keep_local, strict=args.strict, overwrite=args.overwrite,
             max_examples=args.max_examples, progress=not args.no_progress,
+            **{name: getattr(args, name) for name in reader_options()},
         )
     except (ConvertInputError, ConvertStateError) as e:
         print(f"grape-stream convert: error: {e}", file=sys.stderr)

@@ -28,15 +28,19 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from grape_stream.atomic import atomic_write_json
+from grape_stream.convert.inputs import check_domain_name
+from grape_stream.convert.layout import CONVERTER_VERSION, MANIFEST_FORMAT
+from grape_stream.convert.packing import SequencePacker
+from grape_stream.convert.remote import is_remote, upload
+from grape_stream.convert.tokenization import load_tokenizer, token_dtype
+
 __all__ = ["convert_dataframe"]
 
 
 def _pack_batch(pdf: Any, *, text_column: str, tokenizer: str, eos_id: int | None, seq_len: int, eos: str,
                 remainder: str, dtype: str) -> Iterator[dict[str, np.ndarray]]:
     """Runs on the executors: tokenize one Arrow batch (a pandas DataFrame) and yield packed rows."""
-    from grape_stream.convert.packing import SequencePacker
-    from grape_stream.convert.tokenization import load_tokenizer
-
     tok = load_tokenizer(tokenizer, eos_id)
     texts = [t for t in pdf[text_column].tolist() if isinstance(t, str) and t.strip()]
     packer = SequencePacker(seq_len, tok.eos_id, np.dtype(dtype), eos=eos, remainder=remainder)
@@ -69,12 +73,6 @@ def convert_dataframe(
     out: a local/shared directory, or a remote URL (s3://...) with `local` as the staging directory.
     """
     from pyspark.sql import functions as F
-    from streaming.base.converters import dataframe_to_mds
-
-    from grape_stream.convert.pipeline import CONVERTER_VERSION, _is_remote, _upload
-    from grape_stream.convert.unit import atomic_write_json
-    from grape_stream.convert.readers.common import check_domain_name
-    from grape_stream.convert.tokenization import load_tokenizer, token_dtype
 
     if (domain is None) == (domain_column is None):
         raise ValueError("give exactly one of domain (fixed) or domain_column (per row)")
@@ -84,7 +82,7 @@ def convert_dataframe(
     if remainder == "pad":
         columns["loss_mask"] = "ndarray:uint8"
 
-    keys = [F.lit(domain).alias("_domain") if domain else F.col(domain_column).cast("string").alias("_domain")]
+    keys = [F.lit(domain).alias("_domain") if domain else F.col(str(domain_column)).cast("string").alias("_domain")]
     keys.append(F.col(split_column).cast("string").alias("_split") if split_column else F.lit(None).cast("string").alias("_split"))
     data = df.select(*keys, F.col(text_column).alias(text_column))
     pairs = sorted((r["_domain"], r["_split"]) for r in data.select("_domain", "_split").distinct().collect())
@@ -93,46 +91,53 @@ def convert_dataframe(
             if name is not None and check_domain_name(name):
                 raise ValueError(f"cannot use {name!r} as a directory name: {check_domain_name(name)}")
 
-    remote = out.rstrip("/") if _is_remote(out) else None
+    remote = out.rstrip("/") if is_remote(out) else None
     local_root = os.path.abspath(local or (out if not remote else os.path.join(os.getcwd(), ".grape_spark_staging")))
+    mds_kwargs = {"columns": columns, "compression": compression, "size_limit": shard_size}
+    udf_kwargs = {"text_column": text_column, "tokenizer": tokenizer, "eos_id": eos_id, "seq_len": seq_len,
+                  "eos": eos, "remainder": remainder, "dtype": dtype.name}
     domains: dict[str, Any] = {}
     for dom, sp in pairs:
-        rel = f"{dom}/{sp}" if sp else dom
         if dom is None:
             continue
-        cond = F.col("_domain") == dom
-        cond = cond & (F.col("_split") == sp) if sp is not None else cond & F.col("_split").isNull()
-        sub = data.filter(cond).select(text_column)
-        target: Any = os.path.join(local_root, rel)
-        if remote:
-            target = (target, f"{remote}/{rel}")
-        dataframe_to_mds(
-            sub, merge_index=True,
-            mds_kwargs={"out": target, "columns": columns, "compression": compression, "size_limit": shard_size},
-            udf_iterable=_pack_batch,
-            udf_kwargs={"text_column": text_column, "tokenizer": tokenizer, "eos_id": eos_id, "seq_len": seq_len,
-                        "eos": eos, "remainder": remainder, "dtype": dtype.name},
-        )
-        with open(os.path.join(local_root, rel, "index.json")) as f:
-            samples = sum(s["samples"] for s in json.load(f)["shards"])
-        n_docs = sub.filter(F.col(text_column).isNotNull() & (F.trim(F.col(text_column)) != "")).count()
-        entry = {"path": rel, "documents": n_docs, "samples": samples, "skipped_rows": sub.count() - n_docs}
+        entry = _write_one(data, dom, sp, local_root, remote, text_column, mds_kwargs, udf_kwargs)
         if remainder == "drop":
-            entry["tokens"] = samples * seq_len
+            entry["tokens"] = entry["samples"] * seq_len
         if sp is None:
             domains[dom] = entry
         else:
             agg = domains.setdefault(dom, {"path": dom, "documents": 0, "samples": 0, "splits": {}})
             agg["splits"][sp] = entry
-            agg["documents"] += n_docs
-            agg["samples"] += samples
+            agg["documents"] += entry["documents"]
+            agg["samples"] += entry["samples"]
     manifest = {
-        "format": "grape_stream.convert.pipeline", "converter": "spark", "converter_version": CONVERTER_VERSION,
+        "format": MANIFEST_FORMAT, "converter": "spark", "converter_version": CONVERTER_VERSION,
         "kind": "domain", "tokenizer": {"name": tok.name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id},
         "seq_len": seq_len, "dtype": dtype.name, "columns": columns, "eos": eos, "remainder": remainder,
         "compression": compression, "domains": domains,
     }
     atomic_write_json(os.path.join(local_root, "manifest.json"), manifest)
     if remote:
-        _upload(local_root, remote, ["manifest.json"])
+        upload(local_root, remote, ["manifest.json"])
     return manifest
+
+
+def _write_one(data: Any, dom: str, sp: str | None, local_root: str, remote: str | None, text_column: str,
+               mds_kwargs: dict[str, Any], udf_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Write one (domain, split) with streaming's dataframe_to_mds; its manifest entry (without tokens)."""
+    from pyspark.sql import functions as F
+    from streaming.base.converters import dataframe_to_mds
+
+    rel = f"{dom}/{sp}" if sp else dom
+    cond = F.col("_domain") == dom
+    cond = cond & (F.col("_split") == sp) if sp is not None else cond & F.col("_split").isNull()
+    sub = data.filter(cond).select(text_column)
+    target: Any = os.path.join(local_root, rel)
+    if remote:
+        target = (target, f"{remote}/{rel}")
+    dataframe_to_mds(sub, merge_index=True, mds_kwargs={"out": target, **mds_kwargs},
+                     udf_iterable=_pack_batch, udf_kwargs=udf_kwargs)
+    with open(os.path.join(local_root, rel, "index.json")) as f:
+        samples = sum(s["samples"] for s in json.load(f)["shards"])
+    n_docs = sub.filter(F.col(text_column).isNotNull() & (F.trim(F.col(text_column)) != "")).count()
+    return {"path": rel, "documents": n_docs, "samples": samples, "skipped_rows": sub.count() - n_docs}

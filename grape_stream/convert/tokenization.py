@@ -14,7 +14,7 @@ import functools
 import importlib.metadata
 import os
 from pathlib import Path
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -87,7 +87,7 @@ class HFTokenizer:
     has it: offsets are the bulk of the per-token cost and the converter never needs them.
     """
 
-    def __init__(self, tokenizer: "object", *, name: str, eos_id: int | None) -> None:
+    def __init__(self, tokenizer: Any, *, name: str, eos_id: int | None) -> None:
         self._tok = tokenizer
         self.name = name
         self.vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
@@ -117,7 +117,7 @@ class HFTokenizer:
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]", "<|im_end|>")
 
 
-def _guess_eos_id(tokenizer: "object") -> int | None:
+def _guess_eos_id(tokenizer: Any) -> int | None:
     for tok in _EOS_CANDIDATES:
         i = tokenizer.token_to_id(tok)
         if i is not None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import os
 import shutil
 import time
@@ -21,11 +20,15 @@ from typing import Any, Callable
 
 import numpy as np
 
+from grape_stream.atomic import atomic_write_json
+from grape_stream.convert.errors import ConvertInputError
+from grape_stream.convert.layout import STATE_DIR, dataset_dir, remote_dir
 from grape_stream.convert.packing import ExamplePadder, SequencePacker
+from grape_stream.convert.records import BadInput, Record
+from grape_stream.convert.remote import upload_partitions
+from grape_stream.convert.tokenization import Tokenizer, load_tokenizer
 
-__all__ = ["UnitJob", "ConvertInputError", "run_unit", "assign_split", "atomic_write_json", "STATE_DIR"]
-
-STATE_DIR = ".grape_convert"
+__all__ = ["UnitJob", "ConvertInputError", "run_unit", "assign_split", "STATE_DIR", "dataset_dir", "remote_dir"]
 
 # Test hook, documented in docs/converters.md: seconds to sleep after every tokenized batch, so a test
 # can kill a conversion in the middle of a unit. Never set it in production.
@@ -35,9 +38,8 @@ _BATCH_DOCS = 512
 _BATCH_BYTES = 4 << 20
 _PROGRESS_EVERY_S = 0.5
 
-
-class ConvertInputError(ValueError):
-    """Bad input under --strict: the message names the file, the line/row and what is wrong."""
+Progress = Callable[[dict[str, Any]], None]
+_Key = tuple[str, str | None]  # (domain, split)
 
 
 @dataclass
@@ -46,7 +48,7 @@ class UnitJob:
 
     unit: str
     files: list[tuple[str, str]]  # (absolute path, path relative to the input root)
-    reader: Any  # a converters.Reader
+    reader: Any  # a grape_stream.convert.readers.Reader
     plan: dict[str, Any]
     local: str
     remote: str | None
@@ -65,18 +67,6 @@ class _FileReport:
         return {"documents": self.documents, "bad": dict(sorted(self.bad.items())), "examples": self.examples}
 
 
-def atomic_write_json(path: str, obj: Any) -> None:
-    """Write JSON so that readers see the old file or the whole new one, never a torn one."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def assign_split(split: dict[str, float], seed: int, relpath: str, index: int) -> str:
     """The split of one record: a uniform draw from hash(seed, file, index) against cumulative fractions.
 
@@ -91,14 +81,6 @@ def assign_split(split: dict[str, float], seed: int, relpath: str, index: int) -
         if u < acc:
             return name
     return name  # rounding: fractions sum to 1 within 1e-9
-
-
-def dataset_dir(root: str, domain: str, split: str | None) -> str:
-    return os.path.join(root, domain, split) if split else os.path.join(root, domain)
-
-
-def remote_dir(root: str, domain: str, split: str | None) -> str:
-    return "/".join([root.rstrip("/"), domain] + ([split] if split else []))
 
 
 def _clear_stale_partitions(local: str, unit: str) -> None:
@@ -124,13 +106,13 @@ class _Output:
         self.writer: Any = None
 
     def _open(self) -> Any:
-        from streaming import MDSWriter
+        from streaming import MDSWriter  # imports torch: only in the process that writes
 
-        job, p = self.job, self.job.plan
+        p = self.job.plan
         local = self.local_dir()
         if os.path.exists(local):
             shutil.rmtree(local)
-        # Written locally, uploaded by `_upload_unit` once the unit is complete: one S3 client per unit
+        # Written locally, uploaded by `upload_partitions` once the unit is complete: one S3 client per unit
         # instead of one per partition, and no upload can land for a unit that was later killed.
         return MDSWriter(
             columns=dict(p["columns"]),
@@ -168,136 +150,140 @@ class _Output:
         }
 
 
-def run_unit(job: UnitJob, progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Convert one unit and write its done-marker; returns the marker's content."""
-    from grape_stream.convert.readers.common import BadInput
-    from grape_stream.convert.tokenization import load_tokenizer
+class _Batcher:
+    """Tokenizes a unit's documents in batches and feeds each (domain, split)'s packer and writer;
+    reports progress (documents, tokens per domain) at most every _PROGRESS_EVERY_S seconds."""
 
+    def __init__(self, job: UnitJob, tok: Tokenizer | None, progress: Progress | None) -> None:
+        self.job = job
+        self.tok = tok
+        self.progress = progress
+        self.delay = float(os.environ.get(_DELAY_ENV, "0") or 0)
+        self.outputs: dict[_Key, _Output] = {}
+        self.batch: list[tuple[_Key, Any]] = []
+        self.batch_bytes = 0
+        self.pending: dict[str, Any] = {"documents": 0, "tokens": {}}
+        self.last_progress = time.monotonic()
+
+    def add(self, key: _Key, payload: Any, nbytes: int) -> None:
+        self.batch.append((key, payload))
+        self.batch_bytes += nbytes
+        if len(self.batch) >= _BATCH_DOCS or self.batch_bytes >= _BATCH_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.batch:
+            return
+        if self.tok is not None:
+            arrays = self.tok.encode_batch([payload for _, payload in self.batch])
+        else:
+            arrays = [payload for _, payload in self.batch]
+        grouped: dict[_Key, list[np.ndarray]] = {}
+        for (key, _), arr in zip(self.batch, arrays):
+            grouped.setdefault(key, []).append(arr)
+        tokens = self.pending["tokens"]
+        for key, docs in grouped.items():
+            out = self.outputs.get(key)
+            if out is None:
+                out = self.outputs[key] = _Output(self.job, *key)
+            before = out.packer.stats.tokens
+            out.write(*_as_pair(out.packer.add(docs)))
+            tokens[key[0]] = tokens.get(key[0], 0) + out.packer.stats.tokens - before
+        self.pending["documents"] += len(self.batch)
+        self.batch, self.batch_bytes = [], 0
+        if self.delay:
+            time.sleep(self.delay)
+        now = time.monotonic()
+        if self.progress is not None and now - self.last_progress >= _PROGRESS_EVERY_S:
+            self._report()
+            self.last_progress = now
+
+    def _report(self) -> None:
+        assert self.progress is not None
+        self.progress(dict(self.pending, tokens=dict(self.pending["tokens"])))
+        self.pending["documents"], self.pending["tokens"] = 0, {}
+
+    def finish(self) -> list[dict[str, Any]]:
+        """Close every output (in domain, split order), upload them when remote; their marker entries."""
+        ordered = [self.outputs[k] for k in sorted(self.outputs, key=lambda k: (k[0], k[1] or ""))]
+        results = [o.finish() for o in ordered]
+        if self.job.remote:
+            dirs = [o.local_dir() for o in ordered if o.writer is not None]
+            upload_partitions(self.job.local, self.job.remote, dirs, keep_local=self.job.keep_local)
+        if self.progress is not None:
+            self._report()
+        return results
+
+
+def run_unit(job: UnitJob, progress: Progress | None = None) -> dict[str, Any]:
+    """Convert one unit and write its done-marker; returns the marker's content."""
     plan = job.plan
     tok = None if job.reader.pretokenized else load_tokenizer(plan["tokenizer"], plan["eos_id"])
     split_fracs: dict[str, float] | None = plan["split"]
-    delay = float(os.environ.get(_DELAY_ENV, "0") or 0)
     _clear_stale_partitions(job.local, job.unit)
 
-    outputs: dict[tuple[str, str | None], _Output] = {}
+    batcher = _Batcher(job, tok, progress)
     reports: dict[str, _FileReport] = {}
-    batch: list[tuple[tuple[str, str | None], Any]] = []
-    batch_bytes = 0
-    pending_progress: dict[str, Any] = {"documents": 0, "tokens": {}}
-    last_progress = time.monotonic()
-
-    def flush() -> None:
-        nonlocal batch, batch_bytes, last_progress
-        if not batch:
-            return
-        if tok is not None:
-            arrays = tok.encode_batch([payload for _, payload in batch])
-        else:
-            arrays = [payload for _, payload in batch]
-        grouped: dict[tuple[str, str | None], list[np.ndarray]] = {}
-        for (key, _), arr in zip(batch, arrays):
-            grouped.setdefault(key, []).append(arr)
-        for key, docs in grouped.items():
-            out = outputs.get(key)
-            if out is None:
-                out = outputs[key] = _Output(job, *key)
-            before = out.packer.stats.tokens
-            out.write(*_as_pair(out.packer.add(docs)))
-            toks = pending_progress["tokens"]
-            toks[key[0]] = toks.get(key[0], 0) + out.packer.stats.tokens - before
-        pending_progress["documents"] += len(batch)
-        batch, batch_bytes = [], 0
-        if delay:
-            time.sleep(delay)
-        now = time.monotonic()
-        if progress is not None and now - last_progress >= _PROGRESS_EVERY_S:
-            progress(dict(pending_progress, tokens=dict(pending_progress["tokens"])))
-            pending_progress["documents"], pending_progress["tokens"] = 0, {}
-            last_progress = now
-
     for path, rel in job.files:
         rep = reports[rel] = _FileReport()
         for item in job.reader.read(path):
-            if isinstance(item, BadInput):
-                _count_bad(rep, rel, item, job.max_examples)
-                if job.strict:
-                    raise ConvertInputError(f"{rel}: {item.where()}: {item.kind}: {item.reason}")
-                if item.keep is None:
-                    continue
-                item = item.keep
-            if item.text is not None:
-                if not item.text.strip():
-                    bad = BadInput("empty_document", item.index, item.unit, "empty text")
-                    _count_bad(rep, rel, bad, job.max_examples)
-                    if job.strict:
-                        raise ConvertInputError(f"{rel}: {bad.where()}: empty_document: {bad.reason}")
-                    continue
-                payload: Any = item.text
-                batch_bytes += len(item.text)
+            rec = _usable(item, rep, rel, job)
+            if rec is None:
+                continue
+            payload: Any
+            if rec.text is not None:
+                payload, nbytes = rec.text, len(rec.text)
             else:
-                if item.tokens is None or item.tokens.size == 0:
-                    bad = BadInput("empty_document", item.index, item.unit, "no tokens")
-                    _count_bad(rep, rel, bad, job.max_examples)
-                    if job.strict:
-                        raise ConvertInputError(f"{rel}: {bad.where()}: empty_document: {bad.reason}")
-                    continue
-                payload = item.tokens
-                batch_bytes += 4 * item.tokens.size
-            split = item.split
+                assert rec.tokens is not None  # _usable dropped records with neither
+                payload, nbytes = rec.tokens, 4 * rec.tokens.size
+            split = rec.split
             if split is None and split_fracs:
-                split = assign_split(split_fracs, plan["split_seed"], rel, item.index)
-            batch.append(((item.domain, split), payload))
+                split = assign_split(split_fracs, plan["split_seed"], rel, rec.index)
             rep.documents += 1
-            if len(batch) >= _BATCH_DOCS or batch_bytes >= _BATCH_BYTES:
-                flush()
-        flush()
+            batcher.add((rec.domain, split), payload, nbytes)
+        batcher.flush()
 
-    ordered = [outputs[k] for k in sorted(outputs, key=lambda k: (k[0], k[1] or ""))]
-    results = [o.finish() for o in ordered]
-    if job.remote:
-        _upload_unit(job, [o.local_dir() for o in ordered if o.writer is not None])
-    if progress is not None:
-        progress(dict(pending_progress, tokens=dict(pending_progress["tokens"])))
     marker = {
         "unit": job.unit,
         "files": [rel for _, rel in job.files],
-        "outputs": results,
+        "outputs": batcher.finish(),
         "report": {rel: r.as_dict() for rel, r in reports.items()},
     }
     atomic_write_json(os.path.join(job.local, STATE_DIR, "units", f"{job.unit}.json"), marker)
     return marker
 
 
+def _usable(item: Record | BadInput, rep: _FileReport, rel: str, job: UnitJob) -> Record | None:
+    """The record to convert, or None after counting why not (raising under --strict)."""
+    if isinstance(item, BadInput):
+        _report_bad(rep, rel, item, job)
+        if item.keep is None:
+            return None
+        item = item.keep
+    if item.text is not None:
+        empty, why = not item.text.strip(), "empty text"
+    else:
+        empty, why = item.tokens is None or item.tokens.size == 0, "no tokens"
+    if empty:
+        _report_bad(rep, rel, BadInput("empty_document", item.index, item.unit, why), job)
+        return None
+    return item
+
+
+def _report_bad(rep: _FileReport, rel: str, bad: BadInput, job: UnitJob) -> None:
+    _count_bad(rep, rel, bad, job.max_examples)
+    if job.strict:
+        raise ConvertInputError(f"{rel}: {bad.where()}: {bad.kind}: {bad.reason}")
+
+
 def _as_pair(x: Any) -> tuple[np.ndarray, np.ndarray | None]:
     return x if isinstance(x, tuple) else (x, None)
 
 
-def _count_bad(rep: _FileReport, rel: str, bad: Any, max_examples: int) -> None:
+def _count_bad(rep: _FileReport, rel: str, bad: BadInput, max_examples: int) -> None:
     rep.bad[bad.kind] = rep.bad.get(bad.kind, 0) + 1
     if sum(1 for e in rep.examples if e["kind"] == bad.kind) < max_examples:
         ex: dict[str, Any] = {"file": rel, "kind": bad.kind, "reason": bad.reason}
         if bad.index is not None:
             ex[bad.unit] = bad.index
         rep.examples.append(ex)
-
-
-def _upload_unit(job: UnitJob, dirs: list[str]) -> None:
-    """Upload a finished unit's partitions (shards first, each partition's index.json last) with
-    streaming's uploader; local shards are then deleted unless keep_local, the small index.json files
-    stay (finalising merges them without downloading)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from streaming.base.storage.upload import CloudUploader
-
-    cu = CloudUploader.get((job.local, job.remote), keep_local=True, exist_ok=True)
-    shards, indexes = [], []
-    for d in dirs:
-        for name in sorted(os.listdir(d)):
-            rel = os.path.relpath(os.path.join(d, name), job.local).replace(os.sep, "/")
-            (indexes if name == "index.json" else shards).append(rel)
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        list(pool.map(cu.upload_file, shards))
-        list(pool.map(cu.upload_file, indexes))
-    if not job.keep_local:
-        for rel in shards:
-            os.remove(os.path.join(job.local, rel))

@@ -1,24 +1,39 @@
-"""Dataset-specific readers (SlimPajama, ClimbLab/ClimbMix, wiki40b, target tasks, generic jsonl/parquet).
+"""Corpus readers, one module per dataset family, collected in a registry keyed by SOURCE name.
 
-Readers only read: they turn files into `Record`s (text or token ids, with a domain and maybe a split)
-and `BadInput`s. Tokenizing, packing and writing MDS shards all live in `grape_stream.convert.pipeline`.
+Each module registers its readers with `@register` and declares the options they accept (see
+`readers/base.py`); importing the modules below fills `REGISTRY` in this order, which is the order
+`SOURCES` (and `grape-stream convert --help`) lists them in. A new corpus: one module here, one import
+line below, one section in docs/converters.md.
+
+The converter core uses readers only through `SOURCES`, `build_reader`, `reader_class` and
+`reader_options`; readers use the core's general helpers (grape_stream.convert.inputs / formats /
+records), never the other way round.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .climblab import ClimbLabReader, ClimbMixReader
-from .common import BAD_KINDS, BadInput, Reader, Record
-from .generic import JsonlReader, ParquetReader, RecordFields
-from .slimpajama import SLIMPAJAMA_DOMAINS, SlimPajamaReader
-from .tasks import TASK_LAYOUTS, TaskReader
-from .wiki40b import Wiki40bReader
+# Import order = registration order = the order of SOURCES (and of --help): keep it, sorters off.
+# isort: off
+from . import slimpajama  # noqa: F401
+from . import climblab  # noqa: F401
+from . import wiki40b  # noqa: F401
+from . import generic  # noqa: F401
+from . import tasks  # noqa: F401
+# isort: on
+from .base import BAD_KINDS, REGISTRY, BadInput, Reader, ReaderOption, Record
+from .slimpajama import SLIMPAJAMA_DOMAINS
+from .tasks import TASK_LAYOUTS
 
 __all__ = [
     "SOURCES",
+    "REGISTRY",
     "build_reader",
+    "reader_class",
+    "reader_options",
     "Reader",
+    "ReaderOption",
     "Record",
     "BadInput",
     "BAD_KINDS",
@@ -26,57 +41,53 @@ __all__ = [
     "TASK_LAYOUTS",
 ]
 
-SOURCES = ("slimpajama", "climblab", "climbmix", "wiki40b", "jsonl", "parquet", "task")
+SOURCES: tuple[str, ...] = tuple(REGISTRY)  # the bundled readers; REGISTRY also holds any registered later
 
-# Which options each source understands; anything else given is an error, not silently ignored.
-_ACCEPTS: dict[str, set[str]] = {
-    "slimpajama": {"split_from_path"},
-    "climblab": {"domain"},
-    "climbmix": set(),
-    "wiki40b": {"markers", "domain", "split_from_path"},
-    "jsonl": {"text_field", "domain", "domain_field", "split_field"},
-    "parquet": {"text_field", "domain", "domain_field", "split_field"},
-    "task": {"layout", "domain", "domain_field", "split_field"},
-}
 
-_FLAG = {
-    "split_from_path": "--split-from-path",
-    "domain": "--domain",
-    "domain_field": "--domain-field",
-    "split_field": "--split-field",
-    "text_field": "--text-field",
-    "markers": "--markers",
-    "layout": "--layout",
-}
+def reader_class(source: str) -> type[Reader]:
+    """The registered reader class of `source`; ValueError naming the known sources otherwise."""
+    cls = REGISTRY.get(source)
+    if cls is None:
+        raise ValueError(f"unknown source {source!r}; choose one of {', '.join(REGISTRY)}")
+    return cls
+
+
+def reader_options() -> dict[str, tuple[ReaderOption, list[str]]]:
+    """Every option any reader accepts: name -> (its declaration, the sources accepting it).
+
+    Readers that share an option must declare it the same way (same flag, choices, switch or not),
+    since it becomes one CLI flag; a clash is a programming error raised here.
+    """
+    out: dict[str, tuple[ReaderOption, list[str]]] = {}
+    for source, cls in REGISTRY.items():
+        for opt in cls.options:
+            seen = out.get(opt.name)
+            if seen is None:
+                out[opt.name] = (opt, [source])
+                continue
+            first = seen[0]
+            if (first.flag, first.choices, first.is_flag) != (opt.flag, opt.choices, opt.is_flag):
+                raise TypeError(f"reader option {opt.name!r} is declared differently by {seen[1]} and {source!r}")
+            seen[1].append(source)
+    return out
 
 
 def build_reader(source: str, **options: Any) -> Reader:
     """The reader for `source`; options left at None/False are unset. Unsupported options raise."""
-    if source not in SOURCES:
-        raise ValueError(f"unknown source {source!r}; choose one of {', '.join(SOURCES)}")
+    cls = reader_class(source)
     given = {k: v for k, v in options.items() if v not in (None, False)}
-    unknown = sorted(set(given) - set(_FLAG))
+    known = reader_options()
+    unknown = sorted(set(given) - set(known))
     if unknown:
         raise TypeError(f"unknown reader option(s) {unknown}")
-    extra = sorted(set(given) - _ACCEPTS[source])
+    accepts = {o.name: o for o in cls.options}
+    extra = sorted(set(given) - set(accepts))
     if extra:
-        flags = ", ".join(_FLAG[k] for k in extra)
+        flags = ", ".join(known[k][0].flag for k in extra)
         raise ValueError(f"{flags} does not apply to source {source!r}")
     if given.get("domain") and given.get("domain_field"):
         raise ValueError("--domain and --domain-field are exclusive: a fixed domain, or one per record")
-    if source == "slimpajama":
-        return SlimPajamaReader(split_from_path=bool(given.get("split_from_path")))
-    if source == "climblab":
-        return ClimbLabReader(domain=given.get("domain"))
-    if source == "climbmix":
-        return ClimbMixReader()
-    if source == "wiki40b":
-        return Wiki40bReader(
-            markers=given.get("markers", "strip"), domain=given.get("domain"),
-            split_from_path=bool(given.get("split_from_path")),
-        )
-    fields = RecordFields(given.get("domain_field"), given.get("domain"), given.get("split_field"))
-    if source == "task":
-        return TaskReader(layout=given.get("layout", "auto"), fields=fields)
-    cls = JsonlReader if source == "jsonl" else ParquetReader
-    return cls(text_field=given.get("text_field", "text"), fields=fields)
+    kwargs = {
+        name: (bool(given.get(name)) if o.is_flag else given.get(name, o.default)) for name, o in accepts.items()
+    }
+    return cls.from_options(**kwargs)

@@ -17,11 +17,15 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .common import BadInput, Reader, Record, as_token_array, check_domain_name, iter_jsonl, iter_parquet_batches
+from grape_stream.convert.formats import iter_jsonl, iter_parquet_batches
+from grape_stream.convert.inputs import check_domain_name
+from grape_stream.convert.tokenization import GPT2_VOCAB_SIZE
+
+from .base import DOMAIN, BadInput, Reader, Record, as_token_array, register
 
 __all__ = ["ClimbLabReader", "ClimbMixReader"]
 
-GPT2_VOCAB = 50257
+GPT2_VOCAB = GPT2_VOCAB_SIZE  # the id range pre-tokenized records are checked against
 
 
 def _count_check(idx: int, unit: str, arr: np.ndarray, count: Any, rec: Record) -> BadInput | None:
@@ -36,6 +40,7 @@ def _count_check(idx: int, unit: str, arr: np.ndarray, count: Any, rec: Record) 
     return BadInput("token_count_mismatch", idx, unit, f"token_count {count!r} but {arr.size} tokens; kept the tokens", keep=rec)
 
 
+@register
 @dataclass
 class ClimbLabReader(Reader):
     """domain: override the directory-derived domain (all files go to this one)."""
@@ -45,8 +50,9 @@ class ClimbLabReader(Reader):
     source = "climblab"
     pretokenized = True
     patterns = (".parquet",)
+    options = (DOMAIN,)
 
-    def path_domain(self, path: str) -> str | None:
+    def path_domain(self, path: str) -> str:
         return self.domain or os.path.basename(os.path.dirname(os.path.abspath(path)))
 
     def describe(self) -> dict[str, Any]:
@@ -61,39 +67,45 @@ class ClimbLabReader(Reader):
         for item in iter_parquet_batches(path, ["tokens"], optional=["token_count"], batch_size=4096):
             if isinstance(item, BadInput):
                 yield item
-                continue
-            start, batch = item
-            col = batch.column("tokens")
-            counts = batch.column("token_count").to_pylist() if "token_count" in batch.schema.names else None
-            # Columnar fast path: one flat numpy array and offsets instead of a Python list per row.
-            import pyarrow as pa
-
-            if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
-                offsets = col.offsets.to_numpy()
-                values = col.values.to_numpy(zero_copy_only=False) if len(col.values) else np.zeros(0, np.int64)
-                valid = col.is_valid().to_numpy(zero_copy_only=False)
-                if values.size and values.dtype.kind not in "iu":
-                    yield BadInput("bad_tokens", start, "row", f"'tokens' holds {col.values.type}, not integers; batch of {batch.num_rows} rows lost")
-                    continue
-                bad_range = bool(values.size) and (int(values.min()) < 0 or int(values.max()) >= self.vocab_size)
-                for i in range(batch.num_rows):
-                    idx = start + i
-                    if not valid[i]:
-                        yield BadInput("missing_field", idx, "row", "'tokens' is null")
-                        continue
-                    arr = values[offsets[i]:offsets[i + 1]]  # offsets index into values even for sliced arrays
-                    if bad_range:
-                        arr, why = as_token_array(arr, self.vocab_size)
-                        if why:
-                            yield BadInput("bad_tokens", idx, "row", why)
-                            continue
-                    rec = Record(idx, "row", domain, tokens=arr.astype(np.uint32, copy=False))
-                    warn = _count_check(idx, "row", arr, counts[i] if counts else None, rec)
-                    yield warn if warn else rec
             else:
-                yield BadInput("bad_tokens", start, "row", f"'tokens' column is {col.type}, not a list of ints; batch of {batch.num_rows} rows lost")
+                yield from self._batch_records(*item, domain)
+
+    def _batch_records(self, start: int, batch: Any, domain: str) -> Iterator[Record | BadInput]:
+        """Columnar fast path: one flat numpy array and offsets instead of a Python list per row."""
+        import pyarrow as pa
+
+        col = batch.column("tokens")
+        counts = batch.column("token_count").to_pylist() if "token_count" in batch.schema.names else None
+        if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
+            lost = f"batch of {batch.num_rows} rows lost"
+            yield BadInput("bad_tokens", start, "row", f"'tokens' column is {col.type}, not a list of ints; {lost}")
+            return
+        offsets = col.offsets.to_numpy()
+        values = col.values.to_numpy(zero_copy_only=False) if len(col.values) else np.zeros(0, np.int64)
+        valid = col.is_valid().to_numpy(zero_copy_only=False)
+        if values.size and values.dtype.kind not in "iu":
+            lost = f"batch of {batch.num_rows} rows lost"
+            yield BadInput("bad_tokens", start, "row", f"'tokens' holds {col.values.type}, not integers; {lost}")
+            return
+        bad_range = bool(values.size) and (int(values.min()) < 0 or int(values.max()) >= self.vocab_size)
+        for i in range(batch.num_rows):
+            idx = start + i
+            if not valid[i]:
+                yield BadInput("missing_field", idx, "row", "'tokens' is null")
+                continue
+            arr = values[offsets[i]:offsets[i + 1]]  # offsets index into values even for sliced arrays
+            if bad_range:
+                checked, why = as_token_array(arr, self.vocab_size)
+                if checked is None:
+                    yield BadInput("bad_tokens", idx, "row", str(why))
+                    continue
+                arr = checked
+            rec = Record(idx, "row", domain, tokens=arr.astype(np.uint32, copy=False))
+            warn = _count_check(idx, "row", arr, counts[i] if counts else None, rec)
+            yield warn if warn else rec
 
 
+@register
 @dataclass
 class ClimbMixReader(Reader):
     vocab_size: int = GPT2_VOCAB
@@ -119,8 +131,8 @@ class ClimbMixReader(Reader):
                 continue
             domain = f"cluster_{int(cid)}"
             arr, why = as_token_array(obj["tokens"], self.vocab_size)
-            if why:
-                yield BadInput("bad_tokens", idx, "line", why)
+            if arr is None:
+                yield BadInput("bad_tokens", idx, "line", str(why))
                 continue
             rec = Record(idx, "line", domain, tokens=arr)
             warn = _count_check(idx, "line", arr, obj.get("token_count"), rec)

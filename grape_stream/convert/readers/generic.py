@@ -9,20 +9,13 @@ each record (e.g. `{"split": "probe"}` -> `OUT/<domain>/probe/`).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from .common import (
-    SPLIT_WORDS,
-    BadInput,
-    Reader,
-    Record,
-    check_domain_name,
-    get_field,
-    iter_jsonl,
-    iter_parquet_rows,
-    strip_suffixes,
-)
+from grape_stream.convert.formats import iter_jsonl, iter_parquet_rows
+from grape_stream.convert.inputs import SPLIT_WORDS, check_domain_name, strip_suffixes
+
+from .base import DOMAIN, DOMAIN_FIELD, SPLIT_FIELD, TEXT_FIELD, BadInput, Reader, Record, get_field, register
 
 __all__ = ["JsonlReader", "ParquetReader", "domain_from_path", "RecordFields"]
 
@@ -43,6 +36,15 @@ class RecordFields:
     domain_field: str | None = None
     domain: str | None = None
     split_field: str | None = None
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> "RecordFields":
+        """Take `domain`, `domain_field`, `split_field` out of a reader's options (the rest is left)."""
+        return cls(
+            domain_field=options.pop("domain_field", None),
+            domain=options.pop("domain", None),
+            split_field=options.pop("split_field", None),
+        )
 
     def fixed_domain(self, path: str) -> str | None:
         if self.domain_field:
@@ -86,11 +88,14 @@ def iter_records(path: str, columns: list[str]) -> Iterator[tuple[int, dict] | B
 @dataclass
 class _TextReader(Reader):
     text_field: str = "text"
-    fields: RecordFields | None = None
+    fields: RecordFields = field(default_factory=RecordFields)
 
-    def __post_init__(self) -> None:
-        if self.fields is None:
-            self.fields = RecordFields()
+    options = (TEXT_FIELD, DOMAIN, DOMAIN_FIELD, SPLIT_FIELD)
+
+    @classmethod
+    def from_options(cls, **options: Any) -> Reader:
+        fields = RecordFields.from_options(options)
+        return cls(fields=fields, **options)
 
     def path_domain(self, path: str) -> str | None:
         return self.fields.fixed_domain(path)
@@ -126,12 +131,14 @@ class _TextReader(Reader):
             yield Record(idx, unit, ds[0], text=text, split=ds[1])
 
 
+@register
 @dataclass
 class JsonlReader(_TextReader):
     source = "jsonl"
     patterns = (".jsonl", ".jsonl.zst", ".jsonl.gz")
 
 
+@register
 @dataclass
 class ParquetReader(_TextReader):
     source = "parquet"

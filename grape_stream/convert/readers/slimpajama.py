@@ -8,11 +8,13 @@ struct in some copies and a JSON string in others: both are accepted.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from .common import BadInput, Reader, Record, SPLIT_WORDS, check_domain_name, iter_jsonl, iter_parquet_rows
+from grape_stream.convert.formats import iter_jsonl, iter_parquet_rows
+from grape_stream.convert.inputs import check_domain_name, split_from_path
+
+from .base import SPLIT_FROM_PATH, BadInput, Reader, Record, register
 
 __all__ = ["SlimPajamaReader", "SLIMPAJAMA_DOMAINS"]
 
@@ -27,16 +29,7 @@ SLIMPAJAMA_DOMAINS = (
 )
 
 
-def split_from_path(path: str) -> str | None:
-    """`.../validation/chunk1/x.jsonl.zst` -> "validation"; wiki40b's `validation-0000.parquet` too."""
-    parts = os.path.normpath(path).split(os.sep)
-    for part in reversed(parts[:-1]):
-        if part in SPLIT_WORDS:
-            return part
-    stem = os.path.basename(path).split("-")[0].split(".")[0].split("_")[0]
-    return stem if stem in SPLIT_WORDS else None
-
-
+@register
 @dataclass
 class SlimPajamaReader(Reader):
     """split_from_path: put each file's records in the split its path names (train/validation/test)."""
@@ -44,6 +37,7 @@ class SlimPajamaReader(Reader):
     split_from_path: bool = False
     source = "slimpajama"
     patterns = (".jsonl.zst", ".jsonl", ".parquet")
+    options = (SPLIT_FROM_PATH,)
 
     def describe(self) -> dict[str, Any]:
         return {"split_from_path": self.split_from_path}

@@ -21,10 +21,12 @@ loss is a mean over examples. Layouts (auto-detected per record from its fields,
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from .common import BadInput, Reader, Record
+from grape_stream.convert.formats import iter_parquet_rows
+
+from .base import DOMAIN, DOMAIN_FIELD, SPLIT_FIELD, BadInput, Reader, ReaderOption, Record, register
 from .generic import RecordFields, iter_records
 
 __all__ = ["TaskReader", "TASK_LAYOUTS", "detect_layout", "format_example"]
@@ -175,21 +177,32 @@ def format_example(obj: dict, layout: str = "auto") -> str:
         raise ValueError(f"{name}: {e}") from None
 
 
+LAYOUT = ReaderOption(
+    "layout", "--layout", "task layout; auto = detected from each record's fields",
+    default="auto", choices=("auto", *TASK_LAYOUTS),
+)
+
+
+@register
 @dataclass
 class TaskReader(Reader):
     """layout: "auto" (per record, from its fields) or one of TASK_LAYOUTS."""
 
     layout: str = "auto"
-    fields: RecordFields | None = None
+    fields: RecordFields = field(default_factory=RecordFields)
     source = "task"
     per_example = True
     patterns = (".jsonl", ".jsonl.zst", ".jsonl.gz", ".parquet")
+    options = (LAYOUT, DOMAIN, DOMAIN_FIELD, SPLIT_FIELD)
 
     def __post_init__(self) -> None:
-        if self.fields is None:
-            self.fields = RecordFields()
         if self.layout != "auto" and self.layout not in TASK_LAYOUTS:
             raise ValueError(f"unknown task layout {self.layout!r}; known: auto, {', '.join(TASK_LAYOUTS)}")
+
+    @classmethod
+    def from_options(cls, **options: Any) -> Reader:
+        fields = RecordFields.from_options(options)
+        return cls(fields=fields, **options)
 
     def path_domain(self, path: str) -> str | None:
         return self.fields.fixed_domain(path)
@@ -222,6 +235,4 @@ class TaskReader(Reader):
 
 
 def _all_columns(path: str) -> Iterator[tuple[int, dict] | BadInput]:
-    from .common import iter_parquet_rows
-
     return iter_parquet_rows(path, [])

@@ -13,8 +13,10 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from .common import BadInput, Reader, Record, check_domain_name, iter_parquet_rows
-from .slimpajama import split_from_path
+from grape_stream.convert.formats import iter_parquet_rows
+from grape_stream.convert.inputs import check_domain_name, split_from_path
+
+from .base import DOMAIN, SPLIT_FROM_PATH, BadInput, Reader, ReaderOption, Record, register
 
 __all__ = ["Wiki40bReader", "strip_markers"]
 
@@ -33,6 +35,13 @@ def strip_markers(text: str) -> str:
     return "\n\n".join(blocks)
 
 
+MARKERS = ReaderOption(
+    "markers", "--markers", "wiki40b structure markers: strip (_NEWLINE_ -> newline) or keep verbatim",
+    default="strip", choices=("strip", "keep"),
+)
+
+
+@register
 @dataclass
 class Wiki40bReader(Reader):
     markers: str = "strip"
@@ -40,12 +49,13 @@ class Wiki40bReader(Reader):
     split_from_path: bool = False
     source = "wiki40b"
     patterns = (".parquet",)
+    options = (MARKERS, DOMAIN, SPLIT_FROM_PATH)
 
     def __post_init__(self) -> None:
         if self.markers not in ("strip", "keep"):
             raise ValueError(f"markers must be 'strip' or 'keep', got {self.markers!r}")
 
-    def path_domain(self, path: str) -> str | None:
+    def path_domain(self, path: str) -> str:
         return self.domain or os.path.basename(os.path.dirname(os.path.abspath(path)))
 
     def describe(self) -> dict[str, Any]:

@@ -1,0 +1,107 @@
+"""The convert CLI stays light and its reader flags come from the reader registry."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from grape_stream.convert.cli import build_parser
+from grape_stream.convert.readers import SOURCES, build_reader, reader_class, reader_options
+
+
+def test_convert_cli_help_imports_no_torch():
+    code = (
+        "import sys\n"
+        "from grape_stream.cli import main\n"
+        "try:\n"
+        "    main(['convert', '--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "import grape_stream.convert, grape_stream.convert.pipeline, grape_stream.convert.spark\n"
+        "heavy = sorted(m for m in ('torch', 'streaming', 'pyspark', 'transformers', 'composer') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    env = dict(os.environ)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "--domain-field" in r.stdout and "--layout" in r.stdout
+
+
+def test_every_reader_option_is_a_cli_flag_naming_its_sources():
+    parser = build_parser()
+    flags = {a.dest: a for a in parser._actions}
+    for name, (opt, sources) in reader_options().items():
+        assert name in flags and opt.flag in flags[name].option_strings
+        assert all(s in flags[name].help for s in sources)
+    assert list(SOURCES) == ["slimpajama", "climblab", "climbmix", "wiki40b", "jsonl", "parquet", "task"]
+
+
+def test_registry_lookup_and_unknown_source():
+    assert reader_class("jsonl").source == "jsonl"
+    with pytest.raises(ValueError, match="unknown source 'nope'; choose one of slimpajama"):
+        build_reader("nope")
+    with pytest.raises(TypeError, match="unknown reader option"):
+        build_reader("jsonl", colour="red")
+
+
+def test_package_exports_the_main_names():
+    import grape_stream.convert as gc
+    from grape_stream.convert import pipeline
+
+    assert gc.convert is pipeline.convert and gc.ConvertResult is pipeline.ConvertResult
+    assert gc.ConvertInputError is pipeline.ConvertInputError and gc.ConvertStateError is pipeline.ConvertStateError
+    assert gc.CONVERTER_VERSION == pipeline.CONVERTER_VERSION == 1
+
+
+def test_a_new_reader_is_one_registered_class(tmp_path, capsys):
+    """The docs/converters.md example: a reader module with its own option reaches the CLI and convert."""
+    from dataclasses import dataclass
+
+    from grape_stream.convert.cli import main as cli_main
+    from grape_stream.convert.formats import iter_jsonl
+    from grape_stream.convert.inputs import check_domain_name
+    from grape_stream.convert.readers.base import DOMAIN, REGISTRY, BadInput, Reader, ReaderOption, Record, register
+
+    MIN_CHARS = ReaderOption("min_chars", "--min-chars", "skip documents shorter than this", default="0")
+
+    @register
+    @dataclass
+    class MyCorpusReader(Reader):
+        domain: str | None = None
+        min_chars: str = "0"
+        source = "mycorpus"
+        patterns = (".jsonl",)
+        options = (DOMAIN, MIN_CHARS)
+
+        def describe(self):
+            return {"domain": self.domain, "min_chars": self.min_chars}
+
+        def read(self, path):
+            for item in iter_jsonl(path):
+                if isinstance(item, BadInput):
+                    yield item
+                    continue
+                idx, obj = item
+                domain = self.domain or obj.get("source")
+                if check_domain_name(domain):
+                    yield BadInput("bad_field", idx, "line", check_domain_name(domain))
+                elif len(obj.get("text") or "") >= int(self.min_chars):
+                    yield Record(idx, "line", domain, text=obj["text"])
+
+    try:
+        assert "--min-chars" in build_parser().format_help()
+        with pytest.raises(ValueError, match="--min-chars does not apply to source 'jsonl'"):
+            build_reader("jsonl", min_chars="3")
+        src = tmp_path / "in.jsonl"
+        src.write_text('{"text": "a long enough document", "source": "web"}\n{"text": "tiny", "source": "web"}\n')
+        rc = cli_main(["mycorpus", "-i", str(src), "-o", str(tmp_path / "out"), "--tokenizer", "bytes",
+                       "--seq-len", "4", "--min-chars", "10", "--no-progress"])
+        assert rc == 0, capsys.readouterr().err
+        m = json.loads((tmp_path / "out" / "manifest.json").read_text())
+        assert m["reader"] == {"domain": None, "min_chars": "10"} and m["domains"]["web"]["documents"] == 1
+    finally:
+        REGISTRY.pop("mycorpus", None)
