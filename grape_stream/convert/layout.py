@@ -15,7 +15,7 @@ __all__ = ["STATE_DIR", "CONVERTER_VERSION", "MANIFEST_FORMAT", "dataset_dir", "
 
 STATE_DIR = ".grape_convert"
 CONVERTER_VERSION = 1
-MANIFEST_FORMAT = "grape_stream.convert.pipeline"  # manifest.json "format" (readers on disk expect this string)
+MANIFEST_FORMAT = "grape_stream.convert"  # manifest.json "format": a data contract, unchanged by the re-layout
 
 
 def dataset_dir(root: str, domain: str, split: str | None) -> str:
