@@ -1,24 +1,40 @@
 """grape_stream: stream per-domain MDS shards and let GRAPE adapt the mixture while training runs.
 
-The top-level names are the public API of DESIGN.md. They are imported lazily so that
-`import grape_stream` stays cheap (no torch import) for converters and the CLI.
+The names below are the public API (docs/design.md draws the map behind them). They are imported
+lazily, so `import grape_stream` stays cheap for the converters and the CLI (no torch, no Composer until
+a name that needs them is used); the TYPE_CHECKING block gives IDEs and mypy the real definitions.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+if TYPE_CHECKING:  # pragma: no cover - what the lazy names resolve to
+    from grape_stream.convert import ConvertResult, convert
+    from grape_stream.grape.controller import GrapeController
+    from grape_stream.grape.gram.group_gram import group_gram
+    from grape_stream.grape.reweighting import Reweighter, available_methods, build_reweighter
+    from grape_stream.grape.tasks import TaskStream
+    from grape_stream.integrations.composer import GrapeAlgorithm
+    from grape_stream.mixing import DomainStream, WeightedStreamingMixer
+    from grape_stream.retry import RetryPolicy
+
 _LAZY = {
-    "WeightedStreamingMixer": "grape_stream.mixing.mixer",
-    "DomainStream": "grape_stream.mixing.mixer",
+    "WeightedStreamingMixer": "grape_stream.mixing",
+    "DomainStream": "grape_stream.mixing",
     "build_reweighter": "grape_stream.grape.reweighting",
+    "available_methods": "grape_stream.grape.reweighting",
     "Reweighter": "grape_stream.grape.reweighting",
     "group_gram": "grape_stream.grape.gram.group_gram",
     "GrapeController": "grape_stream.grape.controller",
     "TaskStream": "grape_stream.grape.tasks",
+    "GrapeAlgorithm": "grape_stream.integrations.composer",  # needs the [composer] extra
+    "convert": "grape_stream.convert",
+    "ConvertResult": "grape_stream.convert",
+    "RetryPolicy": "grape_stream.retry",
 }
 
 __all__ = ["__version__", *_LAZY]
@@ -31,3 +47,7 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

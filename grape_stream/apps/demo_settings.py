@@ -14,7 +14,7 @@ __all__ = ["DEMO", "QUICK", "DemoSettings"]
 class DemoSettings:
     """What the demo changes relative to the ``demo-cpu`` recipe (everything else comes from it).
 
-    ``mu_alpha`` / ``mu_z`` / ``clip_norm``: GRAPE's step sizes are eta = lr / mu (GRAPE-SPEC.md); at the
+    ``mu_alpha`` / ``mu_z`` / ``clip_norm``: GRAPE's step sizes are eta = lr / mu (docs/reweighting.md); at the
     peak lr of 2e-3 these give eta_alpha = eta_z = 10, with every probe gradient clipped to norm 1 before
     the inner products (the authors' code does the same). Chosen with short tuning runs on this corpus
     (docs/results.md): without clipping the raw alignments swing by 100x between updates (gradient-norm
