@@ -28,6 +28,7 @@ Every mosaicml-streaming ``StreamingDataset`` registers machine-global POSIX sha
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -35,6 +36,10 @@ import re
 import tempfile
 import time
 from typing import Any, Iterator
+
+import numpy as np
+
+from grape_stream.atomic import atomic_write_json
 
 logger = logging.getLogger(__name__)
 
@@ -126,8 +131,6 @@ def segments_in_use_elsewhere() -> set[str]:
 # --------------------------------------------------------------------------------------------------
 def _streaming_objects() -> tuple[list[Any], list[Any]]:
     """Live StreamingDatasets and streaming SharedMemory objects of this process (via the gc)."""
-    import gc
-
     try:
         from streaming.base.dataset import StreamingDataset
         from streaming.base.shared.memory import SharedMemory
@@ -208,10 +211,8 @@ def record_owner(dataset: Any, shm_dir: str = SHM_DIR) -> None:
         except OSError:
             pass
     record = {"pid": os.getpid(), "start_time": _start_time(os.getpid()), "inodes": inodes}
-    tmp = _owner_path(prefix, shm_dir) + f".tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(record, f)
-    os.replace(tmp, _owner_path(prefix, shm_dir))
+    # /dev/shm is memory: nothing to make durable, but a half-written record must never be read.
+    atomic_write_json(_owner_path(prefix, shm_dir), record, fsync=False)
 
 
 def _drop_owner_record(prefix: int, shm_dir: str = SHM_DIR) -> None:
@@ -343,8 +344,6 @@ def release_streaming_dataset(dataset: Any) -> None:
     Streaming only does this at interpreter exit (and never for the locks). Call it once the dataset,
     its download threads and every DataLoader worker that used it are done. Safe to call twice.
     """
-    import numpy as np
-
     shms = _dataset_shms(dataset)
     locals_shm = getattr(dataset, "_locals_shm", None)
     if locals_shm is not None:
