@@ -169,7 +169,8 @@ class DomainReader:
             else:
                 sizes.append(int(np.frombuffer(sample[idx:idx + 4], np.uint32)[0]))
                 idx += 4
-        layout: list[tuple] | None = []
+        columns: list[tuple] = []
+        layout: list[tuple] | None = columns
         prefix = idx  # the per-column sizes: part of the first column's header
         for name, size in zip(shard.column_names, sizes):
             value = decoded[name]
@@ -178,9 +179,9 @@ class DomainReader:
                 layout = None
                 break
             begin_values = end - value.nbytes
-            hs = 0 if not layout else idx
+            hs = 0 if not columns else idx
             header = [(hs, begin_values, sample[hs:begin_values])] if begin_values > hs else []
-            layout.append((name, begin_values, value.size, value.dtype, value.shape, header))
+            columns.append((name, begin_values, value.size, value.dtype, value.shape, header))
             idx = end
         if layout is not None and (idx != len(sample) or (not layout and prefix)):
             layout = None

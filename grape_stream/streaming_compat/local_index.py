@@ -29,6 +29,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import torch.distributed as dist
+
 from grape_stream.atomic import atomic_open, atomic_write_json
 from grape_stream.streaming_compat.shm import (  # noqa: F401 - re-exported: grape.tasks / apps.demo import them from here
     cleanup_stale_streaming_shm,
@@ -246,8 +248,6 @@ def check_same_locals_across_ranks(locals_: Sequence[str]) -> None:
     """
     if not dist_active() or process_world().size == 1:
         return
-    import torch.distributed as dist  # torch stays off the converters' import path
-
     mine = (socket.gethostname(), [os.path.abspath(p) for p in locals_])
     gathered: list[Any] = [None] * process_world().size
     dist.all_gather_object(gathered, mine)

@@ -14,7 +14,7 @@ streaming exposes only as private attributes of ``StreamingDataset``:
 
 A different streaming version may rename or re-type any of them, and the failure would then be an
 ``AttributeError`` deep inside a DataLoader worker; :func:`require_supported_streaming` turns that into
-one clear error when the mixer starts. Streaming's modules are imported inside the functions, after
+one clear error when the mixer starts. Streaming's submodules are imported inside the functions, after
 that check, so that an unsupported release fails with that error rather than an ImportError at import.
 """
 
@@ -24,9 +24,12 @@ import functools
 from time import time_ns
 from typing import Any
 
+import streaming
+
 __all__ = [
     "SUPPORTED",
     "UnsupportedStreamingVersion",
+    "check_dataset",
     "require_supported_streaming",
     "bytes_to_int",
     "is_mds_shard",
@@ -59,8 +62,6 @@ def require_supported_streaming() -> int:
 
     Raises :class:`UnsupportedStreamingVersion` naming the installed and the supported versions.
     """
-    import streaming
-
     version = getattr(streaming, "__version__", "unknown")
     wanted = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED)
     if _version_tuple(version) not in SUPPORTED:
@@ -82,8 +83,6 @@ def require_supported_streaming() -> int:
 def _check_dataset(dataset: Any) -> None:
     missing = [a for a in _REQUIRED_ATTRS if not hasattr(dataset, a)]
     if missing:
-        import streaming
-
         raise UnsupportedStreamingVersion(
             f"this StreamingDataset (mosaicml-streaming {getattr(streaming, '__version__', 'unknown')}) lacks "
             f"{missing}, which the mixer's shard reader uses; install mosaicml-streaming>=0.13,<0.14"

@@ -2,7 +2,8 @@
 
 Every mosaicml-streaming ``StreamingDataset`` registers machine-global POSIX shared memory named
 ``/dev/shm/<prefix:06>_<name>`` (the prefix is the first free number) and file locks
-``/tmp/<prefix:06>_*_filelock``. Traps seen with streaming 0.13, and what this module does:
+``/tmp/<prefix:06>_*_filelock``. Written for mosaicml-streaming >=0.13,<0.14 (the names below are
+that release's); traps seen with streaming 0.13, and what this module does:
 
 * **Leaks after a crash.** A SIGKILL of the process group (Python's resource tracker included) leaves
   the segments; the next run fails with "Reused local directory" (same ``local`` and a remote) or walks
@@ -243,33 +244,49 @@ def cleanup_stale_streaming_shm(*, shm_dir: str = SHM_DIR, lock_dir: str | None 
     """
     lock_dir = lock_dir or tempfile.gettempdir()
     removed: dict[str, list[str]] = {"shm": [], "locks": [], "owners": []}
-    uid = os.geteuid()
-
-    def _listing(directory: str, pattern: re.Pattern[str]) -> list[tuple[str, str, int]]:
-        out = []
-        try:
-            entries = os.listdir(directory)
-        except OSError:
-            return out
-        for name in entries:
-            m = pattern.match(name)
-            if not m:
-                continue
-            try:
-                st = os.stat(os.path.join(directory, name))
-            except OSError:
-                continue
-            if st.st_uid == uid:
-                out.append((name, m.group(1), st.st_ino))
-        return out
-
     shm = _listing(shm_dir, _SHM_RE)
     locks = _listing(lock_dir, _LOCK_RE)
     owners = _listing(shm_dir, _OWNER_RE)
     if not shm and not locks and not owners:
         return removed
+    recorded = _read_owner_records(shm_dir, owners)
+    live = _live_prefixes(shm_dir, shm, recorded)
+    for kind, entries, folder in (("shm", shm, shm_dir), ("locks", locks, lock_dir)):
+        for name, prefix, _ in entries:
+            if prefix not in live and _unlink(os.path.join(folder, name)):
+                removed[kind].append(name)
+    for name, prefix, _ in owners:
+        if prefix in recorded and not recorded[prefix][0]:
+            if _unlink(os.path.join(shm_dir, name)):
+                removed["owners"].append(name)
+    if any(removed.values()):
+        logger.info("removed stale streaming state of dead processes: %s", removed)
+    return removed
 
-    # Owner records: prefix -> (alive?, inodes of the segments it created).
+
+def _listing(directory: str, pattern: re.Pattern[str]) -> list[tuple[str, str, int]]:
+    """(name, prefix, inode) of this user's entries of ``directory`` that match ``pattern``."""
+    uid = os.geteuid()
+    out: list[tuple[str, str, int]] = []
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return out
+    for name in entries:
+        m = pattern.match(name)
+        if not m:
+            continue
+        try:
+            st = os.stat(os.path.join(directory, name))
+        except OSError:
+            continue
+        if st.st_uid == uid:
+            out.append((name, m.group(1), st.st_ino))
+    return out
+
+
+def _read_owner_records(shm_dir: str, owners: list[tuple[str, str, int]]) -> dict[str, tuple[bool, set[int]]]:
+    """Owner records: prefix -> (owner alive?, inodes of the segments it created)."""
     recorded: dict[str, tuple[bool, set[int]]] = {}
     for name, prefix, _ in owners:
         try:
@@ -278,7 +295,12 @@ def cleanup_stale_streaming_shm(*, shm_dir: str = SHM_DIR, lock_dir: str | None 
             recorded[prefix] = (_alive(int(rec["pid"]), rec.get("start_time")), set(rec.get("inodes", {}).values()))
         except (OSError, ValueError, KeyError, TypeError):
             continue
+    return recorded
 
+
+def _live_prefixes(shm_dir: str, shm: list[tuple[str, str, int]],
+                   recorded: dict[str, tuple[bool, set[int]]]) -> set[str]:
+    """Prefixes some live process still uses (see :func:`cleanup_stale_streaming_shm` for the rules)."""
     me = os.getpid()
     mapped = _mapped_shm_names()
     live: set[str] = set()  # prefixes with a live user
@@ -312,18 +334,7 @@ def cleanup_stale_streaming_shm(*, shm_dir: str = SHM_DIR, lock_dir: str | None 
                 live.add(m.group(1))
     except OSError:
         pass
-
-    for kind, entries, folder in (("shm", shm, shm_dir), ("locks", locks, lock_dir)):
-        for name, prefix, _ in entries:
-            if prefix not in live and _unlink(os.path.join(folder, name)):
-                removed[kind].append(name)
-    for name, prefix, _ in owners:
-        if prefix in recorded and not recorded[prefix][0]:
-            if _unlink(os.path.join(shm_dir, name)):
-                removed["owners"].append(name)
-    if any(removed.values()):
-        logger.info("removed stale streaming state of dead processes: %s", removed)
-    return removed
+    return live
 
 
 def _unlink(path: str) -> bool:
