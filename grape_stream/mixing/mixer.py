@@ -11,12 +11,13 @@ needs per-batch quotas and independent epochs per domain. The plan is a pure fun
 * batch ``i`` of rank ``r`` takes ``quota[k]`` samples of domain ``k`` (:mod:`grape_stream.mixing.quotas`),
 * read at the next positions of the rank's endless stream of that domain
   (:mod:`grape_stream.mixing.epoch_order`: shard-aware shuffled epochs, disjoint across ranks),
-* with the weights of the schedule entry in force at batch ``i`` (:mod:`grape_stream.mixing.weight_table`),
+* with the weights of the schedule entry in force at batch ``i`` (:mod:`grape_stream.mixing.schedule`),
 
 so DataLoader workers compose their batches independently (worker ``w`` composes batches
 ``w, w + W, ...``, exactly the ones torch's DataLoader asks it for), the samples do not depend on the
 number of workers, and the whole data position is ``(batches consumed, weight schedule)``: a resumed
-run recomputes every domain's read position and replays exactly. See docs/mixer.md.
+run recomputes every domain's read position and replays exactly. See docs/mixer.md. This module wires
+the parts together (the package docstring lists them) and holds the public methods.
 """
 
 from __future__ import annotations
@@ -181,10 +182,7 @@ class WeightedStreamingMixer(IterableDataset):
     def __getstate__(self) -> dict[str, Any]:
         """For spawned DataLoader workers: drop the objects that belong to this process."""
         state = self.__dict__.copy()
-        state["_main_readers"] = None
-        state["_main_planner"] = None
-        state["_finalizer"] = None
-        state["_prefetchers"] = None
+        state.update(_main_readers=None, _main_planner=None, _finalizer=None, _prefetchers=None)
         return state
 
     # ================================================================================================

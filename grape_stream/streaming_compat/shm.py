@@ -41,6 +41,12 @@ from typing import Any, Iterator
 import numpy as np
 
 from grape_stream.atomic import atomic_write_json
+from grape_stream.streaming_compat.processes import (  # noqa: F401 - segments_in_use_elsewhere re-exported
+    mapped_shm_names,
+    process_alive,
+    process_start_time,
+    segments_in_use_elsewhere,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,66 +71,6 @@ _SHM_RE = re.compile(r"^(\d{6})_(" + "|".join(SHM_NAMES) + r")$")
 _LOCK_RE = re.compile(r"^(\d{6})_(" + "|".join(FILELOCK_NAMES) + r")$")
 _OWNER_RE = re.compile(r"^grape_stream_owner\.(\d{6})$")
 SHM_DIR = "/dev/shm"
-
-
-# --------------------------------------------------------------------------------------------------
-# processes
-# --------------------------------------------------------------------------------------------------
-def _start_time(pid: int) -> int | None:
-    """Start time of a process (clock ticks since boot), None if it does not exist."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(b")") + 2:].split()
-    try:
-        return int(fields[19])  # field 22 of stat; fields[0] is field 3
-    except (IndexError, ValueError):  # pragma: no cover
-        return None
-
-
-def _alive(pid: int, start_time: int | None) -> bool:
-    now = _start_time(pid)
-    return now is not None and (start_time is None or now == start_time)
-
-
-def _mapped_shm_names() -> dict[str, set[int]]:
-    """Basenames under /dev/shm that processes we can inspect map or hold open, with their pids."""
-    names: dict[str, set[int]] = {}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        ipid = int(pid)
-        try:
-            with open(f"/proc/{pid}/maps", "rb") as f:
-                for line in f:
-                    i = line.find(b"/dev/shm/")
-                    if i >= 0:
-                        name = line[i + 9:].split(b" ")[0].strip().decode("utf-8", "replace")
-                        names.setdefault(name, set()).add(ipid)
-        except OSError:
-            pass
-        # An open descriptor without a mapping (between shm_open and mmap) also counts.
-        fd_dir = f"/proc/{pid}/fd"
-        try:
-            fds = os.listdir(fd_dir)
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(os.path.join(fd_dir, fd))
-            except OSError:
-                continue
-            if target.startswith("/dev/shm/"):
-                names.setdefault(target[9:].split(" ")[0], set()).add(ipid)
-    return names
-
-
-def segments_in_use_elsewhere() -> set[str]:
-    """/dev/shm names that some *other* process maps or holds open right now."""
-    me = os.getpid()
-    return {name for name, pids in _mapped_shm_names().items() if pids - {me}}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -211,7 +157,7 @@ def record_owner(dataset: Any, shm_dir: str = SHM_DIR) -> None:
             inodes[name] = os.stat(path).st_ino
         except OSError:
             pass
-    record = {"pid": os.getpid(), "start_time": _start_time(os.getpid()), "inodes": inodes}
+    record = {"pid": os.getpid(), "start_time": process_start_time(os.getpid()), "inodes": inodes}
     # /dev/shm is memory: nothing to make durable, but a half-written record must never be read.
     atomic_write_json(_owner_path(prefix, shm_dir), record, fsync=False)
 
@@ -292,7 +238,8 @@ def _read_owner_records(shm_dir: str, owners: list[tuple[str, str, int]]) -> dic
         try:
             with open(os.path.join(shm_dir, name)) as f:
                 rec = json.load(f)
-            recorded[prefix] = (_alive(int(rec["pid"]), rec.get("start_time")), set(rec.get("inodes", {}).values()))
+            alive = process_alive(int(rec["pid"]), rec.get("start_time"))
+            recorded[prefix] = (alive, set(rec.get("inodes", {}).values()))
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return recorded
@@ -302,7 +249,7 @@ def _live_prefixes(shm_dir: str, shm: list[tuple[str, str, int]],
                    recorded: dict[str, tuple[bool, set[int]]]) -> set[str]:
     """Prefixes some live process still uses (see :func:`cleanup_stale_streaming_shm` for the rules)."""
     me = os.getpid()
-    mapped = _mapped_shm_names()
+    mapped = mapped_shm_names()
     live: set[str] = set()  # prefixes with a live user
     own_only: set[str] = set()
     shm_inodes = {name: ino for name, _, ino in shm}
@@ -392,7 +339,7 @@ def release_streaming_dataset(dataset: Any) -> None:
 def describe_local_users(local: str) -> str:
     """Which shared-memory prefix registers ``local`` and which processes map it (for error messages)."""
     local = os.path.abspath(local)
-    mapped = _mapped_shm_names()
+    mapped = mapped_shm_names()
     found = []
     try:
         names = sorted(n for n in os.listdir(SHM_DIR) if n.endswith("_locals") and _SHM_RE.match(n))
