@@ -131,7 +131,7 @@ def _time_loader(loader: Any, max_batches: int, seconds: float, on_batch=None) -
 
 def run_mixer(doms: list, weights: np.ndarray, batch: int, workers: int, max_batches: int, seconds: float,
               change_every: int, seed: int, **kw) -> dict[str, float]:
-    from grape_stream.mixing.mixer import WeightedStreamingMixer
+    from grape_stream.mixing import WeightedStreamingMixer
 
     rng = np.random.default_rng(seed)
     with WeightedStreamingMixer(doms, weights=weights, batch_size=batch, seed=seed, **kw) as mixer:
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                                 res = run_raw(files, w, args.seq_len, args.seconds,
                                               endpoint=moto.endpoint if storage == "s3" else None)
                             elif method == "mixer":
-                                from grape_stream.mixing.mixer import DomainStream
+                                from grape_stream.mixing import DomainStream
 
                                 doms = [DomainStream(f"d{i}", local=d) if storage != "s3" else
                                         DomainStream(f"d{i}", remote=r, local=str(cache / f"d{i}"))

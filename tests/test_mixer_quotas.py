@@ -10,7 +10,6 @@ from grape_stream.mixing.epoch_order import DomainOrder
 from grape_stream.mixing.quotas import (
     TAG_OFFSET,
     TAG_REFILL,
-    EffectiveSchedule,
     QuotaPlanner,
     batch_quota,
     budget_for,
@@ -19,6 +18,7 @@ from grape_stream.mixing.quotas import (
     systematic_counts,
     uniform01,
 )
+from grape_stream.mixing.schedule import EffectiveSchedule
 
 
 def chi2_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:

@@ -7,53 +7,48 @@ hands out, so that the mixer knows exactly how far the trainer is (see docs/mixe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Protocol, runtime_checkable
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-if TYPE_CHECKING:  # pragma: no cover
-    from grape_stream.mixing.mixer import WeightedStreamingMixer
-
-__all__ = ["MixerDataLoader", "collate_samples"]
+__all__ = ["BatchSource", "MixerDataLoader"]
 
 
-def _convert(value: Any) -> Any:
-    """Numpy columns -> torch tensors (unsigned >8-bit ints widened: torch cannot batch them everywhere)."""
-    if isinstance(value, np.ndarray):
-        if value.dtype.kind == "u" and value.dtype.itemsize > 1 or value.dtype.kind == "i":
-            return torch.from_numpy(value.astype(np.int64))
-        return torch.from_numpy(np.array(value))
-    return value
+@runtime_checkable
+class BatchSource(Protocol):
+    """The loader protocol: what :class:`MixerDataLoader` needs from the mixer, and nothing more.
 
-
-def collate_samples(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Collate mixer samples (or probe samples) into a batch dict of tensors.
-
-    Tensors are stacked, numpy arrays converted (unsigned 16/32/64-bit ints become int64), Python ints
-    become int64 tensors, anything else is kept as a list.
+    The loader drives the mixer only through these names (it does not import the mixer module), so the
+    mixer's internals can change without touching the loader, and a test double can stand in for it.
     """
-    if not samples:
-        raise ValueError("cannot collate an empty list of samples")
-    out: dict[str, Any] = {}
-    for key in samples[0]:
-        vals = [s[key] for s in samples]
-        v0 = vals[0]
-        if isinstance(v0, torch.Tensor):
-            out[key] = torch.stack(vals)
-        elif isinstance(v0, np.ndarray):
-            out[key] = torch.stack([_convert(v) for v in vals])
-        elif isinstance(v0, (bool, np.bool_)):
-            out[key] = torch.tensor(vals, dtype=torch.bool)
-        elif isinstance(v0, (int, np.integer)):
-            out[key] = torch.tensor([int(v) for v in vals], dtype=torch.int64)
-        elif isinstance(v0, (float, np.floating)):
-            out[key] = torch.tensor([float(v) for v in vals], dtype=torch.float64)
-        else:
-            out[key] = vals
-    return out
 
+    @property
+    def batch_size(self) -> int:
+        """Samples per batch (the loader's batch size must equal it)."""
+        ...
+
+    @property
+    def fixed_lag(self) -> int | None:
+        """The lag the mixer was built with, or None when it follows the loader's prefetch depth."""
+        ...
+
+    @property
+    def consumed_batches(self) -> int:
+        """Batches the trainer has taken so far (where a new iteration starts)."""
+        ...
+
+    def begin_tracked_iteration(self, depth: int) -> None:
+        """A counting loader starts iterating with up to ``depth`` batches in flight."""
+        ...
+
+    def iter_batches(self) -> Iterator[dict[str, Any]]:
+        """Whole collated batches, composed in this process or DataLoader worker."""
+        ...
+
+    def note_consumed(self, batches: int) -> None:
+        """The trainer has taken ``batches`` batches in all (never decreases the count)."""
+        ...
 
 
 class _Batches(IterableDataset):
@@ -63,12 +58,12 @@ class _Batches(IterableDataset):
     dataset-state protocol: ``state_dict`` / ``load_state_dict``) reaches the mixer.
     """
 
-    def __init__(self, mixer: "WeightedStreamingMixer") -> None:
+    def __init__(self, mixer: BatchSource) -> None:
         super().__init__()
         self.mixer = mixer
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        return self.mixer._iter(batched=True)
+        return self.mixer.iter_batches()
 
     def __getattr__(self, name: str) -> Any:
         if name == "mixer":
@@ -86,10 +81,8 @@ class MixerDataLoader(DataLoader):
     stopped. ``loader.dataset`` forwards to the mixer (``state_dict``, ``load_state_dict``, ...).
     """
 
-    def __init__(self, mixer: "WeightedStreamingMixer", num_workers: int = 0, **kwargs: Any) -> None:
-        from grape_stream.mixing.mixer import WeightedStreamingMixer
-
-        if not isinstance(mixer, WeightedStreamingMixer):
+    def __init__(self, mixer: BatchSource, num_workers: int = 0, **kwargs: Any) -> None:
+        if not isinstance(mixer, BatchSource):
             raise TypeError(f"MixerDataLoader needs a WeightedStreamingMixer, got {type(mixer).__name__}")
         bs = kwargs.pop("batch_size", mixer.batch_size)
         if bs != mixer.batch_size:
@@ -100,24 +93,27 @@ class MixerDataLoader(DataLoader):
         super().__init__(_Batches(mixer), batch_size=None, num_workers=num_workers, **kwargs)
         pf = self.prefetch_factor if num_workers > 0 else 0
         self.prefetch_depth = num_workers * (pf or 2) if num_workers > 0 else 0
-        if mixer._lag is not None and mixer._lag < self.prefetch_depth:
+        lag = mixer.fixed_lag
+        if lag is not None and lag < self.prefetch_depth:
             raise ValueError(
-                f"the mixer's lag={mixer._lag} is smaller than this loader's prefetch depth {self.prefetch_depth} "
+                f"the mixer's lag={lag} is smaller than this loader's prefetch depth {self.prefetch_depth} "
                 f"(num_workers={num_workers} x prefetch_factor={pf}): weight switches would land on batches "
                 "already composed. Raise lag, or leave it None to use the prefetch depth."
             )
         self.mixer = mixer
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        self.mixer._begin_tracked_iteration(self.prefetch_depth)
+        self.mixer.begin_tracked_iteration(self.prefetch_depth)
         return _CountingIterator(super().__iter__(), self.mixer)
 
 
 class _CountingIterator:
-    def __init__(self, inner: Iterator[Any], mixer: "WeightedStreamingMixer") -> None:
+    """Counts the batches handed to the trainer and checks that they arrive in order."""
+
+    def __init__(self, inner: Iterator[Any], mixer: BatchSource) -> None:
         self._inner = inner
         self._mixer = mixer
-        self._next = mixer._consumed
+        self._next = mixer.consumed_batches
 
     def __iter__(self) -> "_CountingIterator":
         return self
@@ -134,7 +130,7 @@ class _CountingIterator:
                     "DataLoader's batch_size must equal the mixer's and its batches must arrive in order"
                 )
         self._next = expected + 1
-        self._mixer._consumed = max(self._mixer._consumed, expected + 1)
+        self._mixer.note_consumed(expected + 1)
         return batch
 
     def __len__(self) -> int:

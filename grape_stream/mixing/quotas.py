@@ -37,7 +37,6 @@ __all__ = [
     "BatchPlan",
     "QuotaPlanner",
     "Segment",
-    "EffectiveSchedule",
     "hash64",
     "uniform01",
     "systematic_counts",
@@ -68,7 +67,7 @@ def _mix(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def hash64(*keys: int | np.ndarray) -> np.ndarray:
+def hash64(*keys: int | np.integer | np.ndarray) -> np.ndarray:
     """A uint64 hash of integer coordinates (arrays broadcast), e.g. ``hash64(seed, batch, rank, TAG)``."""
     with np.errstate(over="ignore"):
         h = np.zeros((), dtype=np.uint64)
@@ -143,11 +142,15 @@ def slot_permutation(seed: int, batch: int, rank: int, slots: int) -> np.ndarray
 
 
 # --------------------------------------------------------------------------------------------------
-# Weight schedule as a piecewise-constant function of the batch index
+# Per-rank read positions
 # --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Segment:
-    """Batches ``[start, end)`` use weights ``alpha`` of schedule version ``version``."""
+    """Batches ``[start, end)`` use weights ``alpha`` of schedule version ``version``.
+
+    The planner's input: :class:`grape_stream.mixing.schedule.EffectiveSchedule` cuts the weight
+    schedule into these pieces.
+    """
 
     start: int
     end: int
@@ -155,70 +158,6 @@ class Segment:
     alpha: np.ndarray
 
 
-class EffectiveSchedule:
-    """The weights in force at each batch index, from the ordered list of ``set_weights`` calls.
-
-    Entry ``(version v, from_batch f, alpha)`` means "batches ``>= f`` use ``alpha``" and a later call
-    wins: batch ``j`` uses the highest version whose ``from_batch <= j``. Entries must be added in
-    version order; each add truncates whatever an older entry said about batches ``>= f``.
-    """
-
-    def __init__(self) -> None:
-        self._starts: list[int] = []
-        self._versions: list[int] = []
-        self._alphas: list[np.ndarray] = []
-        self.last_version = -1
-
-    def add(self, version: int, from_batch: int, alpha: np.ndarray) -> None:
-        if version <= self.last_version:
-            raise ValueError(f"schedule versions must increase: {version} after {self.last_version}")
-        self.last_version = version
-        # Drop pieces starting at or after from_batch; the piece covering from_batch is cut there.
-        while self._starts and self._starts[-1] >= from_batch:
-            self._starts.pop()
-            self._versions.pop()
-            self._alphas.pop()
-        self._starts.append(int(from_batch))
-        self._versions.append(int(version))
-        self._alphas.append(np.asarray(alpha, dtype=np.float64).copy())
-
-    def prune_before(self, batch: int) -> None:
-        """Forget pieces that end at or before ``batch`` (workers only ever move forward)."""
-        i = int(np.searchsorted(self._starts, batch, side="right")) - 1
-        if i > 0:
-            del self._starts[:i], self._versions[:i], self._alphas[:i]
-
-    def at(self, batch: int) -> tuple[int, np.ndarray]:
-        i = int(np.searchsorted(self._starts, batch, side="right")) - 1
-        if i < 0:
-            raise KeyError(f"no weights are defined for batch {batch}")
-        return self._versions[i], self._alphas[i]
-
-    def segments(self, start: int, end: int) -> list[Segment]:
-        """Constant-weight pieces covering batches ``[start, end)``."""
-        out: list[Segment] = []
-        if end <= start:
-            return out
-        i = int(np.searchsorted(self._starts, start, side="right")) - 1
-        if i < 0:
-            raise KeyError(f"no weights are defined for batch {start}")
-        b = start
-        while b < end:
-            nxt = self._starts[i + 1] if i + 1 < len(self._starts) else end
-            e = min(end, nxt)
-            if e > b:
-                out.append(Segment(b, e, self._versions[i], self._alphas[i]))
-            b = e
-            i += 1
-        return out
-
-    def __len__(self) -> int:
-        return len(self._starts)
-
-
-# --------------------------------------------------------------------------------------------------
-# Per-rank read positions
-# --------------------------------------------------------------------------------------------------
 @dataclass
 class BatchPlan:
     """What batch ``batch`` takes: ``quota[k]`` samples of domain k at positions ``start[k]...`` of the

@@ -12,6 +12,9 @@ do not keep disk space beyond ``cache_limit``. The shard's access time is refres
 ``get_item`` does, so eviction picks the coldest shard.
 
 A background thread per process downloads upcoming shards ahead of use (``Prefetcher``).
+
+Streaming's private per-shard bookkeeping (shard states, access times) is reached only through
+:mod:`grape_stream.streaming_compat.shard_state`, which checks the streaming version.
 """
 
 from __future__ import annotations
@@ -21,14 +24,18 @@ import os
 import queue
 import threading
 from collections import OrderedDict
-from time import time_ns
 from typing import Any
 
 import numpy as np
 
-__all__ = ["DomainReader", "Prefetcher", "DomainReadError"]
+from grape_stream.streaming_compat.shard_state import (
+    is_mds_shard,
+    prepare_shard,
+    shard_is_local,
+    touch_shard,
+)
 
-_LOCAL = 3  # streaming.base.dataset._ShardState.LOCAL
+__all__ = ["DomainReader", "Prefetcher", "DomainReadError"]
 
 
 class DomainReadError(RuntimeError):
@@ -59,14 +66,12 @@ class DomainReader:
     """Reads samples of one domain by id, a batch at a time."""
 
     def __init__(self, name: str, dataset: Any, max_mapped: int = 8, retry: int = 7) -> None:
-        from streaming.base.format.mds.reader import MDSReader
-
         self.name = name
         self.dataset = dataset
         self.max_mapped = max(1, int(max_mapped))
         self.retry = int(retry)
         self._mapped: OrderedDict[int, _Mapped] = OrderedDict()
-        self._is_mds = [isinstance(s, MDSReader) for s in dataset.shards]
+        self._is_mds = [is_mds_shard(s) for s in dataset.shards]
         self._stream = dataset.streams[0]
         self._layouts: dict[tuple[int, int], Any] = {}
 
@@ -83,7 +88,7 @@ class DomainReader:
         ds = self.dataset
         m = self._mapped.get(shard_id)
         if m is not None:
-            if ds.cache_limit and ds._shard_states[shard_id] != _LOCAL:
+            if ds.cache_limit and not shard_is_local(ds, shard_id):
                 self._mapped.pop(shard_id).close()  # evicted: let its disk space go
             else:
                 self._mapped.move_to_end(shard_id)
@@ -97,7 +102,7 @@ class DomainReader:
             except FileNotFoundError as exc:
                 errors.append(str(exc))
                 try:
-                    ds.prepare_shard(shard_id)
+                    prepare_shard(ds, shard_id)
                 except Exception as err:  # noqa: BLE001 - re-raised with the domain named
                     raise DomainReadError(
                         f"domain {self.name!r}: cannot fetch shard "
@@ -133,7 +138,7 @@ class DomainReader:
                     out[w] = self._get_item(int(sample_ids[w]))
                 continue
             m = self._map(sid)
-            ds._shard_access_times[sid] = time_ns()
+            touch_shard(ds, sid)
             begins = m.offsets[local]
             ends = m.offsets[local + 1]
             mm = m.mm
@@ -164,7 +169,8 @@ class DomainReader:
             else:
                 sizes.append(int(np.frombuffer(sample[idx:idx + 4], np.uint32)[0]))
                 idx += 4
-        layout: list[tuple] | None = []
+        columns: list[tuple] = []
+        layout: list[tuple] | None = columns
         prefix = idx  # the per-column sizes: part of the first column's header
         for name, size in zip(shard.column_names, sizes):
             value = decoded[name]
@@ -173,9 +179,9 @@ class DomainReader:
                 layout = None
                 break
             begin_values = end - value.nbytes
-            hs = 0 if not layout else idx
+            hs = 0 if not columns else idx
             header = [(hs, begin_values, sample[hs:begin_values])] if begin_values > hs else []
-            layout.append((name, begin_values, value.size, value.dtype, value.shape, header))
+            columns.append((name, begin_values, value.size, value.dtype, value.shape, header))
             idx = end
         if layout is not None and (idx != len(sample) or (not layout and prefix)):
             layout = None
@@ -202,7 +208,7 @@ class DomainReader:
             where = np.arange(n) if len(groups) == 1 else np.flatnonzero(shard_ids == sid)
             local = sample_ids[where] - int(ds.sample_offset_per_shard[sid])
             m = self._map(sid)
-            ds._shard_access_times[sid] = time_ns()
+            touch_shard(ds, sid)
             begins = m.offsets[local].tolist()
             ends = m.offsets[local + 1].tolist()
             mm = m.mm
@@ -234,7 +240,7 @@ class DomainReader:
         return np.searchsorted(self.dataset.sample_offset_per_shard, np.asarray(sample_ids), side="right") - 1
 
     def needs_prepare(self, shard_id: int) -> bool:
-        return self.dataset._shard_states[shard_id] != _LOCAL or not os.path.isfile(self._raw_path(shard_id))
+        return not shard_is_local(self.dataset, shard_id) or not os.path.isfile(self._raw_path(shard_id))
 
     def close(self) -> None:
         while self._mapped:
@@ -283,7 +289,7 @@ class Prefetcher:
             try:
                 reader = self.readers[k]
                 if reader.needs_prepare(sid):
-                    reader.dataset.prepare_shard(sid, blocking=False)
+                    prepare_shard(reader.dataset, sid, blocking=False)
             except Exception as exc:  # noqa: BLE001 - see class docstring
                 self.errors.append(exc)
             finally:

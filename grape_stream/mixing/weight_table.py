@@ -23,12 +23,10 @@ never used. No lock is needed because an entry never concerns a batch that a wor
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
-
-from grape_stream.mixing.quotas import EffectiveSchedule
 
 __all__ = ["SharedWeightTable", "ScheduleOverflow", "MAX_SLOTS"]
 
@@ -40,7 +38,15 @@ class ScheduleOverflow(RuntimeError):
     """A reader fell more than the ring's capacity behind the writer."""
 
 
+class ScheduleSink(Protocol):
+    """Where a reader puts the entries it reads (an :class:`~grape_stream.mixing.schedule.EffectiveSchedule`)."""
+
+    def add(self, version: int, from_batch: int, alpha: np.ndarray) -> None: ...
+
+
 class SharedWeightTable:
+    """The schedule ring and the cursor in one shared buffer (layout in the module docstring)."""
+
     def __init__(self, num_domains: int, capacity: int = 1024) -> None:
         if capacity < 2:
             raise ValueError(f"schedule capacity must be >= 2, got {capacity}")
@@ -122,6 +128,10 @@ class SharedWeightTable:
         c = self._v["claimed"]
         return int(c[1:].max() if workers_only else c.max())
 
+    def active_workers(self) -> int:
+        """DataLoader workers that have started composing since the last position change."""
+        return int(np.count_nonzero(self._v["claimed"][1:] >= 0))
+
     # -- reader side ---------------------------------------------------------------------------------
     def read_anchor(self) -> tuple[int, np.ndarray, int]:
         v = self._v
@@ -140,7 +150,7 @@ class SharedWeightTable:
         c[slot] = batch
         return prev
 
-    def read_into(self, schedule: EffectiveSchedule, next_seq: int) -> int:
+    def read_into(self, schedule: ScheduleSink, next_seq: int) -> int:
         """Add entries ``next_seq ...`` that are published to ``schedule``; return the next seq to read."""
         v = self._v
         n = int(v["header"][0])

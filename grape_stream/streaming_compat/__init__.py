@@ -1,1 +1,8 @@
-"""Workarounds for mosaicml-streaming traps (shared memory, local index cache), kept in one guarded place."""
+"""Workarounds for mosaicml-streaming 0.13 (>=0.13,<0.14) traps, kept in one guarded place.
+
+``shm`` (shared memory and file locks: safe registration, release on close, cleanup after crashes, with
+the liveness facts in ``processes``), ``local_index`` (a stale local ``index.json``, S3 without
+credentials, different ``local`` directories across ranks) and ``shard_state`` (the private per-shard
+bookkeeping the mixer's shard reader uses, behind a version check). Each module's docstring says which
+trap it handles and why; docs/mixer.md lists them.
+"""

@@ -1,6 +1,7 @@
 """Workarounds for mosaicml-streaming 0.13 traps that bite a long-running, crash-prone training job.
 
-Each function here handles one trap that was seen on a real machine; docs/mixer.md lists them.
+Written for mosaicml-streaming >=0.13,<0.14 (the pinned range); each function handles one trap that
+was seen with that release on a real machine, and docs/mixer.md lists them.
 
 (Shared-memory traps are handled in :mod:`grape_stream.streaming_compat.shm`.)
 
@@ -28,11 +29,15 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from grape_stream.streaming_compat.shm import (  # noqa: F401 - re-exported: other modules import them from here
+import torch.distributed as dist
+
+from grape_stream.atomic import atomic_open, atomic_write_json
+from grape_stream.streaming_compat.shm import (  # noqa: F401 - re-exported: grape.tasks / apps.demo import them from here
     cleanup_stale_streaming_shm,
     detach_scanner_attachments,
     release_streaming_dataset,
 )
+from grape_stream.world import dist_active, process_world
 
 logger = logging.getLogger(__name__)
 
@@ -170,8 +175,9 @@ def sync_local_index(domain: str, remote: str | None, local: str, split: str | N
                         )
                     _remove_cached_shards(local_dir, index)
         if not os.path.isfile(index):
-            os.replace(tmp, index)
-        Path(marker_path).write_text(json.dumps({"remote": source, "index_sha256": new_digest}))
+            with atomic_open(index, "wb") as f, open(tmp, "rb") as src:
+                shutil.copyfileobj(src, f)
+        atomic_write_json(marker_path, {"remote": source, "index_sha256": new_digest})
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -240,14 +246,10 @@ def check_same_locals_across_ranks(locals_: Sequence[str]) -> None:
     Streaming keys its shared memory on the local directories, so a rank with a different ``local``
     fails deep inside streaming ("Internal error: shared memory registered does not match") or hangs.
     """
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover
-        return
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not dist_active() or process_world().size == 1:
         return
     mine = (socket.gethostname(), [os.path.abspath(p) for p in locals_])
-    gathered: list[Any] = [None] * dist.get_world_size()
+    gathered: list[Any] = [None] * process_world().size
     dist.all_gather_object(gathered, mine)
     by_host: dict[str, list[tuple[int, list[str]]]] = {}
     for rank, (host, locs) in enumerate(gathered):

@@ -2,7 +2,8 @@
 
 Every mosaicml-streaming ``StreamingDataset`` registers machine-global POSIX shared memory named
 ``/dev/shm/<prefix:06>_<name>`` (the prefix is the first free number) and file locks
-``/tmp/<prefix:06>_*_filelock``. Traps seen with streaming 0.13, and what this module does:
+``/tmp/<prefix:06>_*_filelock``. Written for mosaicml-streaming >=0.13,<0.14 (the names below are
+that release's); traps seen with streaming 0.13, and what this module does:
 
 * **Leaks after a crash.** A SIGKILL of the process group (Python's resource tracker included) leaves
   the segments; the next run fails with "Reused local directory" (same ``local`` and a remote) or walks
@@ -28,6 +29,7 @@ Every mosaicml-streaming ``StreamingDataset`` registers machine-global POSIX sha
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -35,6 +37,16 @@ import re
 import tempfile
 import time
 from typing import Any, Iterator
+
+import numpy as np
+
+from grape_stream.atomic import atomic_write_json
+from grape_stream.streaming_compat.processes import (  # noqa: F401 - segments_in_use_elsewhere re-exported
+    mapped_shm_names,
+    process_alive,
+    process_start_time,
+    segments_in_use_elsewhere,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,72 +74,10 @@ SHM_DIR = "/dev/shm"
 
 
 # --------------------------------------------------------------------------------------------------
-# processes
-# --------------------------------------------------------------------------------------------------
-def _start_time(pid: int) -> int | None:
-    """Start time of a process (clock ticks since boot), None if it does not exist."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(b")") + 2:].split()
-    try:
-        return int(fields[19])  # field 22 of stat; fields[0] is field 3
-    except (IndexError, ValueError):  # pragma: no cover
-        return None
-
-
-def _alive(pid: int, start_time: int | None) -> bool:
-    now = _start_time(pid)
-    return now is not None and (start_time is None or now == start_time)
-
-
-def _mapped_shm_names() -> dict[str, set[int]]:
-    """Basenames under /dev/shm that processes we can inspect map or hold open, with their pids."""
-    names: dict[str, set[int]] = {}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        ipid = int(pid)
-        try:
-            with open(f"/proc/{pid}/maps", "rb") as f:
-                for line in f:
-                    i = line.find(b"/dev/shm/")
-                    if i >= 0:
-                        name = line[i + 9:].split(b" ")[0].strip().decode("utf-8", "replace")
-                        names.setdefault(name, set()).add(ipid)
-        except OSError:
-            pass
-        # An open descriptor without a mapping (between shm_open and mmap) also counts.
-        fd_dir = f"/proc/{pid}/fd"
-        try:
-            fds = os.listdir(fd_dir)
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(os.path.join(fd_dir, fd))
-            except OSError:
-                continue
-            if target.startswith("/dev/shm/"):
-                names.setdefault(target[9:].split(" ")[0], set()).add(ipid)
-    return names
-
-
-def segments_in_use_elsewhere() -> set[str]:
-    """/dev/shm names that some *other* process maps or holds open right now."""
-    me = os.getpid()
-    return {name for name, pids in _mapped_shm_names().items() if pids - {me}}
-
-
-# --------------------------------------------------------------------------------------------------
 # streaming objects in this process
 # --------------------------------------------------------------------------------------------------
 def _streaming_objects() -> tuple[list[Any], list[Any]]:
     """Live StreamingDatasets and streaming SharedMemory objects of this process (via the gc)."""
-    import gc
-
     try:
         from streaming.base.dataset import StreamingDataset
         from streaming.base.shared.memory import SharedMemory
@@ -207,11 +157,9 @@ def record_owner(dataset: Any, shm_dir: str = SHM_DIR) -> None:
             inodes[name] = os.stat(path).st_ino
         except OSError:
             pass
-    record = {"pid": os.getpid(), "start_time": _start_time(os.getpid()), "inodes": inodes}
-    tmp = _owner_path(prefix, shm_dir) + f".tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(record, f)
-    os.replace(tmp, _owner_path(prefix, shm_dir))
+    record = {"pid": os.getpid(), "start_time": process_start_time(os.getpid()), "inodes": inodes}
+    # /dev/shm is memory: nothing to make durable, but a half-written record must never be read.
+    atomic_write_json(_owner_path(prefix, shm_dir), record, fsync=False)
 
 
 def _drop_owner_record(prefix: int, shm_dir: str = SHM_DIR) -> None:
@@ -242,44 +190,66 @@ def cleanup_stale_streaming_shm(*, shm_dir: str = SHM_DIR, lock_dir: str | None 
     """
     lock_dir = lock_dir or tempfile.gettempdir()
     removed: dict[str, list[str]] = {"shm": [], "locks": [], "owners": []}
-    uid = os.geteuid()
-
-    def _listing(directory: str, pattern: re.Pattern[str]) -> list[tuple[str, str, int]]:
-        out = []
-        try:
-            entries = os.listdir(directory)
-        except OSError:
-            return out
-        for name in entries:
-            m = pattern.match(name)
-            if not m:
-                continue
-            try:
-                st = os.stat(os.path.join(directory, name))
-            except OSError:
-                continue
-            if st.st_uid == uid:
-                out.append((name, m.group(1), st.st_ino))
-        return out
-
     shm = _listing(shm_dir, _SHM_RE)
     locks = _listing(lock_dir, _LOCK_RE)
     owners = _listing(shm_dir, _OWNER_RE)
     if not shm and not locks and not owners:
         return removed
+    recorded = _read_owner_records(shm_dir, owners)
+    live = _live_prefixes(shm_dir, shm, recorded)
+    for kind, entries, folder in (("shm", shm, shm_dir), ("locks", locks, lock_dir)):
+        for name, prefix, _ in entries:
+            if prefix not in live and _unlink(os.path.join(folder, name)):
+                removed[kind].append(name)
+    for name, prefix, _ in owners:
+        if prefix in recorded and not recorded[prefix][0]:
+            if _unlink(os.path.join(shm_dir, name)):
+                removed["owners"].append(name)
+    if any(removed.values()):
+        logger.info("removed stale streaming state of dead processes: %s", removed)
+    return removed
 
-    # Owner records: prefix -> (alive?, inodes of the segments it created).
+
+def _listing(directory: str, pattern: re.Pattern[str]) -> list[tuple[str, str, int]]:
+    """(name, prefix, inode) of this user's entries of ``directory`` that match ``pattern``."""
+    uid = os.geteuid()
+    out: list[tuple[str, str, int]] = []
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return out
+    for name in entries:
+        m = pattern.match(name)
+        if not m:
+            continue
+        try:
+            st = os.stat(os.path.join(directory, name))
+        except OSError:
+            continue
+        if st.st_uid == uid:
+            out.append((name, m.group(1), st.st_ino))
+    return out
+
+
+def _read_owner_records(shm_dir: str, owners: list[tuple[str, str, int]]) -> dict[str, tuple[bool, set[int]]]:
+    """Owner records: prefix -> (owner alive?, inodes of the segments it created)."""
     recorded: dict[str, tuple[bool, set[int]]] = {}
     for name, prefix, _ in owners:
         try:
             with open(os.path.join(shm_dir, name)) as f:
                 rec = json.load(f)
-            recorded[prefix] = (_alive(int(rec["pid"]), rec.get("start_time")), set(rec.get("inodes", {}).values()))
+            alive = process_alive(int(rec["pid"]), rec.get("start_time"))
+            recorded[prefix] = (alive, set(rec.get("inodes", {}).values()))
         except (OSError, ValueError, KeyError, TypeError):
             continue
+    return recorded
 
+
+def _live_prefixes(shm_dir: str, shm: list[tuple[str, str, int]],
+                   recorded: dict[str, tuple[bool, set[int]]]) -> set[str]:
+    """Prefixes some live process still uses (see :func:`cleanup_stale_streaming_shm` for the rules)."""
     me = os.getpid()
-    mapped = _mapped_shm_names()
+    mapped = mapped_shm_names()
     live: set[str] = set()  # prefixes with a live user
     own_only: set[str] = set()
     shm_inodes = {name: ino for name, _, ino in shm}
@@ -311,18 +281,7 @@ def cleanup_stale_streaming_shm(*, shm_dir: str = SHM_DIR, lock_dir: str | None 
                 live.add(m.group(1))
     except OSError:
         pass
-
-    for kind, entries, folder in (("shm", shm, shm_dir), ("locks", locks, lock_dir)):
-        for name, prefix, _ in entries:
-            if prefix not in live and _unlink(os.path.join(folder, name)):
-                removed[kind].append(name)
-    for name, prefix, _ in owners:
-        if prefix in recorded and not recorded[prefix][0]:
-            if _unlink(os.path.join(shm_dir, name)):
-                removed["owners"].append(name)
-    if any(removed.values()):
-        logger.info("removed stale streaming state of dead processes: %s", removed)
-    return removed
+    return live
 
 
 def _unlink(path: str) -> bool:
@@ -343,8 +302,6 @@ def release_streaming_dataset(dataset: Any) -> None:
     Streaming only does this at interpreter exit (and never for the locks). Call it once the dataset,
     its download threads and every DataLoader worker that used it are done. Safe to call twice.
     """
-    import numpy as np
-
     shms = _dataset_shms(dataset)
     locals_shm = getattr(dataset, "_locals_shm", None)
     if locals_shm is not None:
@@ -382,7 +339,7 @@ def release_streaming_dataset(dataset: Any) -> None:
 def describe_local_users(local: str) -> str:
     """Which shared-memory prefix registers ``local`` and which processes map it (for error messages)."""
     local = os.path.abspath(local)
-    mapped = _mapped_shm_names()
+    mapped = mapped_shm_names()
     found = []
     try:
         names = sorted(n for n in os.listdir(SHM_DIR) if n.endswith("_locals") and _SHM_RE.match(n))

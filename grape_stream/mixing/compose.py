@@ -1,0 +1,222 @@
+"""Composing batches: the loop each process (main or DataLoader worker) runs to build its batches.
+
+A process reads the cursor and the weight schedule from the shared table, plans batch ``i`` with a
+:class:`~grape_stream.mixing.quotas.QuotaPlanner` (quotas and read positions are a pure function of
+``(seed, i, rank, schedule)``), reads the samples by random access, shuffles them into emission order
+and hands them out as one collated batch (:class:`~grape_stream.mixing.loader.MixerDataLoader`) or as
+single samples (a plain DataLoader). Worker ``w`` of ``W`` composes batches ``start + w, start + w + W,
+...``: exactly the ones torch's DataLoader asks it for, so no process talks to another.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from grape_stream.mixing.collate import collate_samples, to_tensor
+from grape_stream.mixing.epoch_order import DomainOrder
+from grape_stream.mixing.quotas import BatchPlan, QuotaPlanner, default_on_spent, slot_permutation
+from grape_stream.mixing.schedule import EffectiveSchedule, WeightSchedule
+from grape_stream.mixing.shard_reader import DomainReader, Prefetcher
+from grape_stream.mixing.weight_table import ScheduleOverflow
+
+__all__ = ["RESERVED_KEYS", "BatchComposer", "MainProcess", "batch_tensors", "samples_of"]
+
+#: Keys the mixer adds to every sample; a dataset column with one of these names is refused.
+RESERVED_KEYS = ("domain", "weights_version", "batch_index", "sample_index", "epoch")
+
+
+@dataclass
+class MainProcess:
+    """What only the main process does while composing: stop once the mixer is closed, own its prefetchers."""
+
+    is_closed: Callable[[], bool]
+    prefetchers: weakref.WeakSet[Prefetcher] = field(default_factory=weakref.WeakSet)
+
+
+@dataclass
+class BatchComposer:
+    """The fixed facts of one rank's plan, shared by every process that composes its batches."""
+
+    seed: int
+    rank: int
+    batch_size: int
+    composition: str
+    domain_names: list[str]
+    orders: list[DomainOrder]
+    budgets: list[int | None]
+    datasets: list[Any]
+    predownload: int
+    needs_prefetch: list[bool]
+
+    def planner(self, start: int = 0, counts: Sequence[int] | np.ndarray | None = None,
+                on_spent: Callable[[int, int], None] | None = None) -> QuotaPlanner:
+        return QuotaPlanner(seed=self.seed, rank=self.rank, batch_size=self.batch_size, composition=self.composition,
+                            budgets=self.budgets, start_batch=start, start_counts=counts, on_spent=on_spent)
+
+    def readers(self) -> list[DomainReader]:
+        return [DomainReader(name, ds) for name, ds in zip(self.domain_names, self.datasets)]
+
+    # -- one batch ---------------------------------------------------------------------------------
+    def gather(self, plan: BatchPlan, readers: list[DomainReader]) -> dict[str, Any]:
+        """The batch's columns in emission order: stacked arrays where possible, else lists."""
+        parts: list[dict[str, Any]] = []
+        meta: dict[str, list[np.ndarray]] = {"domain": [], "sample_index": [], "epoch": []}
+        for k in np.flatnonzero(plan.quota):
+            k = int(k)
+            ids, epochs = self.orders[k].sample_ids(int(plan.start[k]), int(plan.quota[k]))
+            cols: dict[str, Any] | None = readers[k].read_batch(ids)
+            if cols is None:
+                rows = readers[k].read(ids)
+                cols = {key: [r[key] for r in rows] for key in rows[0]}
+            parts.append(cols)
+            meta["domain"].append(np.full(len(ids), k, np.int64))
+            meta["sample_index"].append(ids)
+            meta["epoch"].append(epochs)
+        keys = list(parts[0])
+        for p, k in zip(parts[1:], np.flatnonzero(plan.quota)[1:]):
+            if list(p) != keys:
+                raise ValueError(
+                    f"domain {self.domain_names[int(k)]!r} has columns {list(p)} but "
+                    f"{self.domain_names[int(np.flatnonzero(plan.quota)[0])]!r} has {keys}: all domains must "
+                    "have the same columns"
+                )
+        n = int(plan.quota.sum())
+        perm = slot_permutation(self.seed, plan.batch, self.rank, n)
+        out: dict[str, Any] = {}
+        for key in keys:
+            vals = [p[key] for p in parts]
+            if all(isinstance(v, np.ndarray) for v in vals) and len({(v.dtype, v.shape[1:]) for v in vals}) == 1:
+                out[key] = np.concatenate(vals)[perm]
+            else:
+                flat = [x for v in vals for x in (list(v) if isinstance(v, np.ndarray) else v)]
+                out[key] = [flat[j] for j in perm]
+        for key, arrs in meta.items():
+            out[key] = np.concatenate(arrs)[perm]
+        out["weights_version"] = np.full(n, plan.version, np.int64)
+        out["batch_index"] = np.full(n, plan.batch, np.int64)
+        return out
+
+    def prefetch_ahead(self, plan: BatchPlan, prefetcher: Prefetcher, readers: list[DomainReader],
+                       horizon: np.ndarray) -> None:
+        """Ask for the shards of each domain's next ``predownload * alpha_k`` samples.
+
+        ``horizon[k]`` is how far domain k has been looked ahead already; the look-ahead is renewed
+        (twice as far) only when the read position comes within half of it, so this costs little per batch.
+        """
+        for k in np.flatnonzero(plan.alpha > 0):
+            k = int(k)
+            if not self.needs_prefetch[k]:
+                continue
+            ahead = int(math.ceil(self.predownload * float(plan.alpha[k]))) + 1
+            pos = int(plan.start[k] + plan.quota[k])
+            if pos + ahead // 2 < horizon[k]:
+                continue
+            begin = max(pos, int(horizon[k]))
+            ids, _ = self.orders[k].sample_ids(begin, pos + 2 * ahead - begin)
+            horizon[k] = pos + 2 * ahead
+            for sid in dict.fromkeys(readers[k].shard_ids(ids).tolist()):
+                if readers[k].needs_prepare(sid):
+                    prefetcher.request(k, sid)
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def batches(self, schedule: WeightSchedule, *, slot: int, num_workers: int, worker: int, batched: bool,
+                main: MainProcess | None) -> Iterator[Any]:
+        """This process's batches from the shared cursor on (``slot`` 0 = main process, 1 + w = worker w)."""
+        table = schedule.table
+        start, counts, _ = table.read_anchor()
+        prev = table.claim(slot, start - 1)
+        if prev >= start and main is None:
+            warnings.warn(
+                f"the mixer restarts at batch {start}, but worker {worker} had already composed up to batch "
+                f"{prev}: a plain DataLoader was iterated again without moving the mixer's cursor. Use "
+                "mixer.dataloader(...), or mixer.seek(batch) / load_state_dict before iterating again.",
+                RuntimeWarning,
+            )
+        sched = EffectiveSchedule()
+        next_seq = table.read_into(sched, max(0, table.published - table.C + table.C // 4))
+        try:
+            sched.at(start)
+        except KeyError:
+            raise ScheduleOverflow(
+                f"the weights in force at batch {start} are no longer in the shared schedule; raise "
+                "schedule_capacity"
+            ) from None
+        planner = self.planner(start, counts, default_on_spent(self.domain_names) if worker == 0 else None)
+        readers = self.readers()
+        prefetcher = Prefetcher(readers) if any(self.needs_prefetch) else None
+        if main is not None and prefetcher is not None:
+            main.prefetchers.add(prefetcher)
+        horizon = np.zeros(len(self.orders), np.int64)
+        batch = start + worker
+        try:
+            while True:
+                if main is not None and main.is_closed():
+                    raise RuntimeError("the mixer was closed while it was being iterated")
+                next_seq = table.read_into(sched, next_seq)
+                table.claim(slot, batch)
+                plan = planner.plan(batch, sched.segments)
+                if plan is None:
+                    return
+                cols = self.gather(plan, readers)
+                if prefetcher is not None:
+                    self.prefetch_ahead(plan, prefetcher, readers, horizon)
+                sched.prune_before(batch)
+                if batched:
+                    out = batch_tensors(cols)
+                    if main is not None:
+                        schedule.advance_cursor(batch + 1, plan.start + plan.quota)
+                    yield out
+                else:
+                    samples = samples_of(cols)
+                    last = samples.pop()
+                    yield from samples
+                    if main is not None:
+                        # Without workers, the consumer holds batch `batch` once its last sample is taken:
+                        # from then on it counts as consumed, and a new iteration starts after it.
+                        schedule.advance_cursor(batch + 1, plan.start + plan.quota)
+                    yield last
+                batch += num_workers
+        finally:
+            if prefetcher is not None:
+                prefetcher.stop()
+            for r in readers:
+                r.close()
+
+
+def batch_tensors(cols: dict[str, Any]) -> dict[str, Any]:
+    """A collated batch (what ``collate_samples`` makes of the per-sample form)."""
+    out: dict[str, Any] = {}
+    for key, val in cols.items():
+        if key in RESERVED_KEYS:
+            continue
+        if isinstance(val, np.ndarray):
+            out[key] = to_tensor(val)
+        else:
+            out[key] = collate_samples([{key: v} for v in val])[key]
+    # The per-sample metadata as rows of one tensor: one shared-memory block to pass between
+    # processes instead of five.
+    meta = torch.from_numpy(np.stack([cols[key] for key in RESERVED_KEYS]).astype(np.int64))
+    for i, key in enumerate(RESERVED_KEYS):
+        out[key] = meta[i]
+    return out
+
+
+def samples_of(cols: dict[str, Any]) -> list[dict[str, Any]]:
+    """The batch as single samples (what a plain DataLoader collates itself)."""
+    n = len(cols["batch_index"])
+    meta = {key: cols[key].tolist() for key in RESERVED_KEYS}
+    data = {key: val for key, val in cols.items() if key not in RESERVED_KEYS}
+    out = []
+    for j in range(n):
+        sample = {key: to_tensor(val[j]) for key, val in data.items()}
+        for key in RESERVED_KEYS:
+            sample[key] = meta[key][j]
+        out.append(sample)
+    return out

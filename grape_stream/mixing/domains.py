@@ -1,0 +1,271 @@
+"""The mixer's domains: how one is declared, checked, and opened as one StreamingDataset each.
+
+Opening is where streaming's traps bite (stale shared memory, a stale local index, S3 without
+credentials, different ``local`` directories across ranks, racing registrations), so the order of the
+steps here matters: every workaround in :mod:`grape_stream.streaming_compat` runs before streaming sees
+the directory, and a failure half-way releases what was already registered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch.distributed as dist
+
+from grape_stream.mixing.compose import RESERVED_KEYS
+from grape_stream.mixing.quotas import hash64
+from grape_stream.streaming_compat.local_index import (
+    DomainUnavailableError,
+    RemoteMismatchError,
+    check_s3_credentials,
+    check_same_locals_across_ranks,
+    default_local_for,
+    sync_local_index,
+)
+from grape_stream.streaming_compat.shard_state import check_dataset, require_supported_streaming
+from grape_stream.streaming_compat.shm import (
+    cleanup_stale_streaming_shm,
+    describe_local_users,
+    detach_scanner_attachments,
+    record_owner,
+    registration_lock,
+    release_streaming_dataset,
+)
+from grape_stream.world import dist_active, process_world
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "PASSTHROUGH",
+    "PLANNED_BY_MIXER",
+    "DomainStream",
+    "as_domains",
+    "check_streaming_kwargs",
+    "domain_dirs",
+    "name_seed",
+    "open_datasets",
+    "prepare_locals",
+    "release_all",
+]
+
+#: Streaming arguments passed through to every domain's StreamingDataset.
+PASSTHROUGH = ("cache_limit", "predownload", "download_retry", "download_timeout", "validate_hash", "keep_zip",
+               "allow_unsafe_types")
+#: Streaming arguments that configure the iteration the mixer replaces.
+PLANNED_BY_MIXER = {
+    "shuffle_algo": "the mixer shuffles each domain with its own shard-aware block shuffle",
+    "shuffle_seed": "pass seed=...",
+    "num_canonical_nodes": "each rank reads a contiguous slice of every epoch",
+    "partition_algo": "each rank reads a contiguous slice of every epoch",
+    "batching_method": "batch composition comes from the weights (composition=...)",
+    "sampling_method": "per-domain epochs are planned by the mixer (see max_epochs)",
+    "sampling_granularity": "per-domain epochs are planned by the mixer",
+    "epoch_size": "the mixer's stream is endless; set max_epochs per domain for a data budget",
+    "replication": "not supported by the mixer",
+    "batch_size": "pass batch_size to the mixer",
+    "streams": "pass domains=[DomainStream(...)]",
+    "remote": "set remote per DomainStream",
+    "local": "set local per DomainStream",
+    "split": "set split per DomainStream",
+}
+
+
+@dataclass
+class DomainStream:
+    """One source domain: an MDS dataset in a local directory or at a remote URL.
+
+    Args:
+        name: the domain's name (unique; also seeds its shuffle, so adding a domain does not reshuffle
+            the others).
+        remote: ``s3://...`` (or any remote streaming supports), or None for local data.
+        local: local directory (the data itself when ``remote`` is None, else the cache). Defaults to a
+            per-remote directory under the temp dir. Must be the same on all ranks of a node.
+        split: sub-directory of ``remote``/``local`` (``OUT/<domain>/<split>`` layout of the converter).
+        max_epochs: data budget: at most this many passes (may be fractional) over the domain; once
+            spent the domain's weight goes to the others (with a warning). None = unlimited.
+        cache_limit: this domain's shard-cache limit (bytes or "10gb"); default: the mixer's
+            ``cache_limit`` divided evenly among the domains.
+    """
+
+    name: str
+    remote: str | None = None
+    local: str | None = None
+    split: str | None = None
+    max_epochs: float | None = None
+    cache_limit: int | str | None = None
+
+    def resolved_local(self) -> str:
+        if self.local:
+            return os.path.abspath(os.fspath(self.local))
+        if self.remote:
+            return default_local_for(self.remote, self.split)
+        raise ValueError(f"domain {self.name!r} needs local=... (the data directory) or remote=...")
+
+
+def _as_domain(d: DomainStream | Mapping[str, Any] | str) -> DomainStream:
+    if isinstance(d, DomainStream):
+        return d
+    if isinstance(d, Mapping):
+        return DomainStream(**d)
+    raise TypeError(f"domains must be DomainStream objects or dicts, got {type(d).__name__}")
+
+
+def as_domains(domains: Sequence[DomainStream | Mapping[str, Any]]) -> list[DomainStream]:
+    """The domains as DomainStream objects: at least one, names unique."""
+    out = [_as_domain(d) for d in domains]
+    if not out:
+        raise ValueError("the mixer needs at least one domain")
+    names = [d.name for d in out]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"domain names must be unique; repeated: {dup}")
+    return out
+
+
+def check_streaming_kwargs(streaming_kwargs: Mapping[str, Any]) -> None:
+    """Refuse streaming arguments that the mixer plans itself (saying what to use instead) or does not know."""
+    for key in streaming_kwargs:
+        if key in PLANNED_BY_MIXER:
+            raise TypeError(f"WeightedStreamingMixer does not take streaming's {key!r}: {PLANNED_BY_MIXER[key]}")
+        if key not in PASSTHROUGH:
+            raise TypeError(
+                f"WeightedStreamingMixer got an unexpected keyword argument {key!r} "
+                f"(streaming arguments passed through: {', '.join(PASSTHROUGH)})"
+            )
+
+
+def domain_dirs(domains: Sequence[DomainStream]) -> tuple[list[str], list[str]]:
+    """(local directory, local directory + split) of every domain; no two domains may share one."""
+    locals_ = [d.resolved_local() for d in domains]
+    stream_dirs = [os.path.join(loc, d.split) if d.split else loc for loc, d in zip(locals_, domains)]
+    seen: dict[str, str] = {}
+    for d, sd in zip(domains, stream_dirs):
+        if sd in seen:
+            raise ValueError(
+                f"domains {seen[sd]!r} and {d.name!r} use the same local directory {sd}; each domain needs "
+                "its own (streaming keeps one cache per directory)"
+            )
+        seen[sd] = d.name
+    return locals_, stream_dirs
+
+
+def name_seed(seed: int, name: str) -> int:
+    """A domain's shuffle seed: from the mixer seed and its name, so adding a domain reshuffles no other."""
+    h = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
+    return int(hash64(seed, np.uint64(h))[0])
+
+
+# --------------------------------------------------------------------------------------------------
+# Before streaming: the traps
+# --------------------------------------------------------------------------------------------------
+def prepare_locals(domains: Sequence[DomainStream], locals_: Sequence[str], stream_dirs: Sequence[str], *,
+                   local_rank: int, s3_dummy_credentials: bool, overwrite_local: bool, download_retry: int,
+                   download_timeout: float) -> None:
+    """Run every streaming workaround that must happen before a StreamingDataset is created."""
+    require_supported_streaming()
+    cleanup_stale_streaming_shm()
+    check_s3_credentials([(d.name, d.remote) for d in domains], dummy_credentials=s3_dummy_credentials)
+    check_same_locals_across_ranks(stream_dirs)
+    _sync_local_indexes(domains, locals_, local_rank=local_rank, overwrite_local=overwrite_local,
+                        download_retry=download_retry, download_timeout=download_timeout)
+
+
+def _sync_local_indexes(domains: Sequence[DomainStream], locals_: Sequence[str], *, local_rank: int,
+                        overwrite_local: bool, download_retry: int, download_timeout: float) -> None:
+    """Local leader checks every domain's index against its remote; all ranks learn of any error."""
+    error: str | None = None
+    exc_type: type[BaseException] = DomainUnavailableError
+    if local_rank == 0:
+        try:
+            for d, loc in zip(domains, locals_):
+                sync_local_index(d.name, d.remote, loc, d.split, download_retry=download_retry,
+                                 download_timeout=download_timeout, overwrite_local=overwrite_local)
+        except (DomainUnavailableError, RemoteMismatchError) as exc:
+            if not dist_active():
+                raise
+            error, exc_type = str(exc), type(exc)
+    if dist_active() and process_world().size > 1:
+        errors: list[Any] = [None] * process_world().size
+        dist.all_gather_object(errors, (error, exc_type.__name__))
+        for err, name in errors:
+            if err is not None:
+                cls = RemoteMismatchError if name == "RemoteMismatchError" else DomainUnavailableError
+                raise cls(err)
+    elif error is not None:  # pragma: no cover - single process raises above
+        raise exc_type(error)
+
+
+# --------------------------------------------------------------------------------------------------
+# One StreamingDataset per domain
+# --------------------------------------------------------------------------------------------------
+def _check_columns(name: str, ds: Any) -> None:
+    cols = getattr(ds.shards[0], "column_names", None) or []
+    clash = [c for c in cols if c in RESERVED_KEYS]
+    if clash:
+        raise ValueError(
+            f"domain {name!r} has column(s) {clash}, which the mixer adds to every sample "
+            f"(reserved: {RESERVED_KEYS}); rename them when converting"
+        )
+
+
+def _open_one(d: DomainStream, local: str, limit: int | str | None, *, batch_size: int, predownload: int,
+              opts: Mapping[str, Any]) -> Any:
+    from streaming import StreamingDataset  # only after prepare_locals() checked the streaming version
+
+    try:
+        return StreamingDataset(
+            remote=d.remote, local=local, split=d.split, batch_size=batch_size, shuffle=False,
+            predownload=predownload, cache_limit=limit, **opts,
+        )
+    except Exception as exc:
+        where = d.remote or local
+        if "Reused local directory" in str(exc):
+            raise DomainUnavailableError(
+                f"domain {d.name!r}: local directory {local} is registered by another "
+                f"StreamingDataset ({describe_local_users(local)}); close the other mixer "
+                "(mixer.close()) or give this one its own local directory"
+            ) from exc
+        raise DomainUnavailableError(f"domain {d.name!r} ({where}): {type(exc).__name__}: {exc}") from exc
+
+
+def open_datasets(domains: Sequence[DomainStream], locals_: Sequence[str], *, batch_size: int, predownload: int,
+                  total_cache: int | None, opts: Mapping[str, Any], local_rank: int) -> list[Any]:
+    """One StreamingDataset per domain, registered under the machine-wide lock and owner-recorded.
+
+    On any failure the datasets already opened are released before the error propagates.
+    """
+    datasets: list[Any] = []
+    try:
+        with registration_lock(enabled=local_rank == 0):
+            for d, loc in zip(domains, locals_):
+                limit = d.cache_limit if d.cache_limit is not None else (
+                    None if total_cache is None else int(total_cache) // len(domains))
+                ds = _open_one(d, loc, limit, batch_size=batch_size, predownload=predownload, opts=opts)
+                datasets.append(ds)
+                record_owner(ds)
+                check_dataset(ds)
+                _check_columns(d.name, ds)
+    except BaseException:
+        release_all(datasets, os.getpid())
+        raise
+    try:  # streaming's prefix scan left other jobs' segments mapped here; do not keep them alive
+        detach_scanner_attachments()
+    except Exception as exc:  # pragma: no cover - hygiene only
+        logger.debug("detaching scanned segments failed: %s", exc)
+    return datasets
+
+
+def release_all(datasets: list[Any], owner_pid: int) -> None:
+    """Release the datasets' shared memory and locks, in the process that created them only."""
+    if os.getpid() != owner_pid:
+        return
+    for ds in datasets:
+        try:
+            release_streaming_dataset(ds)
+        except Exception as exc:  # pragma: no cover - best effort at exit
+            logger.debug("releasing a StreamingDataset failed: %s", exc)

@@ -1,0 +1,248 @@
+"""The weight schedule: which weights compose each batch, and the rule that picks a switch batch.
+
+Every ``set_weights`` call becomes an entry ``(version, from_batch, alpha)``; the weights of batch ``j``
+are those of the latest entry whose ``from_batch <= j`` (:class:`EffectiveSchedule`). The mixer's side
+(:class:`WeightSchedule`) keeps the entries, publishes them to the DataLoader workers through the
+shared :class:`~grape_stream.mixing.weight_table.SharedWeightTable`, and chooses ``from_batch`` so that
+no batch a worker may already have composed is changed:
+``from_batch = max(at_batch, consumed + lag)`` (docs/mixer.md, "Lag"). It also owns the loader position
+that rule depends on (batches consumed, loader depth), because the two only make sense together.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from grape_stream.mixing.quotas import Segment
+from grape_stream.mixing.weight_table import ScheduleOverflow, SharedWeightTable
+from grape_stream.simplex import check_simplex
+
+__all__ = ["EffectiveSchedule", "WeightSchedule", "validate_weights"]
+
+
+def validate_weights(weights: Any, k: int) -> np.ndarray:
+    """``k`` finite non-negative weights, not all zero, normalised to sum to 1 (else ValueError)."""
+    return check_simplex(weights, name="weights", size=k)
+
+
+class EffectiveSchedule:
+    """The weights in force at each batch index, from the ordered list of ``set_weights`` calls.
+
+    Entry ``(version v, from_batch f, alpha)`` means "batches ``>= f`` use ``alpha``" and a later call
+    wins: batch ``j`` uses the highest version whose ``from_batch <= j``. Entries must be added in
+    version order; each add truncates whatever an older entry said about batches ``>= f``.
+    """
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._versions: list[int] = []
+        self._alphas: list[np.ndarray] = []
+        self.last_version = -1
+
+    def add(self, version: int, from_batch: int, alpha: np.ndarray) -> None:
+        if version <= self.last_version:
+            raise ValueError(f"schedule versions must increase: {version} after {self.last_version}")
+        self.last_version = version
+        # Drop pieces starting at or after from_batch; the piece covering from_batch is cut there.
+        while self._starts and self._starts[-1] >= from_batch:
+            self._starts.pop()
+            self._versions.pop()
+            self._alphas.pop()
+        self._starts.append(int(from_batch))
+        self._versions.append(int(version))
+        self._alphas.append(np.asarray(alpha, dtype=np.float64).copy())
+
+    def prune_before(self, batch: int) -> None:
+        """Forget pieces that end at or before ``batch`` (workers only ever move forward)."""
+        i = int(np.searchsorted(self._starts, batch, side="right")) - 1
+        if i > 0:
+            del self._starts[:i], self._versions[:i], self._alphas[:i]
+
+    def at(self, batch: int) -> tuple[int, np.ndarray]:
+        i = int(np.searchsorted(self._starts, batch, side="right")) - 1
+        if i < 0:
+            raise KeyError(f"no weights are defined for batch {batch}")
+        return self._versions[i], self._alphas[i]
+
+    def segments(self, start: int, end: int) -> list[Segment]:
+        """Constant-weight pieces covering batches ``[start, end)``."""
+        out: list[Segment] = []
+        if end <= start:
+            return out
+        i = int(np.searchsorted(self._starts, start, side="right")) - 1
+        if i < 0:
+            raise KeyError(f"no weights are defined for batch {start}")
+        b = start
+        while b < end:
+            nxt = self._starts[i + 1] if i + 1 < len(self._starts) else end
+            e = min(end, nxt)
+            if e > b:
+                out.append(Segment(b, e, self._versions[i], self._alphas[i]))
+            b = e
+            i += 1
+        return out
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+
+class WeightSchedule:
+    """The mixer's weight schedule and the loader position its switch rule needs.
+
+    ``history`` holds every entry (``version == index``); ``effective`` answers "which weights at batch
+    j"; ``table`` carries the entries and the cursor to the workers. ``consumed`` counts the batches the
+    trainer has taken, ``loader_depth`` is the prefetch depth a counting loader reported, ``tracked``
+    whether such a loader is in use, ``iterating`` whether batches may be in flight. Only the main
+    process changes any of it; workers read the table.
+    """
+
+    def __init__(self, num_domains: int, alpha0: np.ndarray, capacity: int, lag: int | None) -> None:
+        self.K = int(num_domains)
+        self.fixed_lag = None if lag is None else int(lag)
+        self.history: list[tuple[int, int, np.ndarray]] = []  # (version, from_batch, alpha); version == index
+        self.effective = EffectiveSchedule()
+        self.table = SharedWeightTable(self.K, capacity)
+        self.consumed = 0
+        self.loader_depth: int | None = None
+        self.tracked = False
+        self.iterating = False
+        self._warned: set[str] = set()
+        self.append(0, alpha0)
+        self.table.set_cursor(0, np.zeros(self.K, np.int64))
+
+    # -- reading -------------------------------------------------------------------------------------
+    @property
+    def lag(self) -> int:
+        """Batches between ``set_weights`` and the first batch it changes."""
+        if self.fixed_lag is not None:
+            return self.fixed_lag
+        return self.loader_depth or 0
+
+    @property
+    def latest(self) -> tuple[int, int, np.ndarray]:
+        """(version, from_batch, alpha) of the latest entry."""
+        return self.history[-1]
+
+    def entries(self) -> list[dict[str, Any]]:
+        """Every entry as plain Python types (what a checkpoint stores)."""
+        return [{"version": v, "from_batch": f, "alpha": a.tolist()} for v, f, a in self.history]
+
+    def at(self, batch: int) -> tuple[int, np.ndarray]:
+        """(version, weights) in force at batch ``batch``."""
+        v, a = self.effective.at(batch)
+        return v, a.copy()
+
+    def consumed_known(self) -> bool:
+        """Whether ``consumed`` is exact: a counting loader, or no worker has composed anything."""
+        workers_active = self.table.max_claimed(workers_only=True) >= 0
+        return self.tracked or not workers_active
+
+    # -- writing -------------------------------------------------------------------------------------
+    def append(self, from_batch: int, alpha: np.ndarray) -> int:
+        version = len(self.history)
+        self.history.append((version, int(from_batch), alpha.copy()))
+        self.effective.add(version, int(from_batch), alpha)
+        self.table.publish(version, version, int(from_batch), alpha)
+        return version
+
+    def note_consumed(self, batches: int) -> None:
+        self.consumed = max(self.consumed, int(batches))
+
+    def advance_cursor(self, next_batch: int, counts: np.ndarray) -> None:
+        """The main process handed out every batch before ``next_batch``: consumed, and where to resume."""
+        self.consumed = max(self.consumed, next_batch)
+        self.table.set_cursor(next_batch, counts)
+
+    def seek(self, batch: int, counts: np.ndarray) -> None:
+        """Move the cursor: the next iteration starts at ``batch`` with read positions ``counts``."""
+        self.table.set_cursor(batch, counts)
+        self.table.reset_claims(batch)
+        self.consumed = batch
+        self.iterating = False
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)  # the caller of mixer.set_weights
+
+    def schedule(self, alpha: Sequence[float] | np.ndarray | torch.Tensor, at_batch: int | None = None,
+                 consumed: int | None = None) -> int:
+        """Add new weights at the switch batch the rule allows; return that batch.
+
+        See :meth:`grape_stream.mixing.mixer.WeightedStreamingMixer.set_weights` for the rule as users
+        see it. Raises :class:`ScheduleOverflow` when too many entries would be pending for the table.
+        """
+        alpha = validate_weights(alpha, self.K)
+        if at_batch is not None and (isinstance(at_batch, bool) or int(at_batch) != at_batch or at_batch < 0):
+            raise ValueError(f"at_batch must be a non-negative integer, got {at_batch!r}")
+        if consumed is not None and (int(consumed) != consumed or consumed < 0):
+            raise ValueError(f"consumed must be a non-negative integer, got {consumed!r}")
+        known = consumed is not None or self.consumed_known()
+        n_consumed = int(consumed) if consumed is not None else self.consumed
+        if consumed is not None:
+            self.consumed = max(self.consumed, n_consumed)
+        # Before a loader has started there is nothing in flight: the next batch can still change. An
+        # explicit lag always applies (switch points then depend only on the consumed count).
+        in_flight = self.iterating or self.fixed_lag is not None or self.table.max_claimed(workers_only=True) >= 0
+        floor = n_consumed + (self.lag if in_flight else 0) if known else None
+        composed = self.table.max_claimed()
+        if at_batch is None:
+            if floor is None:
+                self._warn_once(
+                    "untracked",
+                    "set_weights with a plain DataLoader with workers: the mixer cannot see how many batches "
+                    "were consumed, so the switch batch depends on worker timing. Use mixer.dataloader(...) "
+                    "or pass at_batch= / consumed= for a reproducible switch.",
+                )
+                target = composed + 1
+            else:
+                target = floor
+        else:
+            target = int(at_batch) if floor is None else max(int(at_batch), floor)
+        if target <= composed:
+            moved = composed + 1 + max(1, self.table.active_workers())
+            self._warn_once(
+                "composed",
+                f"set_weights: batch {target} was already composed (workers are at batch {composed}); the new "
+                f"weights apply from batch {moved}. The loader prefetches deeper than lag={self.lag}: use "
+                "mixer.dataloader(...), or pass lag= (>= num_workers * prefetch_factor) to the mixer.",
+            )
+            target = moved
+        self._check_pending(min(n_consumed, composed + 1) if composed >= 0 else n_consumed)
+        self.append(target, alpha)
+        return target
+
+    def _check_pending(self, low: int) -> None:
+        """Refuse a new entry when the workers could lose entries still in force from batch ``low`` on."""
+        try:
+            active_version = self.effective.at(max(0, low))[0]
+        except KeyError:  # pragma: no cover - version 0 starts at batch 0
+            active_version = 0
+        if len(self.history) - active_version >= (3 * self.table.C) // 4:
+            raise ScheduleOverflow(
+                f"{len(self.history) - active_version} weight changes are pending beyond batch {low}; "
+                f"raise schedule_capacity (now {self.table.C})"
+            )
+
+    def restore(self, entries: Sequence[dict[str, Any]], batch: int) -> None:
+        """Replace the schedule by a checkpoint's ``entries`` (versions 0, 1, ...) resumed at ``batch``."""
+        self.history = []
+        self.effective = EffectiveSchedule()
+        self.table.reset()
+        for e in entries:
+            alpha = validate_weights(e["alpha"], self.K)
+            version = len(self.history)
+            self.history.append((version, int(e["from_batch"]), alpha))
+            self.effective.add(version, int(e["from_batch"]), alpha)
+        first = max(0, len(self.history) - (3 * self.table.C) // 4)
+        if self.effective.at(batch)[0] < first:
+            raise ScheduleOverflow(
+                f"{len(self.history) - self.effective.at(batch)[0]} weight changes are pending after batch {batch}; "
+                f"raise schedule_capacity (now {self.table.C})"
+            )
+        for v, f, a in self.history[first:]:
+            self.table.publish(v, v, f, a)

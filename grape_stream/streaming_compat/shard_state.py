@@ -1,0 +1,129 @@
+"""The few mosaicml-streaming 0.13 internals the mixer's shard reader relies on, behind one version guard.
+
+For streaming ``>=0.13,<0.14``. The mixer reads samples by random access straight out of memory-mapped
+MDS shards (see :mod:`grape_stream.mixing.shard_reader`) while streaming keeps the node-wide shard cache.
+To stay consistent with that cache it must see and update streaming's per-shard bookkeeping, which
+streaming exposes only as private attributes of ``StreamingDataset``:
+
+* ``_shard_states[shard]`` (a ``_ShardState``; ``LOCAL`` = downloaded and decompressed): a mapped shard
+  that is no longer LOCAL was evicted, so the reader drops its mapping and lets the disk space go;
+* ``_shard_access_times[shard]``: refreshed on every read, as ``get_item`` does, so that eviction picks
+  the coldest shard;
+* ``_shm_prefix_int``: the shared-memory prefix a dataset registered (leak checks);
+* ``prepare_shard(shard, blocking)``: download / decompress with streaming's cache accounting.
+
+A different streaming version may rename or re-type any of them, and the failure would then be an
+``AttributeError`` deep inside a DataLoader worker; :func:`require_supported_streaming` turns that into
+one clear error when the mixer starts. Streaming's submodules are imported inside the functions, after
+that check, so that an unsupported release fails with that error rather than an ImportError at import.
+"""
+
+from __future__ import annotations
+
+import functools
+from time import time_ns
+from typing import Any
+
+import streaming
+
+__all__ = [
+    "SUPPORTED",
+    "UnsupportedStreamingVersion",
+    "check_dataset",
+    "require_supported_streaming",
+    "bytes_to_int",
+    "is_mds_shard",
+    "shard_is_local",
+    "touch_shard",
+    "prepare_shard",
+    "shm_prefix",
+]
+
+#: The streaming releases whose internals this module was written against: (major, minor).
+SUPPORTED = ((0, 13),)
+_REQUIRED_ATTRS = ("_shard_states", "_shard_access_times", "_shm_prefix_int")
+
+
+class UnsupportedStreamingVersion(RuntimeError):
+    """The installed mosaicml-streaming is not a release whose internals the mixer knows."""
+
+
+def _version_tuple(version: str) -> tuple[int, int]:
+    parts = version.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return (-1, -1)
+
+
+@functools.lru_cache(maxsize=1)
+def require_supported_streaming() -> int:
+    """Check the installed streaming once; return the value of its ``_ShardState.LOCAL``.
+
+    Raises :class:`UnsupportedStreamingVersion` naming the installed and the supported versions.
+    """
+    version = getattr(streaming, "__version__", "unknown")
+    wanted = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED)
+    if _version_tuple(version) not in SUPPORTED:
+        raise UnsupportedStreamingVersion(
+            f"grape_stream's mixer needs mosaicml-streaming {wanted} (it relies on internals of that release: "
+            f"{', '.join(_REQUIRED_ATTRS)}, _ShardState.LOCAL); installed: {version}. "
+            "Install mosaicml-streaming>=0.13,<0.14."
+        )
+    try:
+        from streaming.base.dataset import _ShardState
+
+        return int(_ShardState.LOCAL)
+    except (ImportError, AttributeError) as exc:  # pragma: no cover - a patched 0.13
+        raise UnsupportedStreamingVersion(
+            f"mosaicml-streaming {version} has no streaming.base.dataset._ShardState.LOCAL: {exc}"
+        ) from exc
+
+
+def _check_dataset(dataset: Any) -> None:
+    missing = [a for a in _REQUIRED_ATTRS if not hasattr(dataset, a)]
+    if missing:
+        raise UnsupportedStreamingVersion(
+            f"this StreamingDataset (mosaicml-streaming {getattr(streaming, '__version__', 'unknown')}) lacks "
+            f"{missing}, which the mixer's shard reader uses; install mosaicml-streaming>=0.13,<0.14"
+        )
+
+
+def check_dataset(dataset: Any) -> None:
+    """Fail clearly when ``dataset`` lacks the internals used here (call once per dataset)."""
+    require_supported_streaming()
+    _check_dataset(dataset)
+
+
+def bytes_to_int(size: int | str) -> int:
+    """Streaming's parser of cache sizes such as ``"10gb"``, so limits mean what they mean to streaming."""
+    from streaming.base.util import bytes_to_int as _bytes_to_int
+
+    return int(_bytes_to_int(size))
+
+
+def is_mds_shard(shard: Any) -> bool:
+    """Whether a shard reader is streaming's MDS reader (the only format the mixer memory-maps)."""
+    from streaming.base.format.mds.reader import MDSReader
+
+    return isinstance(shard, MDSReader)
+
+
+def shard_is_local(dataset: Any, shard_id: int) -> bool:
+    """Whether streaming's cache says the shard is downloaded and decompressed (not evicted)."""
+    return bool(dataset._shard_states[shard_id] == require_supported_streaming())
+
+
+def touch_shard(dataset: Any, shard_id: int) -> None:
+    """Mark the shard as just read, as ``StreamingDataset.get_item`` does, for LRU eviction."""
+    dataset._shard_access_times[shard_id] = time_ns()
+
+
+def prepare_shard(dataset: Any, shard_id: int, *, blocking: bool = True) -> None:
+    """Download / decompress a shard through streaming's cache (evicting cold shards under cache_limit)."""
+    dataset.prepare_shard(shard_id, blocking=blocking)
+
+
+def shm_prefix(dataset: Any) -> int:
+    """The shared-memory prefix streaming registered for this dataset (``/dev/shm/<prefix:06>_*``)."""
+    return int(dataset._shm_prefix_int)

@@ -1,0 +1,73 @@
+"""Layout guarantees of grape_stream.mixing / streaming_compat: no cycle through the loader, one guarded
+place for streaming's internals, the package re-exports."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import streaming
+
+import grape_stream
+from grape_stream import mixing
+from grape_stream.mixing.loader import BatchSource, MixerDataLoader
+from grape_stream.streaming_compat import shard_state
+
+PKG = Path(grape_stream.__file__).resolve().parent
+
+
+def _imported_modules(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return out
+
+
+def test_loader_does_not_import_the_mixer():
+    assert not any(m.startswith("grape_stream.mixing.mixer") for m in _imported_modules(PKG / "mixing" / "loader.py"))
+
+
+def test_only_shard_state_touches_streamings_shard_bookkeeping():
+    for path in (PKG / "mixing").glob("*.py"):
+        text = path.read_text()
+        for private in ("_shard_states", "_shard_access_times", "_shm_prefix_int", "_ShardState"):
+            assert private not in text, (path.name, private)
+
+
+def test_mixing_and_streaming_compat_import_no_higher_level():
+    allowed = ("grape_stream.world", "grape_stream.atomic", "grape_stream.simplex", "grape_stream.streaming_compat",
+               "grape_stream.mixing")
+    for sub, ok in (("mixing", allowed), ("streaming_compat", allowed[:3] + ("grape_stream.streaming_compat",))):
+        for path in (PKG / sub).glob("*.py"):
+            for mod in _imported_modules(path):
+                if mod.startswith("grape_stream"):
+                    assert mod.startswith(ok), (path.name, mod)
+
+
+def test_unsupported_streaming_version_is_one_clear_error(monkeypatch):
+    shard_state.require_supported_streaming.cache_clear()
+    monkeypatch.setattr(streaming, "__version__", "0.99.0")
+    try:
+        with pytest.raises(shard_state.UnsupportedStreamingVersion, match="0.99.0"):
+            shard_state.require_supported_streaming()
+    finally:
+        shard_state.require_supported_streaming.cache_clear()
+    monkeypatch.undo()
+    assert shard_state.require_supported_streaming() == 3  # _ShardState.LOCAL of 0.13
+
+
+def test_loader_refuses_an_object_without_the_loader_protocol():
+    with pytest.raises(TypeError, match="needs a WeightedStreamingMixer"):
+        MixerDataLoader(object())
+    assert not isinstance(object(), BatchSource)
+
+
+def test_public_names_are_reexported():
+    assert mixing.WeightedStreamingMixer is grape_stream.WeightedStreamingMixer
+    assert mixing.DomainStream is grape_stream.DomainStream
+    for name in mixing.__all__:
+        assert getattr(mixing, name) is not None
