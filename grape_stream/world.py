@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["World", "dist_active", "process_world", "streaming_world", "worker_slot"]
+__all__ = ["World", "collective_rank_size", "dist_active", "process_world", "streaming_world", "worker_slot"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,15 @@ def process_world() -> World:
 
         return World(dist.get_rank(), dist.get_world_size(), local)
     return World(_env_int("RANK", 0), _env_int("WORLD_SIZE", 1), local)
+
+
+def collective_rank_size() -> tuple[int, int]:
+    """(rank, size) of the process group, (0, 1) without one: collectives need a group, whatever RANK /
+    WORLD_SIZE the environment holds (a single process with WORLD_SIZE=2 set must not wait for a peer)."""
+    if not dist_active():
+        return 0, 1
+    world = process_world()
+    return world.rank, world.size
 
 
 def streaming_world() -> World:

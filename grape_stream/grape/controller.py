@@ -60,7 +60,7 @@ from grape_stream.grape.trajectory import (
     write_trajectory,
 )
 from grape_stream.models import per_sample_lm_loss
-from grape_stream.world import dist_active, process_world
+from grape_stream.world import collective_rank_size
 
 __all__ = [
     "REPLAY_METHOD",
@@ -75,15 +75,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 PerSampleLoss = Callable[[nn.Module, Mapping[str, torch.Tensor]], torch.Tensor]
-
-
-def _collective_world() -> tuple[int, int]:
-    """(rank, size) of the process group, (0, 1) without one: the probe's collectives need a group
-    whatever RANK / WORLD_SIZE the environment holds."""
-    if not dist_active():
-        return 0, 1
-    world = process_world()
-    return world.rank, world.size
 
 
 #: The defaults of every GRAPE setting, stated once (the recipe's `algorithm` section reads the same).
@@ -291,7 +282,7 @@ class GrapeController:
             return None
         t0 = time.perf_counter()
         seconds: dict[str, float] = {}
-        rank, world = _collective_world()
+        rank, world = collective_rank_size()
         device = module_device(model)
         rec: dict[str, Any] = {"type": "update", "step": int(step), "lr": float(lr), "method": self.method}
         if self.needs_probe:
@@ -356,7 +347,7 @@ class GrapeController:
     def probe_batches(self, step: int, device: torch.device | str | None = None) -> list[dict[str, torch.Tensor]]:
         """The K domain + N task probe batches this rank uses at ``step`` (a pure function of the seed,
         the step and, in sharded mode, the rank)."""
-        rank, world = _collective_world()
+        rank, world = collective_rank_size()
         return self._probe_batches(step, rank, world, torch.device(device) if device is not None else torch.device("cpu"))
 
     def _probe_batches(self, step: int, rank: int, world: int, device: torch.device) -> list[dict[str, torch.Tensor]]:

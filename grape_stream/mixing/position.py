@@ -17,7 +17,7 @@ from grape_stream.mixing.epoch_order import DomainOrder
 
 __all__ = ["STATE_FORMAT", "check_state", "domain_stats", "make_state", "state_batch"]
 
-STATE_FORMAT = "grape_stream.mixing.mixer/1"
+STATE_FORMAT = "grape_stream.mixer/1"  # on disk in checkpoints: unchanged by the re-layout
 
 
 def state_batch(num_samples: int | None, from_beginning: bool, *, batch_size: int, world_size: int,
