@@ -24,6 +24,7 @@ __all__ = [
     "MISSING",
     "PAPER_MU_ALPHA",
     "PAPER_MU_Z",
+    "RETRY_DEADLINE_S",
     "AlgorithmConfig",
     "DataConfig",
     "GrapeConfig",
@@ -44,6 +45,11 @@ MISSING: Any = "???"
 #: eta_alpha = lr / mu_alpha, eta_z = lr / mu_z. Every other default of mu_alpha / mu_z refers to these.
 PAPER_MU_ALPHA = 1e-4
 PAPER_MU_Z = 1.5e-5
+
+
+#: How long a failing remote read or write is retried before it fails with one error: rides out a 60 s
+#: outage of the object store with margin (grape_stream.retry.RetryPolicy's default).
+RETRY_DEADLINE_S = 180.0
 
 
 def _free() -> Any:
@@ -187,3 +193,4 @@ class MixerConfig:
     overwrite_local: bool = False
     s3_dummy_credentials: bool = False
     prefetch: bool = True
+    retry_deadline: float = RETRY_DEADLINE_S  # seconds a failing shard download is retried

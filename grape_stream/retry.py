@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, TypeVar
 
+from grape_stream.config import RETRY_DEADLINE_S
 from grape_stream.errors import StorageError
 
 __all__ = ["RetryPolicy", "RetryError", "DEFAULT_RETRY", "call_with_retry"]
@@ -45,7 +46,7 @@ class RetryPolicy:
             workers that failed together do not retry in lock-step against a recovering server.
     """
 
-    deadline: float = 180.0
+    deadline: float = RETRY_DEADLINE_S
     max_attempts: int = 0
     initial_backoff: float = 0.5
     max_backoff: float = 8.0

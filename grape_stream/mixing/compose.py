@@ -23,6 +23,7 @@ from grape_stream.mixing.collate import collate_samples, to_tensor
 from grape_stream.mixing.epoch_order import DomainOrder
 from grape_stream.mixing.quotas import BatchPlan, QuotaPlanner, default_on_spent, slot_permutation
 from grape_stream.mixing.schedule import EffectiveSchedule, WeightSchedule
+from grape_stream.retry import RetryPolicy
 from grape_stream.mixing.shard_reader import DomainReader, Prefetcher
 from grape_stream.mixing.weight_table import ScheduleOverflow
 
@@ -54,6 +55,7 @@ class BatchComposer:
     datasets: list[Any]
     predownload: int
     needs_prefetch: list[bool]
+    retry: list[RetryPolicy]
 
     def planner(self, start: int = 0, counts: Sequence[int] | np.ndarray | None = None,
                 on_spent: Callable[[int, int], None] | None = None) -> QuotaPlanner:
@@ -61,7 +63,8 @@ class BatchComposer:
                             budgets=self.budgets, start_batch=start, start_counts=counts, on_spent=on_spent)
 
     def readers(self) -> list[DomainReader]:
-        return [DomainReader(name, ds) for name, ds in zip(self.domain_names, self.datasets)]
+        return [DomainReader(name, ds, retry=policy)
+                for name, ds, policy in zip(self.domain_names, self.datasets, self.retry)]
 
     # -- one batch ---------------------------------------------------------------------------------
     def gather(self, plan: BatchPlan, readers: list[DomainReader]) -> dict[str, Any]:

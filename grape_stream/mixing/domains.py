@@ -90,6 +90,8 @@ class DomainStream:
             spent the domain's weight goes to the others (with a warning). None = unlimited.
         cache_limit: this domain's shard-cache limit (bytes or "10gb"); default: the mixer's
             ``cache_limit`` divided evenly among the domains.
+        retry_deadline: seconds a failing shard download of this domain is retried (exponential backoff
+            with jitter) before the read fails with one error; default: the mixer's ``retry_deadline``.
     """
 
     name: str
@@ -98,6 +100,7 @@ class DomainStream:
     split: str | None = None
     max_epochs: float | None = None
     cache_limit: int | str | None = None
+    retry_deadline: float | None = None
 
     def resolved_local(self) -> str:
         if self.local:

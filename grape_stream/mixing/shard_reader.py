@@ -28,9 +28,11 @@ from typing import Any
 
 import numpy as np
 
+from grape_stream.retry import DEFAULT_RETRY, RetryError, RetryPolicy, call_with_retry
 from grape_stream.streaming_compat.shard_state import (
     is_mds_shard,
     prepare_shard,
+    shard_is_preparing,
     shard_is_local,
     touch_shard,
 )
@@ -40,6 +42,26 @@ __all__ = ["DomainReader", "Prefetcher", "DomainReadError"]
 
 class DomainReadError(RuntimeError):
     """A sample of a domain could not be read (download failed, shard missing, corrupt)."""
+
+
+class _NotYet(Exception):
+    """The shard is not readable yet for a reason a retry can fix (a download failed elsewhere, eviction)."""
+
+
+def _is_transient(exc: BaseException) -> bool:
+    """Retry network and server errors; not a missing or forbidden object (streaming raises those as
+    FileNotFoundError "Object ... not found" for S3 403 / 404), nor a local corruption."""
+    if isinstance(exc, _NotYet):
+        return True
+    if isinstance(exc, (FileNotFoundError, PermissionError, DomainReadError)):
+        return False
+    return not isinstance(exc, (ValueError, TypeError, KeyError, IndexError, AttributeError))
+
+
+def _endpoint_note(stream: Any) -> str:
+    remote = getattr(stream, "remote", None) or ""
+    endpoint = os.environ.get("S3_ENDPOINT_URL")
+    return f" (endpoint {endpoint})" if remote.startswith("s3://") and endpoint else ""
 
 
 class _Mapped:
@@ -65,11 +87,13 @@ class _Mapped:
 class DomainReader:
     """Reads samples of one domain by id, a batch at a time."""
 
-    def __init__(self, name: str, dataset: Any, max_mapped: int = 8, retry: int = 7) -> None:
+    def __init__(self, name: str, dataset: Any, max_mapped: int = 8, retry: RetryPolicy = DEFAULT_RETRY,
+                 max_vanished: int = 8) -> None:
         self.name = name
         self.dataset = dataset
         self.max_mapped = max(1, int(max_mapped))
-        self.retry = int(retry)
+        self.retry = retry
+        self.max_vanished = int(max_vanished)
         self._mapped: OrderedDict[int, _Mapped] = OrderedDict()
         self._is_mds = [is_mds_shard(s) for s in dataset.shards]
         self._stream = dataset.streams[0]
@@ -93,32 +117,53 @@ class DomainReader:
             else:
                 self._mapped.move_to_end(shard_id)
                 return m
-        errors: list[str] = []
-        for _ in range(1 + self.retry):
-            path = self._raw_path(shard_id)
-            try:
-                m = _Mapped(path)
-                break
-            except FileNotFoundError as exc:
-                errors.append(str(exc))
-                try:
-                    prepare_shard(ds, shard_id)
-                except Exception as err:  # noqa: BLE001 - re-raised with the domain named
-                    raise DomainReadError(
-                        f"domain {self.name!r}: cannot fetch shard "
-                        f"{ds.shards[shard_id].raw_data.basename} from {self._where()}: "
-                        f"{type(err).__name__}: {err}"
-                    ) from err
-        else:
-            raise DomainReadError(
-                f"domain {self.name!r}: shard {ds.shards[shard_id].raw_data.basename} kept disappearing "
-                f"from {os.path.dirname(self._raw_path(shard_id))} ({errors[-1]}); cache_limit may be "
-                "too small for the shards in use"
-            )
+        m = self._fetch_and_map(shard_id)
         self._mapped[shard_id] = m
         while len(self._mapped) > self.max_mapped:
             self._mapped.popitem(last=False)[1].close()
         return m
+
+    def _fetch_and_map(self, shard_id: int) -> _Mapped:
+        """Map the shard, downloading it first if needed, under the domain's retry policy.
+
+        A failed download is retried with backoff until the policy's deadline (an outage of a minute is
+        ridden out with the same samples); a missing or forbidden object is not retried; a shard that
+        another process's cache eviction keeps deleting fails after `max_vanished` tries (cache_limit too
+        small). Every failure names the domain, the shard, the remote and the endpoint.
+        """
+        ds = self.dataset
+        basename = ds.shards[shard_id].raw_data.basename
+        vanished: list[str] = []
+
+        def attempt() -> _Mapped:
+            try:
+                return _Mapped(self._raw_path(shard_id))
+            except FileNotFoundError:
+                pass
+            prepare_shard(ds, shard_id)  # waits while another process of the node downloads it
+            try:
+                return _Mapped(self._raw_path(shard_id))
+            except FileNotFoundError as exc:
+                if shard_is_preparing(ds, shard_id) or not shard_is_local(ds, shard_id):
+                    raise _NotYet(f"shard {basename} is not local yet") from exc  # another process's failed download
+                vanished.append(str(exc))
+                if len(vanished) >= self.max_vanished:
+                    raise DomainReadError(
+                        f"domain {self.name!r}: shard {basename} kept disappearing from "
+                        f"{os.path.dirname(self._raw_path(shard_id))} ({vanished[-1]}); cache_limit may be "
+                        "too small for the shards in use"
+                    ) from exc
+                raise _NotYet(f"shard {basename} was evicted before it could be read") from exc
+
+        what = f"domain {self.name!r}: cannot fetch shard {basename} from {self._where()}{_endpoint_note(self._stream)}"
+        try:
+            return call_with_retry(attempt, policy=self.retry, what=what, retryable=_is_transient)
+        except DomainReadError:
+            raise
+        except RetryError as err:
+            raise DomainReadError(str(err)) from err
+        except Exception as err:  # a permanent failure (missing object, no access): one clear line
+            raise DomainReadError(f"{what}: {type(err).__name__}: {err}") from err
 
     def read(self, sample_ids: np.ndarray) -> list[dict[str, Any]]:
         """Samples for ``sample_ids`` (in that order), as streaming decodes them."""

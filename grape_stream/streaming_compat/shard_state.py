@@ -36,6 +36,8 @@ __all__ = [
     "shard_is_local",
     "touch_shard",
     "prepare_shard",
+    "reset_failed_download",
+    "shard_is_preparing",
     "shm_prefix",
 ]
 
@@ -120,8 +122,40 @@ def touch_shard(dataset: Any, shard_id: int) -> None:
 
 
 def prepare_shard(dataset: Any, shard_id: int, *, blocking: bool = True) -> None:
-    """Download / decompress a shard through streaming's cache (evicting cold shards under cache_limit)."""
-    dataset.prepare_shard(shard_id, blocking=blocking)
+    """Download / decompress a shard through streaming's cache (evicting cold shards under cache_limit).
+
+    Streaming 0.13 marks the shard PREPARING, downloads, and marks it LOCAL; when the download raises
+    (an outage, a reset, a throttled request) it leaves the shard PREPARING for good, and every later
+    ``prepare_shard`` of it, in any worker of the node, waits for it forever. So a failed attempt puts
+    the shard back to REMOTE (under streaming's cache lock), and the caller's retry can download it again.
+    """
+    try:
+        dataset.prepare_shard(shard_id, blocking=blocking)
+    except BaseException:
+        reset_failed_download(dataset, shard_id)
+        raise
+
+
+def reset_failed_download(dataset: Any, shard_id: int) -> None:
+    """Put a shard this process left PREPARING back to REMOTE (a no-op in any other state)."""
+    from streaming.base.dataset import _ShardState
+
+    lock = getattr(dataset, "_cache_filelock", None)  # created by prepare_shard before any download starts
+    if lock is None:
+        return
+    held = lock.is_locked  # streaming raised while holding its cache lock (during eviction): free it too
+    with lock:
+        if dataset._shard_states[shard_id] == _ShardState.PREPARING:
+            dataset._shard_states[shard_id] = _ShardState.REMOTE
+    if held:
+        lock.release(force=True)
+
+
+def shard_is_preparing(dataset: Any, shard_id: int) -> bool:
+    """Whether some process of the node is downloading the shard right now."""
+    from streaming.base.dataset import _ShardState
+
+    return bool(dataset._shard_states[shard_id] == _ShardState.PREPARING)
 
 
 def shm_prefix(dataset: Any) -> int:

@@ -18,6 +18,7 @@ a test tool, not a general-purpose proxy (plain http:// upstreams only).
 from __future__ import annotations
 
 import http.client
+import os
 import random
 import socket
 import struct
@@ -63,6 +64,11 @@ class FaultProxy:
         self._listener_ready = threading.Event()
         self._port = port
         self._threads: list[threading.Thread] = []
+        self._sockets: set[socket.socket] = set()  # every socket the proxy holds, for the fork hook
+        # A forked child (a DataLoader worker of the process running the proxy) inherits these sockets;
+        # if it kept them, a "closed" listener would still accept connections during an outage and a reset
+        # connection would stay open. The child is not the proxy: it closes its copies.
+        os.register_at_fork(after_in_child=self._forget_sockets_in_child)
 
     # -- control -------------------------------------------------------------------------------------
     @property
@@ -105,6 +111,17 @@ class FaultProxy:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+    def _forget_sockets_in_child(self) -> None:
+        for s in [self._listener, *self._sockets]:
+            if s is not None:
+                try:
+                    os.close(s.fileno())
+                except OSError:
+                    pass
+        self._sockets.clear()
+        self._listener = None
+        self._stopping.set()
 
     # -- listening -----------------------------------------------------------------------------------
     def _open_listener(self) -> None:
@@ -149,6 +166,7 @@ class FaultProxy:
 
     # -- one client connection ----------------------------------------------------------------------
     def _serve(self, conn: socket.socket) -> None:
+        self._sockets.add(conn)
         conn.settimeout(60)
         f = conn.makefile("rb")
         upstream: http.client.HTTPConnection | None = None
@@ -176,6 +194,9 @@ class FaultProxy:
                     time.sleep(lat)
                 if upstream is None:
                     upstream = http.client.HTTPConnection(self._up_host, self._up_port, timeout=60)
+                    upstream.connect()
+                    if upstream.sock is not None:
+                        self._sockets.add(upstream.sock)
                 fwd = [(k, v) for k, v in headers if k.lower() not in _HOP_HEADERS and k.lower() != "content-length"]
                 fwd.append(("Content-Length", str(len(body))))
                 try:
@@ -201,7 +222,10 @@ class FaultProxy:
         except (OSError, ValueError):
             return
         finally:
+            self._sockets.discard(conn)
             if upstream is not None:
+                if upstream.sock is not None:
+                    self._sockets.discard(upstream.sock)
                 upstream.close()
             try:
                 conn.close()
