@@ -12,8 +12,8 @@ import pytest
 import zstandard
 
 from convert_data import make_docs, read_mds, slimpajama_records, write_jsonl, write_slimpajama_parquet, write_zst
-from grape_stream.convert.pipeline import ConvertInputError, convert
 from grape_stream.convert.cli import main as cli_main
+from grape_stream.convert.pipeline import ConvertInputError, convert
 
 META = {"redpajama_set_name": "RedPajamaC4"}
 

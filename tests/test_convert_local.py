@@ -23,8 +23,8 @@ from convert_data import (
     write_slimpajama_tree,
     write_wiki40b,
 )
-from grape_stream.convert.pipeline import convert
 from grape_stream.convert.cli import main as cli_main
+from grape_stream.convert.pipeline import convert
 from grape_stream.convert.readers.wiki40b import strip_markers
 from grape_stream.convert.tokenization import load_tokenizer
 

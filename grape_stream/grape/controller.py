@@ -238,7 +238,7 @@ class GrapeController:
         initial = self.alpha
         if self.replay is not None:
             if not self.replay.starts_at_zero:  # the trajectory starts later: keep the mixer's weights until then
-                initial = np.asarray(getattr(self.mixer, "weights"), dtype=np.float64)
+                initial = np.asarray(self.mixer.weights, dtype=np.float64)
             else:
                 self.replay.index = 0
         if not np.array_equal(np.asarray(getattr(self.mixer, "weights", []), dtype=np.float64), initial):
