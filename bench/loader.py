@@ -231,9 +231,9 @@ class Moto:
             try:
                 urllib.request.urlopen(self.endpoint + "/", timeout=1)
                 break
-            except Exception:
+            except Exception as exc:
                 if time.time() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError("moto_server did not start")
+                    raise RuntimeError("moto_server did not start") from exc
                 time.sleep(0.2)
         os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
                            "AWS_DEFAULT_REGION": "us-east-1", "S3_ENDPOINT_URL": self.endpoint})

@@ -669,19 +669,19 @@ def test_resume_from_json_state_equals_uninterrupted_run(method):
     k, n, steps, cut = 4, 5, 8, 4
     seq = _sequence(method, k, n, steps)
     whole = build_reweighter(method, k, n, **ROUND_TRIP_OPTS[method])
-    for g, l, lr in seq:
-        whole.update(g, l, lr, step=None)
+    for g, loss, lr in seq:
+        whole.update(g, loss, lr, step=None)
 
     first = build_reweighter(method, k, n, **ROUND_TRIP_OPTS[method])
-    for g, l, lr in seq[:cut]:
-        first.update(g, l, lr)
+    for g, loss, lr in seq[:cut]:
+        first.update(g, loss, lr)
     text = json.dumps(first.state_dict(), allow_nan=False)
     second = build_reweighter(method, k, n, **ROUND_TRIP_OPTS[method])
     second.load_state_dict(json.loads(text))
     assert second.alpha.tobytes() == first.alpha.tobytes() and second.z.tobytes() == first.z.tobytes()
     assert second.state_dict() == first.state_dict()
-    for g, l, lr in seq[cut:]:
-        second.update(g, l, lr)
+    for g, loss, lr in seq[cut:]:
+        second.update(g, loss, lr)
     assert second.alpha.tobytes() == whole.alpha.tobytes()
     assert second.z.tobytes() == whole.z.tobytes()
     assert second.history == whole.history

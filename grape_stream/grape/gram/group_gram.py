@@ -345,7 +345,7 @@ def _run(
             engine.layouts = cache[ckey]
             for m_idx, (a, b) in enumerate(spans):
                 micro = MicroBatch(sample_groups[a:b], is_last=m_idx == len(spans) - 1)
-                mb = map_tensors(batch, lambda t: t[a:b])
+                mb = map_tensors(batch, lambda t, a=a, b=b: t[a:b])
                 t0 = time.perf_counter()
                 engine.begin(micro, None)
                 losses = per_sample_loss(model, mb)
