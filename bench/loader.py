@@ -361,9 +361,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"{c['samples_per_s']:.0f} | {a['mb_per_s']:.1f} | {ab:.2f}x | {ca:.2f}x |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"load_avg_at_end": os.getloadavg(), "size_mb": args.size_mb, "seq_len": args.seq_len, "shard_mb": args.shard_mb,
-            "batch_size": args.batch_size, "seconds": args.seconds, "change_every": args.change_every,
-            "cpu_count": os.cpu_count(), "note": "2 shared cores; timings are pessimistic"}
+    meta = {"load_avg_at_end": os.getloadavg(), "size_mb": args.size_mb, "seq_len": args.seq_len,
+            "shard_mb": args.shard_mb, "batch_size": args.batch_size, "seconds": args.seconds,
+            "change_every": args.change_every, "cpu_count": os.cpu_count(),
+            "note": "2 shared cores; timings are pessimistic"}
     out.write_text(json.dumps({"meta": meta, "rows": rows, "summary": summary}, indent=2))
     print(f"\nwrote {out}")
     return 0
