@@ -90,7 +90,8 @@ def collate_domain_samples(samples: Sequence[Mapping[str, Any]]) -> dict[str, to
     toks = []
     for s in samples:
         t = s["tokens"]
-        toks.append(t.to(torch.int64) if isinstance(t, torch.Tensor) else torch.from_numpy(np.asarray(t).astype(np.int64)))
+        toks.append(t.to(torch.int64) if isinstance(t, torch.Tensor)
+                    else torch.from_numpy(np.asarray(t).astype(np.int64)))
     tokens = torch.stack(toks)
     return {"tokens": tokens, "loss_mask": torch.ones_like(tokens, dtype=torch.uint8)}
 

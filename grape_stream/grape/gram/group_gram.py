@@ -361,7 +361,8 @@ def _run(
                 w = weights[micro.sample_groups].to(losses.dtype)
                 total = (losses * w).sum()
                 reachable, leaves, _alive = _scan_graph(total)
-                stray = {id(v): "used outside its module's forward (functional use)" for v in leaves if id(v) in fast_ids}
+                stray = {id(v): "used outside its module's forward (functional use)"
+                         for v in leaves if id(v) in fast_ids}
                 if stray:
                     raise _Retry(stray)
                 engine.drop_unreachable(reachable)

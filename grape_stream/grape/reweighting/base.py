@@ -363,7 +363,8 @@ class Reweighter:
             )
             if diff:
                 detail = ", ".join(f"{k}: saved {theirs.get(k)!r} vs now {mine_opts.get(k)!r}" for k in diff)
-                raise ValueError(f"options differ from the saved state ({detail}); pass strict=False to keep the new ones")
+                raise ValueError(f"options differ from the saved state ({detail}); "
+                                 "pass strict=False to keep the new ones")
         log_alpha = log_weights_from_json(state["log_alpha"], self.num_domains, "log_alpha")
         log_z = log_weights_from_json(state["log_z"], self.num_tasks, "log_z")
         alpha, z = probs_from_log(log_alpha), probs_from_log(log_z)
