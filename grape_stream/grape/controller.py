@@ -348,8 +348,7 @@ class GrapeController:
         """The K domain + N task probe batches this rank uses at ``step`` (a pure function of the seed,
         the step and, in sharded mode, the rank)."""
         rank, world = collective_rank_size()
-        return self._probe_batches(step, rank, world,
-                                   torch.device(device) if device is not None else torch.device("cpu"))
+        return self._probe_batches(step, rank, world, torch.device(device if device is not None else "cpu"))
 
     def _probe_batches(self, step: int, rank: int, world: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
         return draw_probe_groups(
