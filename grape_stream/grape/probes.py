@@ -62,8 +62,8 @@ def unwrap_for_probe(model: nn.Module) -> nn.Module:
     while True:
         if isinstance(model, (DistributedDataParallel, nn.DataParallel)):
             model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
+        elif isinstance(inner := getattr(model, "_orig_mod", None), nn.Module):
+            model = inner
         else:
             break
     why = _sharded_parameter(model)

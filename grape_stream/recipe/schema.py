@@ -17,7 +17,7 @@ from grape_stream.config import RecipeConfig, is_free, is_required
 __all__ = ["REQUIRED", "SCHEMA", "Free", "Required", "dotted_keys", "merge", "schema_of", "unknown_key"]
 
 
-class Free(dict):  # type: ignore[type-arg]
+class Free(dict):
     """Marks a mapping whose keys are free-form (passed through to a library as keyword arguments)."""
 
 

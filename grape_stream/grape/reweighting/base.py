@@ -160,6 +160,8 @@ class Reweighter:
                 etas.append(0.0)
             elif o["step_size"] == "constant":
                 etas.append(float(o[f"eta_{side}"]))
+            elif lr is None:  # update() checks this first (_check_lr); same message for a direct call
+                raise ValueError("lr is required with step_size='lr_over_mu' (eta = lr / mu)")
             else:
                 etas.append(float(lr) / o[f"mu_{side}"])
         return etas[0], etas[1]
