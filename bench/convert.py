@@ -92,7 +92,8 @@ def generate(root: Path, mb: int, seed: int = 0, files: int = 8) -> list[Path]:
         p.parent.mkdir(parents=True, exist_ok=True)
         size, lines = 0, []
         while size < per_file:
-            line = json.dumps({"text": make_doc(rng, vocab, weights), "meta": {"redpajama_set_name": rng.choice(DOMAINS)}})
+            line = json.dumps({"text": make_doc(rng, vocab, weights),
+                               "meta": {"redpajama_set_name": rng.choice(DOMAINS)}})
             lines.append(line)
             size += len(line) + 1
         p.write_bytes(cctx.compress(("\n".join(lines) + "\n").encode()))
@@ -139,7 +140,8 @@ def limit_rate_2proc(paths: list[Path]) -> dict:
         parts = pool.map(_limit_child, halves)
     dt = time.perf_counter() - t0
     tokens = sum(p["tokens"] for p in parts)
-    return {"seconds": dt, "tokens": tokens, "documents": sum(p["documents"] for p in parts), "tokens_per_s": tokens / dt}
+    return {"seconds": dt, "tokens": tokens, "documents": sum(p["documents"] for p in parts),
+            "tokens_per_s": tokens / dt}
 
 
 def convert_rate(root: Path, out: Path, workers: int, seq_len: int) -> dict:
@@ -151,7 +153,8 @@ def convert_rate(root: Path, out: Path, workers: int, seq_len: int) -> dict:
     dt = time.perf_counter() - t0
     t = r.manifest["totals"]
     stream = t["tokens"] + t["dropped_tokens"]  # document tokens + EOS, before the per-unit remainder
-    return {"seconds": dt, "tokens": stream, "documents": t["documents"], "samples": t["samples"], "tokens_per_s": stream / dt}
+    return {"seconds": dt, "tokens": stream, "documents": t["documents"], "samples": t["samples"],
+            "tokens_per_s": stream / dt}
 
 
 def _with_cpu(fn) -> dict:
@@ -185,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     paths = generate(root, args.mb, files=args.files)
     gen_s = time.perf_counter() - t0
     compressed = sum(p.stat().st_size for p in paths)
-    print(f"input: {len(paths)} files, {args.mb} MB of JSON lines, {compressed / 2**20:.1f} MB zstd (generated in {gen_s:.0f} s)")
+    print(f"input: {len(paths)} files, {args.mb} MB of JSON lines, {compressed / 2**20:.1f} MB zstd "
+          f"(generated in {gen_s:.0f} s)")
 
     import streaming  # noqa: F401  (import cost out of the timings)
 
@@ -223,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{'cpu s':>8}{'tok/cpu-s':>12}{'load':>6}")
     print("\n" + header + "\n" + "-" * len(header))
     for name, r in rows.items():
-        print(f"{name:<22}{r['seconds']:>9.1f}{r['tokens']:>14,}{r['tokens_per_s']:>13,.0f}{r['tokens_per_s'] / lim:>9.2f}x"
+        print(f"{name:<22}{r['seconds']:>9.1f}{r['tokens']:>14,}{r['tokens_per_s']:>13,.0f}"
+              f"{r['tokens_per_s'] / lim:>9.2f}x"
               f"{r['cpu_seconds']:>8.1f}{r['tokens_per_cpu_s']:>12,.0f}{r['load_before']:>6.1f}")
     print("-" * len(header))
     print(f"speed-up 2 vs 1 worker: {summary['speedup_2_vs_1']:.2f}x (goal >= 1.7x); the limit loop itself "
@@ -231,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"workers=2 reaches {summary['workers2_vs_2process_limit']:.0%} of the 2-process limit")
     print(f"per-worker efficiency (wall): workers=1 {summary['workers1_vs_limit']:.0%}, "
           f"workers=2 {summary['workers2_per_worker_vs_limit']:.0%} of the limit (goal >= 80%)")
-    print(f"per-worker efficiency (tokens per CPU-second): workers=1 {summary['cpu_efficiency_workers1_vs_limit']:.0%}, "
+    print("per-worker efficiency (tokens per CPU-second): "
+          f"workers=1 {summary['cpu_efficiency_workers1_vs_limit']:.0%}, "
           f"workers=2 {summary['cpu_efficiency_workers2_vs_limit']:.0%} of the limit")
     print(f"cpu count {os.cpu_count()}, load average now {os.getloadavg()[0]:.1f} (cores shared with other jobs)")
 

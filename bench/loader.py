@@ -231,9 +231,9 @@ class Moto:
             try:
                 urllib.request.urlopen(self.endpoint + "/", timeout=1)
                 break
-            except Exception:
+            except Exception as exc:
                 if time.time() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError("moto_server did not start")
+                    raise RuntimeError("moto_server did not start") from exc
                 time.sleep(0.2)
         os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
                            "AWS_DEFAULT_REGION": "us-east-1", "S3_ENDPOINT_URL": self.endpoint})
@@ -361,9 +361,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"{c['samples_per_s']:.0f} | {a['mb_per_s']:.1f} | {ab:.2f}x | {ca:.2f}x |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"load_avg_at_end": os.getloadavg(), "size_mb": args.size_mb, "seq_len": args.seq_len, "shard_mb": args.shard_mb,
-            "batch_size": args.batch_size, "seconds": args.seconds, "change_every": args.change_every,
-            "cpu_count": os.cpu_count(), "note": "2 shared cores; timings are pessimistic"}
+    meta = {"load_avg_at_end": os.getloadavg(), "size_mb": args.size_mb, "seq_len": args.seq_len,
+            "shard_mb": args.shard_mb, "batch_size": args.batch_size, "seconds": args.seconds,
+            "change_every": args.change_every, "cpu_count": os.cpu_count(),
+            "note": "2 shared cores; timings are pessimistic"}
     out.write_text(json.dumps({"meta": meta, "rows": rows, "summary": summary}, indent=2))
     print(f"\nwrote {out}")
     return 0

@@ -148,7 +148,8 @@ def format_table(agg: Mapping[str, Any], train_tokens: int) -> str:
             reach = "not reached"
         else:
             m_, s_ = _mean_std(r["values"])
-            reach = f"{m_:.2f}x +- {s_:.2f}" + ("" if r["reached"] == r["of"] else f" ({r['reached']}/{r['of']} reached)")
+            reach = f"{m_:.2f}x +- {s_:.2f}" + (
+                "" if r["reached"] == r["of"] else f" ({r['reached']}/{r['of']} reached)")
         tv = f"{sum(st['alpha_moved_tv']) / len(st['alpha_moved_tv']):.3f}" if st["alpha_moved_tv"] else "-"
         rows.append((m, str(len(st["seeds"])), _pm(st["average"]["values"]), _pm(st["worst"]["values"]), reach, tv))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -215,7 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = run_method(m, mds=mds, out_dir=run_dir, settings=settings, seed=seed, progress=False,
                                 extra_overrides=args.extra)
             print(f"{tag}: avg {result['final_avg']:.4f} worst {result['final_worst']:.4f} "
-                  f"({time.perf_counter() - t0:.0f}s, {(time.perf_counter() - t_start) / 60:.1f} min so far)", flush=True)
+                  f"({time.perf_counter() - t0:.0f}s, {(time.perf_counter() - t_start) / 60:.1f} min so far)",
+                  flush=True)
         else:
             print(f"{tag}: reused {res_path}", flush=True)
         runs.setdefault(m, {})[seed] = result

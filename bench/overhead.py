@@ -146,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             for method in ("uniform", "grape"):
                 r = run_once(method, root, tmp, args)
                 runs.append(r)
-                print(f"  {method:<8} {r['seconds']:8.2f} s wall {r['cpu_seconds']:8.2f} s cpu  ({r['updates']} updates)",
-                      flush=True)
+                print(f"  {method:<8} {r['seconds']:8.2f} s wall {r['cpu_seconds']:8.2f} s cpu  "
+                      f"({r['updates']} updates)", flush=True)
 
     med = {m: statistics.median(r["seconds"] for r in runs if r["method"] == m) for m in ("uniform", "grape")}
     best = {m: min(r["seconds"] for r in runs if r["method"] == m) for m in ("uniform", "grape")}
@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{m:<10}{med[m]:>16.2f}{best[m]:>15.2f}{cpu[m]:>16.2f}{cpu[m] / args.steps:>12.4f}")
     print()
     print(f"overhead, CPU time (grape / uniform - 1): {100 * overhead_cpu:+.2f}%")
-    print(f"overhead, wall time (grape / uniform - 1): median {100 * overhead:+.2f}%, best-of {100 * overhead_best:+.2f}%")
+    print(f"overhead, wall time (grape / uniform - 1): median {100 * overhead:+.2f}%, "
+          f"best-of {100 * overhead_best:+.2f}%")
     print(f"overhead, accounted (GRAPE update time / rest of the GRAPE run): {100 * accounted:.2f}%")
     print(f"goal <= 5%; the paper's separate gradient passes: {100 * result['paper_estimate']:.0f}% more gradient "
           f"computations; load average during the runs: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")

@@ -12,15 +12,19 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-if TYPE_CHECKING:  # pragma: no cover - what the lazy names resolve to
-    from grape_stream.convert import ConvertResult, convert
-    from grape_stream.grape.controller import GrapeController
-    from grape_stream.grape.gram.group_gram import group_gram
-    from grape_stream.grape.reweighting import Reweighter, available_methods, build_reweighter
-    from grape_stream.grape.tasks import TaskStream
-    from grape_stream.integrations.composer import GrapeAlgorithm
-    from grape_stream.mixing import DomainStream, WeightedStreamingMixer
-    from grape_stream.retry import RetryPolicy
+if TYPE_CHECKING:  # pragma: no cover - what the lazy names resolve to ("X as X": explicit re-exports)
+    from grape_stream.convert import ConvertResult as ConvertResult
+    from grape_stream.convert import convert as convert
+    from grape_stream.grape.controller import GrapeController as GrapeController
+    from grape_stream.grape.gram.group_gram import group_gram as group_gram
+    from grape_stream.grape.reweighting import Reweighter as Reweighter
+    from grape_stream.grape.reweighting import available_methods as available_methods
+    from grape_stream.grape.reweighting import build_reweighter as build_reweighter
+    from grape_stream.grape.tasks import TaskStream as TaskStream
+    from grape_stream.integrations.composer import GrapeAlgorithm as GrapeAlgorithm
+    from grape_stream.mixing import DomainStream as DomainStream
+    from grape_stream.mixing import WeightedStreamingMixer as WeightedStreamingMixer
+    from grape_stream.retry import RetryPolicy as RetryPolicy
 
 _LAZY = {
     "WeightedStreamingMixer": "grape_stream.mixing",

@@ -113,7 +113,8 @@ class AlgorithmConfig:
     probe_mode: str = "sharded"  # sharded | replicated (only matters with several ranks)
     schedule_path: Optional[str] = None  # method=schedule: a trajectory JSONL to replay
     schedule_stretch: float = 1.0
-    options: dict[str, Any] = _free()  # other reweighter options: clip_norm, z_smoothing, step_size, eta_*, alpha0, weights...
+    # other reweighter options: clip_norm, z_smoothing, step_size, eta_*, alpha0, weights...
+    options: dict[str, Any] = _free()
     trajectory: bool = True  # write <output_dir>/grape_trajectory.jsonl (+ .png at fit end)
     plots: bool = True
 

@@ -3,9 +3,10 @@
     python _mixer_run.py CONFIG.json
 
 CONFIG: dirs, seed, batch_size, workers, batches, changes ({consumed: alpha}), log, state (path), every
-(state_dict period), resume (optional state path), lag; hold_after (sleep after that many batches); caches (read ``dirs`` as remotes into these local
-caches); hold (construct the mixer, print its shm prefixes, then sleep until killed). Writes one JSON line per batch to ``log``
-(batch index, versions, sample identities) and, every ``every`` batches, the mixer's state_dict to
+(state_dict period), resume (optional state path), lag; hold_after (sleep after that many batches); caches (read
+``dirs`` as remotes into these local caches); hold (construct the mixer, print its shm prefixes, then sleep until
+killed). Writes one JSON line per batch to ``log`` (batch index, versions, sample identities) and, every ``every``
+batches, the mixer's state_dict to
 ``state`` atomically (what a checkpoint callback does). Prints the shm prefixes first.
 """
 

@@ -89,12 +89,12 @@ def s3_server() -> Iterator[str]:
         try:
             urllib.request.urlopen(endpoint + "/", timeout=1)
             break
-        except Exception:
+        except Exception as exc:
             if proc.poll() is not None:
-                raise RuntimeError("moto_server exited during start-up")
+                raise RuntimeError("moto_server exited during start-up") from exc
             if time.time() > deadline:
                 proc.kill()
-                raise RuntimeError("moto_server did not start within 60 s")
+                raise RuntimeError("moto_server did not start within 60 s") from exc
             time.sleep(0.2)
     saved = {k: os.environ.get(k) for k in (*_S3_ENV, "S3_ENDPOINT_URL")}
     os.environ.update(_S3_ENV)

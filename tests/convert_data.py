@@ -102,7 +102,8 @@ def gpt2_docs(n: int, seed: int) -> list[list[int]]:
     return [a.astype(int).tolist() for a in tok.encode_batch(make_docs(n, seed))]
 
 
-def write_climblab_tree(root: Path, *, clusters: Sequence[int] = (1, 2), files: int = 2, per_file: int = 60, seed: int = 0) -> dict[str, list[list[int]]]:
+def write_climblab_tree(root: Path, *, clusters: Sequence[int] = (1, 2), files: int = 2, per_file: int = 60,
+                        seed: int = 0) -> dict[str, list[list[int]]]:
     """`cluster_{k}/cluster_{k}_{NNN}.tokenized.parquet` with `tokens` list<int64> + `token_count`."""
     out = {}
     for k in clusters:
@@ -160,7 +161,8 @@ def task_examples() -> dict[str, list[dict]]:
             {"id": "Mercury_2", "question": "What is the boiling point of water at sea level?",
              "choices": {"text": ["50 °C", "100 °C", "150 °C"], "label": ["1", "2", "3"]}, "answerKey": "2"},
             {"id": "Mercury_3", "question": "Which organ pumps blood?",
-             "choices": {"text": ["lung", "heart", "liver", "kidney"], "label": ["A", "B", "C", "D"]}, "answerKey": "B"},
+             "choices": {"text": ["lung", "heart", "liver", "kidney"], "label": ["A", "B", "C", "D"]},
+             "answerKey": "B"},
         ],
         "sciq": [
             {"question": "What type of organism is commonly used in preparation of foods such as cheese?",
@@ -169,15 +171,19 @@ def task_examples() -> dict[str, list[dict]]:
             {"question": "What is the least dangerous radioactive decay?", "distractor1": "beta",
              "distractor2": "gamma", "distractor3": "zeta", "correct_answer": "alpha decay", "support": ""},
             {"question": "What do we call the study of heredity?", "distractor1": "ecology",
-             "distractor2": "botany", "distractor3": "zoology", "correct_answer": "genetics", "support": "Heredity is studied in genetics."},
+             "distractor2": "botany", "distractor3": "zoology", "correct_answer": "genetics",
+             "support": "Heredity is studied in genetics."},
         ],
         "piqa": [
             {"goal": "How do I ready a guinea pig cage for its new occupants?",
              "sol1": "Provide the guinea pig with a cage full of a few inches of bedding made of ripped paper strips.",
-             "sol2": "Provide the guinea pig with a cage full of a few inches of bedding made of ripped jeans material.",
+             "sol2": "Provide the guinea pig with a cage full of a few inches of bedding made of ripped jeans "
+                     "material.",
              "label": 0},
-            {"goal": "To open a jar lid that is stuck,", "sol1": "tap it with a spoon and twist.", "sol2": "freeze the jar overnight.", "label": 0},
-            {"goal": "To dry wet shoes quickly,", "sol1": "put them in the oven at 250 °C.", "sol2": "stuff them with newspaper.", "label": 1},
+            {"goal": "To open a jar lid that is stuck,", "sol1": "tap it with a spoon and twist.",
+             "sol2": "freeze the jar overnight.", "label": 0},
+            {"goal": "To dry wet shoes quickly,", "sol1": "put them in the oven at 250 °C.",
+             "sol2": "stuff them with newspaper.", "label": 1},
         ],
         "hellaswag": [
             {"ind": 24, "activity_label": "Roof shingle removal", "ctx_a": "A man is sitting on a roof.", "ctx_b": "he",
@@ -186,7 +192,8 @@ def task_examples() -> dict[str, list[dict]]:
                          "is holding a rubik's cube.", "starts pulling up roofing on a roof."],
              "source_id": "activitynet~v_-JhWjGDPHMY", "split": "val", "split_type": "indomain", "label": "3"},
             {"ind": 92, "activity_label": "Baking cookies", "ctx_a": "A woman mixes dough.", "ctx_b": "she",
-             "ctx": "A woman mixes dough. she", "endings": ["rolls it flat.", "throws it away.", "paints it.", "sings."],
+             "ctx": "A woman mixes dough. she",
+             "endings": ["rolls it flat.", "throws it away.", "paints it.", "sings."],
              "source_id": "x", "split": "val", "split_type": "indomain", "label": "0"},
             {"ind": 93, "activity_label": "Running", "ctx_a": "A man ties his shoes.", "ctx_b": "he",
              "ctx": "A man ties his shoes. he", "endings": ["runs down the road.", "eats soup.", "sleeps.", "cries."],
@@ -198,32 +205,45 @@ def task_examples() -> dict[str, list[dict]]:
              "options": ["Tom failed.", "Tom passed the exam.", "Tom did not sit the exam.", "Nobody passed."],
              "correct_option": 1},
             {"context": "If it rains, the match is cancelled. The match was not cancelled.",
-             "query": "What follows?", "options": ["It rained.", "It did not rain.", "The match was cancelled.", "Unknown."],
+             "query": "What follows?",
+             "options": ["It rained.", "It did not rain.", "The match was cancelled.", "Unknown."],
              "correct_option": 1},
             {"context": "Some birds cannot fly. Penguins are birds.", "query": "Which is consistent?",
-             "options": ["Penguins cannot fly.", "No birds fly.", "All birds fly.", "Penguins are fish."], "correct_option": 0},
+             "options": ["Penguins cannot fly.", "No birds fly.", "All birds fly.", "Penguins are fish."],
+             "correct_option": 0},
         ],
         "gsm8k": [
-            {"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?",
-             "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"},
-            {"question": "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?",
-             "answer": "Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\nWorking 50 minutes, she earned 0.2 x 50 = $<<0.2*50=10>>10.\n#### 10"},
+            {"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips "
+                         "in May. How many clips did Natalia sell altogether in April and May?",
+             "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+                       "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"},
+            {"question": "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. "
+                         "How much did she earn?",
+             "answer": "Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\n"
+                       "Working 50 minutes, she earned 0.2 x 50 = $<<0.2*50=10>>10.\n#### 10"},
             {"question": "What is 7 times 6?", "answer": "7 * 6 = <<7*6=42>>42\n#### 42"},
         ],
         "math_qa": [
-            {"Problem": "the banker ' s gain of a certain sum due 3 years hence at 10 % per annum is rs . 36 . what is the present worth ?",
-             "Rationale": "\"explanation : t = 3 years r = 10 % ...\"", "options": "a ) rs . 400 , b ) rs . 300 , c ) rs . 500 , d ) rs . 350 , e ) none of these",
-             "correct": "a", "annotated_formula": "divide(multiply(const_100, divide(multiply(36, const_100), multiply(3, 10))), multiply(3, 10))",
+            {"Problem": "the banker ' s gain of a certain sum due 3 years hence at 10 % per annum is rs . 36 . "
+                        "what is the present worth ?",
+             "Rationale": "\"explanation : t = 3 years r = 10 % ...\"",
+             "options": "a ) rs . 400 , b ) rs . 300 , c ) rs . 500 , d ) rs . 350 , e ) none of these",
+             "correct": "a",
+             "annotated_formula": "divide(multiply(const_100, divide(multiply(36, const_100), multiply(3, 10))), "
+                                  "multiply(3, 10))",
              "linear_formula": "multiply(n2,const_100)|", "category": "gain"},
-            {"Problem": "what is 15 % of 200 ?", "Rationale": "", "options": "a ) 20 , b ) 30 , c ) 40 , d ) 25 , e ) 35",
+            {"Problem": "what is 15 % of 200 ?", "Rationale": "",
+             "options": "a ) 20 , b ) 30 , c ) 40 , d ) 25 , e ) 35",
              "correct": "b", "annotated_formula": "", "linear_formula": "", "category": "general"},
             {"Problem": "a train travels 60 km in 1.5 hours . what is its speed ?", "Rationale": "",
              "options": "a ) 30 kmph , b ) 45 kmph , c ) 40 kmph , d ) 50 kmph , e ) 60 kmph", "correct": "c",
              "annotated_formula": "", "linear_formula": "", "category": "physics"},
         ],
         "med_qa": [
-            {"question": "A 23-year-old pregnant woman at 22 weeks gestation presents with burning upon urination. Which of the following is the best treatment?",
-             "answer": "Nitrofurantoin", "options": {"A": "Ampicillin", "B": "Ceftriaxone", "C": "Doxycycline", "D": "Nitrofurantoin"},
+            {"question": "A 23-year-old pregnant woman at 22 weeks gestation presents with burning upon urination. "
+                         "Which of the following is the best treatment?",
+             "answer": "Nitrofurantoin",
+             "options": {"A": "Ampicillin", "B": "Ceftriaxone", "C": "Doxycycline", "D": "Nitrofurantoin"},
              "meta_info": "step2&3", "answer_idx": "D"},
             {"question": "Which vitamin deficiency causes scurvy?", "answer": "",
              "options": [{"key": "A", "value": "Vitamin A"}, {"key": "B", "value": "Vitamin C"}],
@@ -236,13 +256,22 @@ def task_examples() -> dict[str, list[dict]]:
 
 EXPECTED_TASK_TEXT = {
     "ai2_arc": "Question: Which gas do plants absorb from the air?\nAnswer: carbon dioxide",
-    "sciq": "Mesophiles grow best in moderate temperature.\nQuestion: What type of organism is commonly used in preparation of foods such as cheese?\nAnswer: mesophilic organisms",
-    "piqa": "Question: How do I ready a guinea pig cage for its new occupants?\nAnswer: Provide the guinea pig with a cage full of a few inches of bedding made of ripped paper strips.",
+    "sciq": "Mesophiles grow best in moderate temperature.\n"
+            "Question: What type of organism is commonly used in preparation of foods such as cheese?\n"
+            "Answer: mesophilic organisms",
+    "piqa": "Question: How do I ready a guinea pig cage for its new occupants?\n"
+            "Answer: Provide the guinea pig with a cage full of a few inches of bedding made of ripped paper strips.",
     "hellaswag": "A man is sitting on a roof. he starts pulling up roofing on a roof.",
-    "logiqa": "Passage: All students in the class passed the exam. Tom is a student in the class.\nQuestion: Which of the following must be true?\nAnswer: Tom passed the exam.",
-    "gsm8k": "Question: Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?\nAnswer: Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72",
-    "math_qa": "Question: the banker ' s gain of a certain sum due 3 years hence at 10 % per annum is rs . 36 . what is the present worth ?\nAnswer: rs . 400",
-    "med_qa": "Question: A 23-year-old pregnant woman at 22 weeks gestation presents with burning upon urination. Which of the following is the best treatment?\nAnswer: Nitrofurantoin",
+    "logiqa": "Passage: All students in the class passed the exam. Tom is a student in the class.\n"
+              "Question: Which of the following must be true?\nAnswer: Tom passed the exam.",
+    "gsm8k": "Question: Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+             "How many clips did Natalia sell altogether in April and May?\n"
+             "Answer: Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+             "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72",
+    "math_qa": "Question: the banker ' s gain of a certain sum due 3 years hence at 10 % per annum is rs . 36 . "
+               "what is the present worth ?\nAnswer: rs . 400",
+    "med_qa": "Question: A 23-year-old pregnant woman at 22 weeks gestation presents with burning upon urination. "
+              "Which of the following is the best treatment?\nAnswer: Nitrofurantoin",
 }
 
 

@@ -268,9 +268,9 @@ def test_trains_from_a_real_s3_server(data_dir, s3_bucket, tmp_path):
 def test_trainer_without_a_mixer_fails_with_a_clear_message(data_dir):
     from composer import Trainer
 
+    from grape_stream.grape.tasks import TaskStream
     from grape_stream.integrations.composer import ComposerGPT, GrapeAlgorithm
     from grape_stream.models import GPT, GPTConfig
-    from grape_stream.grape.tasks import TaskStream
 
     model = ComposerGPT(GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=1, n_head=2, d_model=16, d_ff=32)))
     loader = torch.utils.data.DataLoader([{"tokens": torch.randint(1, VOCAB, (SEQ,))} for _ in range(8)], batch_size=4)

@@ -4,7 +4,6 @@ registration through importlib.metadata, the mechanism llm-foundry's catalogue r
 
 from __future__ import annotations
 
-import os
 from importlib.metadata import entry_points
 
 import pytest

@@ -17,9 +17,9 @@ import torch
 
 from _grape_data import SEQ, VOCAB, write_dataset
 from grape_stream.grape.controller import GrapeController, filter_reweighter_options, load_trajectory
-from grape_stream.models import GPT, GPTConfig, per_sample_lm_loss
 from grape_stream.grape.reweighting import build_reweighter
 from grape_stream.grape.tasks import TaskStream, probe_indices
+from grape_stream.models import GPT, GPTConfig, per_sample_lm_loss
 
 DOMAINS = ["d0", "d1", "d2"]
 

@@ -12,8 +12,8 @@ import pytest
 import zstandard
 
 from convert_data import make_docs, read_mds, slimpajama_records, write_jsonl, write_slimpajama_parquet, write_zst
-from grape_stream.convert.pipeline import ConvertInputError, convert
 from grape_stream.convert.cli import main as cli_main
+from grape_stream.convert.pipeline import ConvertInputError, convert
 
 META = {"redpajama_set_name": "RedPajamaC4"}
 
@@ -41,7 +41,8 @@ def broken_slimpajama(tmp_path_factory):
     data = b"".join(x + b"\n" for x in lines) + b'{"text": "cut off mid-rec'
     (root / "b_lines.jsonl.zst").write_bytes(zstandard.ZstdCompressor(write_checksum=True).compress(data))
     # A download cut in half: the zstd frame never ends.
-    full = zstandard.ZstdCompressor(write_checksum=True).compress(b"".join(good_line(t) + b"\n" for t in make_docs(1500, 6)))
+    full = zstandard.ZstdCompressor(write_checksum=True).compress(
+        b"".join(good_line(t) + b"\n" for t in make_docs(1500, 6)))
     (root / "c_truncated.jsonl.zst").write_bytes(full[: len(full) // 2])
     # Not zstd at all.
     (root / "d_garbage.jsonl.zst").write_bytes(b"this is not a zstd frame" * 10)
@@ -82,7 +83,8 @@ def test_totals_match_what_was_written(broken_slimpajama):
     root, out, result = broken_slimpajama
     report = result.report
     assert report["totals"]["bad"] == {
-        "corrupt_zstd": 2, "empty_document": 1, "invalid_json": 3, "missing_field": 3, "non_utf8": 1, "truncated_parquet": 1,
+        "corrupt_zstd": 2, "empty_document": 1, "invalid_json": 3, "missing_field": 3, "non_utf8": 1,
+        "truncated_parquet": 1,
     }
     assert result.manifest["bad_input"] == report["totals"]["bad"]
     docs = sum(f["documents"] for f in report["files"].values())
@@ -163,7 +165,8 @@ def test_bad_tokens_empty_documents_and_count_mismatch_in_pretokenized(tmp_path)
     assert f["documents"] == 2  # the mismatched row is kept: tokens win over token_count
     rows = read_mds(tmp_path / "o1" / "cluster_5")
     assert [s["tokens"].tolist() for s in rows] == [[15496, 995, 50256, 464]]
-    r2 = convert("climbmix", [str(tmp_path / "part_0.tokenized.jsonl")], str(tmp_path / "o2"), seq_len=2, progress=False)
+    r2 = convert("climbmix", [str(tmp_path / "part_0.tokenized.jsonl")], str(tmp_path / "o2"), seq_len=2,
+                 progress=False)
     assert r2.report["files"]["part_0.tokenized.jsonl"]["bad"] == {"bad_tokens": 1, "missing_field": 1}
 
 

@@ -23,8 +23,8 @@ from convert_data import (
     write_slimpajama_tree,
     write_wiki40b,
 )
-from grape_stream.convert.pipeline import convert
 from grape_stream.convert.cli import main as cli_main
+from grape_stream.convert.pipeline import convert
 from grape_stream.convert.readers.wiki40b import strip_markers
 from grape_stream.convert.tokenization import load_tokenizer
 
@@ -56,7 +56,8 @@ def test_slimpajama_tokens_equal_reference_packing_per_unit(slimpajama):
     tok = load_tokenizer("gpt2")
     assert set(result.domains) == set(SLIMPAJAMA_DOMAINS)
     for dom in SLIMPAJAMA_DOMAINS:
-        want = [expected_packed([tok.encode_batch([r["text"]])[0] for r in recs if r["meta"]["redpajama_set_name"] == dom], SEQ, 50256)
+        want = [expected_packed([tok.encode_batch([r["text"]])[0] for r in recs
+                                 if r["meta"]["redpajama_set_name"] == dom], SEQ, 50256)
                 for recs in tree.values()]  # units = files, in sorted path order
         want = np.concatenate(want)
         got = domain_tokens(out / dom)
@@ -94,7 +95,8 @@ def test_manifest_and_report_contents(slimpajama):
     assert report["totals"] == {"files": 3, "documents": 360, "bad": {}}
     idx = json.loads((out / "RedPajamaC4" / "index.json").read_text())
     assert idx["version"] == 2 and all(s["compression"] == "zstd" for s in idx["shards"])
-    assert [s["raw_data"]["basename"].split("/")[0] for s in idx["shards"]] == ["part-00000", "part-00001", "part-00002"]
+    assert [s["raw_data"]["basename"].split("/")[0] for s in idx["shards"]] == [
+        "part-00000", "part-00001", "part-00002"]
     assert "table" and "RedPajamaC4" in result.table()
 
 
@@ -102,7 +104,8 @@ def test_manifest_and_report_contents(slimpajama):
 def test_same_output_for_one_and_two_workers(slimpajama, tmp_path, monkeypatch, start_method):
     root, tree, out, result = slimpajama
     monkeypatch.setenv("GRAPE_STREAM_CONVERT_START_METHOD", start_method)
-    r2 = convert("slimpajama", [str(root)], str(tmp_path / "w2"), tokenizer="gpt2", seq_len=SEQ, workers=2, progress=False)
+    r2 = convert("slimpajama", [str(root)], str(tmp_path / "w2"), tokenizer="gpt2", seq_len=SEQ, workers=2,
+                 progress=False)
     assert r2.units_run == 3
     assert tree_bytes(out) == tree_bytes(tmp_path / "w2")
 
@@ -120,7 +123,8 @@ def test_climblab_packs_gpt2_ids_with_eos_between_documents(tmp_path):
     r = convert("climblab", [str(tmp_path / "in")], str(tmp_path / "out"), seq_len=SEQ, progress=False)
     assert r.domains == ["cluster_1", "cluster_2"]
     for k in (1, 2):
-        want = np.concatenate([expected_packed(docs, SEQ, 50256) for rel, docs in sorted(tree.items()) if rel.startswith(f"cluster_{k}/")])
+        want = np.concatenate([expected_packed(docs, SEQ, 50256) for rel, docs in sorted(tree.items())
+                               if rel.startswith(f"cluster_{k}/")])
         got = domain_tokens(tmp_path / "out" / f"cluster_{k}")
         assert (got.astype(np.int64) == want).all()
     assert r.manifest["tokenizer"]["name"] == "gpt2"
@@ -137,7 +141,8 @@ def test_climbmix_cluster_domains(tmp_path):
     docs = [tok.encode_batch([t])[0].tolist() for t in make_docs(80, 3)]
     recs = [{"cluster_id": 1 + i % 3, "tokens": d, "token_count": len(d)} for i, d in enumerate(docs)]
     write_jsonl(tmp_path / "part_0.tokenized.jsonl", recs)
-    r = convert("climbmix", [str(tmp_path / "part_0.tokenized.jsonl")], str(tmp_path / "out"), seq_len=SEQ, progress=False)
+    r = convert("climbmix", [str(tmp_path / "part_0.tokenized.jsonl")], str(tmp_path / "out"), seq_len=SEQ,
+                progress=False)
     assert r.domains == ["cluster_1", "cluster_2", "cluster_3"]
     got = domain_tokens(tmp_path / "out" / "cluster_2")
     want = expected_packed([d for i, d in enumerate(docs) if 1 + i % 3 == 2], SEQ, 50256)
@@ -166,7 +171,8 @@ def test_wiki40b_languages_markers_and_holdout(tmp_path):
         rel = f"{lang}/train-00000-of-00001.parquet"
         want = {"train": [], "val": []}
         for i, t in enumerate(raw):
-            u = int.from_bytes(hashlib.blake2b(f"5\x00{rel}\x00{i}".encode(), digest_size=8).digest(), "little") / 2.0**64
+            digest = hashlib.blake2b(f"5\x00{rel}\x00{i}".encode(), digest_size=8).digest()
+            u = int.from_bytes(digest, "little") / 2.0**64
             want["train" if u < 0.75 else "val"].append(strip_markers(t))
         assert texts == want
         assert 0 < len(want["val"]) < len(want["train"])
@@ -196,7 +202,8 @@ def test_large_vocab_tokenizer_writes_uint32(tmp_path):
 
 def test_generic_jsonl_domain_and_split_fields_round_trip_bytes(tmp_path):
     docs = make_docs(200, 9)
-    recs = [{"text": d, "lang": ["fr", "de", "es"][i % 3], "split": ["train", "probe"][i % 2]} for i, d in enumerate(docs)]
+    recs = [{"text": d, "lang": ["fr", "de", "es"][i % 3], "split": ["train", "probe"][i % 2]}
+            for i, d in enumerate(docs)]
     write_jsonl(tmp_path / "corpus.jsonl", recs)
     r = convert("jsonl", [str(tmp_path / "corpus.jsonl")], str(tmp_path / "out"), tokenizer="bytes", seq_len=SEQ,
                 domain_field="lang", split_field="split", progress=False)
@@ -213,8 +220,8 @@ def test_generic_jsonl_domain_and_split_fields_round_trip_bytes(tmp_path):
 
 def test_cli_hash_split_and_printed_table(tmp_path, capsys):
     write_jsonl(tmp_path / "en.jsonl", [{"text": d} for d in make_docs(300, 2)])
-    rc = cli_main(["jsonl", "--input", str(tmp_path / "en.jsonl"), "--out", str(tmp_path / "out"), "--tokenizer", "bytes",
-                   "--seq-len", "128", "--split", "train=0.8,probe=0.1,test=0.1"])
+    rc = cli_main(["jsonl", "--input", str(tmp_path / "en.jsonl"), "--out", str(tmp_path / "out"),
+                   "--tokenizer", "bytes", "--seq-len", "128", "--split", "train=0.8,probe=0.1,test=0.1"])
     assert rc == 0
     captured = capsys.readouterr()
     printed = captured.out
@@ -228,7 +235,8 @@ def test_cli_hash_split_and_printed_table(tmp_path, capsys):
 
 
 def test_cli_usage_errors_exit_2(tmp_path, capsys):
-    assert cli_main(["jsonl", "--input", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    argv = ["jsonl", "--input", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o"), "--no-progress"]
+    assert cli_main(argv) == 2
     assert "nope.jsonl" in capsys.readouterr().err
     write_jsonl(tmp_path / "a.jsonl", [{"text": "x"}])
     assert cli_main(["jsonl", "-i", str(tmp_path / "a.jsonl"), "-o", str(tmp_path / "o"), "--holdout", "0.1",
@@ -257,7 +265,8 @@ def test_task_conversion_one_padded_example_per_sample(tmp_path):
     custom = r.manifest["domains"]["custom"]
     assert custom["truncated_examples"] == 1 and custom["samples"] == 2
     rows = read_mds(tmp_path / "out" / "custom")
-    assert rows[1]["loss_mask"].all() and tok.decode(rows[1]["tokens"]) == tok.decode(tok.encode_batch([long_text])[0][:128])
+    assert rows[1]["loss_mask"].all()
+    assert tok.decode(rows[1]["tokens"]) == tok.decode(tok.encode_batch([long_text])[0][:128])
 
 
 def test_split_spec_parsing_and_option_errors(tmp_path):
@@ -272,7 +281,8 @@ def test_split_spec_parsing_and_option_errors(tmp_path):
     with pytest.raises(ValueError, match="exclusive"):
         parse_split("train=1", 0.1)
     write_jsonl(tmp_path / "en.jsonl", [{"text": "hello"}])
-    for kw, match in [({"compression": "lz9"}, "compression"), ({"hashes": ["nope"]}, "hash"), ({"seq_len": 1}, "seq_len"),
-                      ({"workers": 0}, "workers"), ({"eos": "maybe"}, "eos"), ({"domain": "a/b"}, "domain")]:
+    for kw, match in [({"compression": "lz9"}, "compression"), ({"hashes": ["nope"]}, "hash"),
+                      ({"seq_len": 1}, "seq_len"), ({"workers": 0}, "workers"), ({"eos": "maybe"}, "eos"),
+                      ({"domain": "a/b"}, "domain")]:
         with pytest.raises(ValueError, match=match):
             convert("jsonl", [str(tmp_path / "en.jsonl")], str(tmp_path / "o"), tokenizer="bytes", progress=False, **kw)

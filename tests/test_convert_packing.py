@@ -53,7 +53,8 @@ def test_remainder_pad_keeps_every_token_and_masks_padding():
 
 def test_example_padder_masks_padding_and_counts_truncation():
     p = ExamplePadder(5, 50256, np.uint16)
-    rows, mask = p.add([np.array([1, 2], np.uint32), np.array([1, 2, 3, 4], np.uint32), np.array(list(range(10, 17)), np.uint32)])
+    rows, mask = p.add([np.array([1, 2], np.uint32), np.array([1, 2, 3, 4], np.uint32),
+                        np.array(list(range(10, 17)), np.uint32)])
     assert rows.tolist() == [[1, 2, 50256, 50256, 50256], [1, 2, 3, 4, 50256], [10, 11, 12, 13, 14]]
     assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
     assert p.stats.truncated_examples == 1 and p.stats.truncated_tokens == 3  # 7 tokens + EOS -> 5

@@ -71,7 +71,8 @@ def test_climblab_domain_is_directory_and_tokens_exact(tmp_path):
 def test_climblab_token_count_mismatch_is_reported_but_kept(tmp_path):
     path = tmp_path / "cluster_1" / "cluster_1_000.tokenized.parquet"
     path.parent.mkdir()
-    pq.write_table(pa.table({"tokens": pa.array([[1, 2, 3], [4]], type=pa.list_(pa.int64())), "token_count": [3, 9]}), path)
+    pq.write_table(pa.table({"tokens": pa.array([[1, 2, 3], [4]], type=pa.list_(pa.int64())), "token_count": [3, 9]}),
+                   path)
     items = list(build_reader("climblab").read(str(path)))
     assert isinstance(items[0], Record)
     assert isinstance(items[1], BadInput) and items[1].kind == "token_count_mismatch"

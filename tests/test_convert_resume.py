@@ -68,7 +68,8 @@ def test_rerun_with_other_settings_refuses_then_overwrites(tmp_path):
     write_jsonl(tmp_path / "en.jsonl", [{"text": t} for t in make_docs(30, 1)])
     convert("jsonl", [str(tmp_path / "en.jsonl")], str(tmp_path / "out"), tokenizer="bytes", **ARGS)
     with pytest.raises(ConvertStateError, match="seq_len"):
-        convert("jsonl", [str(tmp_path / "en.jsonl")], str(tmp_path / "out"), tokenizer="bytes", seq_len=16, progress=False)
+        convert("jsonl", [str(tmp_path / "en.jsonl")], str(tmp_path / "out"), tokenizer="bytes", seq_len=16,
+                progress=False)
     r = convert("jsonl", [str(tmp_path / "en.jsonl")], str(tmp_path / "out"), tokenizer="bytes", seq_len=16,
                 overwrite=True, progress=False)
     assert r.units_run == 1 and json.loads((tmp_path / "out" / "manifest.json").read_text())["seq_len"] == 16

@@ -8,8 +8,8 @@ import boto3
 import numpy as np
 
 from convert_data import make_docs, read_mds, write_jsonl, write_slimpajama_tree
-from grape_stream.convert.pipeline import convert
 from grape_stream.convert.cli import main as cli_main
+from grape_stream.convert.pipeline import convert
 
 
 def s3_keys(endpoint: str, bucket: str) -> list[str]:

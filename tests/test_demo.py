@@ -113,7 +113,8 @@ def test_conversion_is_reused_and_redone_when_the_corpus_changes(tmp_path: Path)
     write("train", "aa", 40)  # an edited corpus converts again, over the old output
     manifest3, converted3 = demo.ensure_converted(corpus, out, seq_len=64, progress=False)
     assert converted3
-    assert manifest3["domains"]["aa"]["splits"]["train"]["samples"] > manifest["domains"]["aa"]["splits"]["train"]["samples"]
+    train_samples = manifest["domains"]["aa"]["splits"]["train"]["samples"]
+    assert manifest3["domains"]["aa"]["splits"]["train"]["samples"] > train_samples
     del t
 
 
@@ -138,7 +139,8 @@ def test_strided_indices_cover_the_split() -> None:
 def test_tokens_to_reach_interpolates() -> None:
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("mq", Path(__file__).resolve().parent.parent / "bench" / "mixture_quality.py")
+    spec = importlib.util.spec_from_file_location(
+        "mq", Path(__file__).resolve().parent.parent / "bench" / "mixture_quality.py")
     mq = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
     spec.loader.exec_module(mq)

@@ -284,7 +284,7 @@ def test_reserved_column_is_refused(tmp_path):
 
     out = str(tmp_path / "clash")
     with MDSWriter(out=out, columns={"tokens": "ndarray:uint16", "domain": "int"}) as w:
-        for i in range(4):
+        for _ in range(4):
             w.write({"tokens": np.zeros(2, np.uint16), "domain": 0})
     with pytest.raises(ValueError, match="reserved"):
         WeightedStreamingMixer([DomainStream("t", local=out)], batch_size=2)

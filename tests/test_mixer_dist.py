@@ -90,7 +90,7 @@ def test_two_ranks_two_workers_draw_disjoint_samples(tmp_path):
         for d, i, e in r["samples"]:
             seen[(d, e)][r["rank"]].append(i)
     full_epochs = 0
-    for (d, e), per_rank in seen.items():
+    for (d, _e), per_rank in seen.items():
         a, b = per_rank.get(0, []), per_rank.get(1, [])
         assert len(set(a)) == len(a) and len(set(b)) == len(b)  # no repeat within a rank's epoch
         assert not set(a) & set(b)  # ranks never share a sample within an epoch

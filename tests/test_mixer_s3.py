@@ -60,7 +60,7 @@ def test_streams_from_s3_with_a_cache_smaller_than_the_data(s3_server, s3_bucket
     doms = [DomainStream(f"d{k}", remote=r, local=c) for k, (r, c) in enumerate(zip(remotes, caches))]
     with WeightedStreamingMixer(doms, cache_limit=3 * per_domain, download_retry=1, **kwargs) as m:
         got, peak = [], 0
-        for i, b in zip(range(60), m.dataloader(num_workers=2)):
+        for _, b in zip(range(60), m.dataloader(num_workers=2)):
             got.append(batch_identities(b))
             peak = max(peak, max(_dir_bytes(c) for c in caches))
         usage = [int(ds.cache_usage) for ds in m._datasets]

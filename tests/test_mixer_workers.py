@@ -11,7 +11,6 @@ import time
 import warnings
 from pathlib import Path
 
-import numpy as np
 import pytest
 from torch.utils.data import DataLoader
 

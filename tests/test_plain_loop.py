@@ -11,6 +11,7 @@ import contextlib
 import io
 import os
 import re
+
 import torch
 
 from _grape_data import SEQ, VOCAB, write_dataset

@@ -47,7 +47,8 @@ def test_paper_hyperparameters(name):
     cfg = load_recipe(name)
     m, d, a, o, t = cfg["model"], cfg["data"], cfg["algorithm"], cfg["optimizer"], cfg["trainer"]
     big = name.endswith("0.7b")
-    assert (m["n_layer"], m["n_head"], m["d_model"], m["d_ff"]) == ((36, 20, 1280, 5120) if big else (12, 12, 768, 3072))
+    want = (36, 20, 1280, 5120) if big else (12, 12, 768, 3072)
+    assert (m["n_layer"], m["n_head"], m["d_model"], m["d_ff"]) == want
     assert d["seq_len"] == 512 and o["lr"] == 1.5e-4
     assert t["global_train_batch_size"] == (128 if big else 64)
     assert (a["method"], a["alpha_every"], a["z_every"], a["mu_alpha"], a["mu_z"]) == ("grape", 100, 100, 1e-4, 1.5e-5)
@@ -126,7 +127,8 @@ def data_dir(tmp_path_factory) -> str:
 
 def _demo_overrides(data_dir: str, out: str) -> list[str]:
     return [
-        f"data.local={data_dir}", "data.domains=[d0, d1, d2]", "data.tasks=[t0, t1]", f"data.task_local={data_dir}/tasks",
+        f"data.local={data_dir}", "data.domains=[d0, d1, d2]", "data.tasks=[t0, t1]",
+        f"data.task_local={data_dir}/tasks",
         "data.task_probe_split=validation",
         f"model.vocab_size={VOCAB}", f"data.seq_len={SEQ}", "model.d_model=32", "model.n_head=2", "model.d_ff=64",
         "trainer.global_train_batch_size=8", "trainer.max_duration=6ba", "trainer.eval_interval=6ba",

@@ -15,7 +15,8 @@ def _trajectory(path) -> str:
     alpha = [1 / 3] * 3
     for step in (100, 200, 300):
         alpha = [alpha[0] + 0.05, alpha[1] - 0.02, 1 - alpha[0] - 0.05 - (alpha[1] - 0.02)]
-        recs.append({"type": "update", "step": step, "alpha": alpha, "z": [0.6, 0.4], "task_loss": [5.0 - step / 1000, 4.0],
+        recs.append({"type": "update", "step": step, "alpha": alpha, "z": [0.6, 0.4],
+                     "task_loss": [5.0 - step / 1000, 4.0],
                      "alignment": [[0.1, -0.2], [0.0, 0.3], [0.2, 0.1]], "seconds": {"total": 0.5}})
     with open(path, "w", encoding="utf-8") as f:
         for r in [meta, *recs]:

@@ -416,7 +416,8 @@ def test_domain_best_aligned_with_weighted_tasks_gains_weight(method, k, n, seed
 
 
 @SETTINGS
-@given(method=st.sampled_from(["uniform", "static"]), k=st.integers(1, 6), n=st.integers(1, 5), seed=st.integers(0, 2**32 - 1))
+@given(method=st.sampled_from(["uniform", "static"]), k=st.integers(1, 6), n=st.integers(1, 5),
+       seed=st.integers(0, 2**32 - 1))
 def test_uniform_and_static_never_move(method, k, n, seed):
     v, losses, alpha0, _ = _random_case(seed, k, n, max_norm=50.0)
     r = build_reweighter(method, k, n, **_init_opts(method, k, alpha0, None))
@@ -516,7 +517,8 @@ def test_registry_and_names():
         ("grape", {"step_size": "adam"}, ValueError, "step_size must be"),
         ("grape", {"step_size": "constant", "eta_alpha": 1.5}, ValueError, "needs eta_z"),
         ("grape", {"eta_alpha": 1.5}, ValueError, "eta_alpha is only used with step_size='constant'"),
-        ("grape", {"step_size": "constant", "mu_alpha": 1e-4, "eta_alpha": 1, "eta_z": 1}, ValueError, "mu_alpha is not used"),
+        ("grape", {"step_size": "constant", "mu_alpha": 1e-4, "eta_alpha": 1, "eta_z": 1}, ValueError,
+         "mu_alpha is not used"),
         ("grape", {"mu_z": 0.0}, ValueError, "mu_z must be a finite number > 0"),
         ("grape", {"clip_norm": -1.0}, ValueError, "clip_norm"),
         ("grape", {"z_smoothing": 1.5}, ValueError, "z_smoothing must lie in"),
@@ -584,7 +586,8 @@ def test_torch_inputs_equal_numpy_inputs():
     torch = pytest.importorskip("torch")
     g = _good_gram(3, 2)
     a = build_reweighter("grape", 3, 2).update(g, [2.0, 3.0], PEAK_LR)
-    b = build_reweighter("grape", 3, 2).update(torch.tensor(g), torch.tensor([2.0, 3.0]), torch.tensor(PEAK_LR, dtype=torch.float64))
+    b = build_reweighter("grape", 3, 2).update(torch.tensor(g), torch.tensor([2.0, 3.0]),
+                                               torch.tensor(PEAK_LR, dtype=torch.float64))
     np.testing.assert_array_equal(a[0], b[0])
     np.testing.assert_array_equal(a[1], b[1])
     c = build_reweighter("grape", 3, 2).update(torch.tensor(g, dtype=torch.float32), [2.0, 3.0], PEAK_LR)
@@ -669,19 +672,19 @@ def test_resume_from_json_state_equals_uninterrupted_run(method):
     k, n, steps, cut = 4, 5, 8, 4
     seq = _sequence(method, k, n, steps)
     whole = build_reweighter(method, k, n, **ROUND_TRIP_OPTS[method])
-    for g, l, lr in seq:
-        whole.update(g, l, lr, step=None)
+    for g, loss, lr in seq:
+        whole.update(g, loss, lr, step=None)
 
     first = build_reweighter(method, k, n, **ROUND_TRIP_OPTS[method])
-    for g, l, lr in seq[:cut]:
-        first.update(g, l, lr)
+    for g, loss, lr in seq[:cut]:
+        first.update(g, loss, lr)
     text = json.dumps(first.state_dict(), allow_nan=False)
     second = build_reweighter(method, k, n, **ROUND_TRIP_OPTS[method])
     second.load_state_dict(json.loads(text))
     assert second.alpha.tobytes() == first.alpha.tobytes() and second.z.tobytes() == first.z.tobytes()
     assert second.state_dict() == first.state_dict()
-    for g, l, lr in seq[cut:]:
-        second.update(g, l, lr)
+    for g, loss, lr in seq[cut:]:
+        second.update(g, loss, lr)
     assert second.alpha.tobytes() == whole.alpha.tobytes()
     assert second.z.tobytes() == whole.z.tobytes()
     assert second.history == whole.history

@@ -9,8 +9,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from test_reweighting import reference_floor  # the one bisection reference for alpha_floor
-
 from grape_stream.simplex import (
     apply_floor,
     check_simplex,
@@ -21,6 +19,7 @@ from grape_stream.simplex import (
     probs_from_log,
     uniform,
 )
+from test_reweighting import reference_floor  # the one bisection reference for alpha_floor
 
 SETTINGS = settings(max_examples=50, deadline=None)
 

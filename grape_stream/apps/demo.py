@@ -6,7 +6,8 @@ held-out text we want to model well. Every method trains the same byte-level dec
 initialisation on the same token budget; only the domain weights differ.
 
 Everything runs on the product path: the bundled corpus (``data/demo``) is converted with
-:func:`grape_stream.convert.pipeline.convert` into per-language MDS shards (:mod:`.demo_corpus`), and each method is the bundled
+:func:`grape_stream.convert.pipeline.convert` into per-language MDS shards (:mod:`.demo_corpus`), and each
+method is the bundled
 ``demo-cpu`` recipe (:mod:`grape_stream.recipe`, :mod:`grape_stream.integrations.composer.trainer`) built into a
 Composer Trainer with ``GrapeAlgorithm``, with a few overrides (:func:`.demo_run.recipe_overrides`). Two callbacks
 (:mod:`.demo_callbacks`) watch the run: a tqdm
@@ -158,7 +159,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str], D
         description="Train a small byte-level decoder on the bundled multilingual corpus with uniform, DoGE and "
                     "GRAPE mixtures for the same token budget, and compare target-language test log-perplexity.",
     )
-    p.add_argument("--quick", action="store_true", help="a ~1.3 minute run (48 steps per method) instead of ~7 minutes (400 steps), on 2 idle cores")
+    p.add_argument("--quick", action="store_true",
+                   help="a ~1.3 minute run (48 steps per method) instead of ~7 minutes (400 steps), on 2 idle cores")
     p.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
     p.add_argument("--data", default=None, help="the bundled corpus directory (default: data/demo)")
     p.add_argument("--methods", default="uniform,doge,grape",

@@ -41,7 +41,8 @@ def _corpus_fingerprint(corpus: Path, files: Sequence[Path], seq_len: int) -> di
             "domain_field": "lang", "split_field": "split", "converter_version": CONVERTER_VERSION}
 
 
-def ensure_converted(corpus: Path, out: Path, *, seq_len: int = 256, progress: bool = True) -> tuple[dict[str, Any], bool]:
+def ensure_converted(corpus: Path, out: Path, *, seq_len: int = 256,
+                     progress: bool = True) -> tuple[dict[str, Any], bool]:
     """Convert the corpus to ``out`` (OUT/<lang>/<split>/) unless it already holds this exact conversion.
 
     Returns (manifest, converted_now). The check is a hash of the input files plus the settings, so an

@@ -90,7 +90,8 @@ def plot_weights(results: Mapping[str, Mapping[str, Any]], path: str | os.PathLi
         names = r["domains"] if what == "alpha" else r["targets"]
         ax = axes[i, j]
         for k, name in enumerate(names):
-            ax.step(steps, [t[what][k] if t.get(what) else float("nan") for t in traj], where="post", label=name, lw=1.5)
+            ax.step(steps, [t[what][k] if t.get(what) else float("nan") for t in traj], where="post", label=name,
+                    lw=1.5)
         ax.set_title(f"{m}: {what} ({'sources' if what == 'alpha' else 'targets'})", fontsize=10)
         if what == "alpha":
             ax.set_ylim(0, min(1.02, top * 1.1 + 0.02))

@@ -26,8 +26,8 @@ __all__ = ["RECIPE", "recipe_overrides", "run_method"]
 RECIPE = "demo-cpu"
 
 
-def recipe_overrides(method: str, settings: DemoSettings, *, mds: str | os.PathLike[str], out_dir: str | os.PathLike[str],
-                     seed: int, extra: Sequence[str] = ()) -> list[str]:
+def recipe_overrides(method: str, settings: DemoSettings, *, mds: str | os.PathLike[str],
+                     out_dir: str | os.PathLike[str], seed: int, extra: Sequence[str] = ()) -> list[str]:
     """The ``key=value`` overrides that turn the ``demo-cpu`` recipe into one demo/bench run."""
     s = settings
     return [
@@ -65,7 +65,8 @@ def recipe_overrides(method: str, settings: DemoSettings, *, mds: str | os.PathL
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """Composer and streaming talk a lot for a demo; keep warnings and errors, drop the chatter."""
-    noisy = ["composer", "streaming", "grape_stream.integrations.composer.trainer", "grape_stream.recipe", "torch.distributed"]
+    noisy = ["composer", "streaming", "grape_stream.integrations.composer.trainer", "grape_stream.recipe",
+             "torch.distributed"]
     old = {n: logging.getLogger(n).level for n in noisy}
     for n in noisy:
         logging.getLogger(n).setLevel(logging.ERROR)

@@ -104,7 +104,8 @@ def summarize(path: str) -> dict[str, Any]:
         idx = _find_indexes(path)
         if idx:
             return {"kind": "mds_tree", "path": path,
-                    "datasets": [dict(_mds_index_summary(i), name=os.path.relpath(os.path.dirname(i), path)) for i in idx]}
+                    "datasets": [dict(_mds_index_summary(i), name=os.path.relpath(os.path.dirname(i), path))
+                                 for i in idx]}
         raise ValueError(f"{path}: no manifest.json and no index.json below it")
     if os.path.isfile(path):
         if path.endswith((".jsonl", ".json")):

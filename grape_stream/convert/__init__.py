@@ -34,7 +34,9 @@ _LAZY = {
     "convert_dataframe": "grape_stream.convert.spark",
 }
 
-__all__ = ["convert", "ConvertResult", "ConvertInputError", "ConvertStateError", "CONVERTER_VERSION", "convert_dataframe"]
+__all__ = [
+    "convert", "ConvertResult", "ConvertInputError", "ConvertStateError", "CONVERTER_VERSION", "convert_dataframe",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -47,8 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = p.add_argument_group("tokens and samples")
     t.add_argument("--tokenizer", default="gpt2",
-                   help="gpt2 (offline), bytes (UTF-8 bytes, EOS=256), a tokenizer.json path or a Hugging Face name (default: gpt2)")
-    t.add_argument("--eos-id", type=int, default=None, help="end-of-sequence id, when the tokenizer's cannot be guessed")
+                   help="gpt2 (offline), bytes (UTF-8 bytes, EOS=256), a tokenizer.json path or a Hugging Face name "
+                        "(default: gpt2)")
+    t.add_argument("--eos-id", type=int, default=None,
+                   help="end-of-sequence id, when the tokenizer's cannot be guessed")
     t.add_argument("--seq-len", type=int, default=1024, help="tokens per sample (default: 1024)")
     t.add_argument("--eos", choices=("auto", "always", "none"), default="auto",
                    help="EOS after each document: auto = unless it already ends with EOS (default), always, none")
@@ -60,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("domains and splits")
     s.add_argument("--holdout", type=float, default=None, metavar="FRACTION",
                    help="carve a val split of this fraction per domain (splits train/val)")
-    s.add_argument("--split", default=None, metavar="NAME=FRAC,...", help="hash splits, e.g. train=0.8,probe=0.1,test=0.1")
+    s.add_argument("--split", default=None, metavar="NAME=FRAC,...",
+                   help="hash splits, e.g. train=0.8,probe=0.1,test=0.1")
     s.add_argument("--split-seed", type=int, default=0, help="seed of the hash split (default: 0)")
     _add_reader_flags(p.add_argument_group("reader options (each applies to the sources named)"))
 

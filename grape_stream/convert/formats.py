@@ -93,7 +93,8 @@ def _decode_line(raw: bytes, lineno: int) -> dict | BadInput:
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        return BadInput("non_utf8", lineno, "line", f"not valid UTF-8 at byte {e.start}: {raw[max(0, e.start - 8):e.start + 8]!r}")
+        return BadInput("non_utf8", lineno, "line",
+                        f"not valid UTF-8 at byte {e.start}: {raw[max(0, e.start - 8):e.start + 8]!r}")
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:

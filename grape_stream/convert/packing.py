@@ -72,7 +72,8 @@ def _with_eos(doc: np.ndarray, eos: str, eos_id: int) -> bool:
 class SequencePacker:
     """Concatenate documents with EOS separators and emit full `seq_len` rows as they fill."""
 
-    def __init__(self, seq_len: int, eos_id: int, dtype: np.dtype, *, eos: str = "auto", remainder: str = "drop") -> None:
+    def __init__(self, seq_len: int, eos_id: int, dtype: np.dtype, *, eos: str = "auto",
+                 remainder: str = "drop") -> None:
         _check(seq_len, eos, eos_id)
         if remainder not in REMAINDER_MODES:
             raise ValueError(f"remainder must be one of {REMAINDER_MODES}, got {remainder!r}")

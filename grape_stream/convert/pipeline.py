@@ -48,7 +48,10 @@ from grape_stream.convert.result import ConvertResult, format_table
 from grape_stream.convert.runner import Runner
 from grape_stream.convert.unit import UnitJob
 
-__all__ = ["convert", "ConvertResult", "ConvertInputError", "ConvertStateError", "CONVERTER_VERSION", "parse_split", "format_table"]
+__all__ = [
+    "convert", "ConvertResult", "ConvertInputError", "ConvertStateError", "CONVERTER_VERSION", "parse_split",
+    "format_table",
+]
 
 
 def convert(
@@ -106,7 +109,8 @@ def convert(
     check_shard_options(compression, hashes)
     split_fracs = parse_split(split, holdout)
     if split_fracs and (split_field or split_from_path):
-        raise ValueError("--split/--holdout assign splits by hash; --split-field/--split-from-path read them from the data: pick one")
+        raise ValueError("--split/--holdout assign splits by hash; --split-field/--split-from-path read them from the "
+                         "data: pick one")
     if per_example is None:
         per_example = reader.per_example
     if per_example and remainder != "drop":
@@ -144,7 +148,8 @@ def _already_complete(local_root: str, remote: str | None, n_units: int) -> Conv
         report = json.load(f)
     if remote:
         upload(local_root, remote, ["report.json", "manifest.json"])
-    return ConvertResult(out=remote or local_root, local=local_root, manifest=manifest, report=report, units_skipped=n_units)
+    return ConvertResult(out=remote or local_root, local=local_root, manifest=manifest, report=report,
+                         units_skipped=n_units)
 
 
 def _run(plan: dict[str, Any], reader: Reader, units: Units, state: str, local_root: str, remote: str | None,

@@ -15,13 +15,15 @@ class Progress:
     Created after the worker pool is started, so no bar thread exists when workers are forked.
     """
 
-    def __init__(self, *, enabled: bool, total_units: int, done_units: int, done_markers: Iterable[dict[str, Any]]) -> None:
+    def __init__(self, *, enabled: bool, total_units: int, done_units: int,
+                 done_markers: Iterable[dict[str, Any]]) -> None:
         self.enabled = enabled
         self.bars: dict[str, Any] = {}
         self.units: Any = None
         if not enabled:
             return
-        self.units = tqdm(total=total_units, initial=done_units, desc="units", unit="unit", position=0, dynamic_ncols=True)
+        self.units = tqdm(total=total_units, initial=done_units, desc="units", unit="unit", position=0,
+                          dynamic_ncols=True)
         for m in done_markers:
             for o in m["outputs"]:
                 self._bar(o["domain"]).update(o["tokens"])

@@ -83,7 +83,8 @@ def convert_dataframe(
         columns["loss_mask"] = "ndarray:uint8"
 
     keys = [F.lit(domain).alias("_domain") if domain else F.col(str(domain_column)).cast("string").alias("_domain")]
-    keys.append(F.col(split_column).cast("string").alias("_split") if split_column else F.lit(None).cast("string").alias("_split"))
+    keys.append(F.col(split_column).cast("string").alias("_split") if split_column
+                else F.lit(None).cast("string").alias("_split"))
     data = df.select(*keys, F.col(text_column).alias(text_column))
     pairs = sorted((r["_domain"], r["_split"]) for r in data.select("_domain", "_split").distinct().collect())
     for dom, sp in pairs:

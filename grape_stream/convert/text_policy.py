@@ -84,10 +84,10 @@ def split_for_tokenizer(text: str, max_chars: int = MAX_PIECE_CHARS) -> list[str
                 break
             lo = max(start + 1, lo - (window_end - lo))
         if cut is None:  # no cut in the window: take the next one after it
-            m = _CUT.search(text, window_end)
-            if m is None:
+            after = _CUT.search(text, window_end)
+            if after is None:
                 break
-            cut = m.start()
+            cut = after.start()
         pieces.append(text[start:cut])
         start = cut
     pieces.append(text[start:])

@@ -238,7 +238,7 @@ class GrapeController:
         initial = self.alpha
         if self.replay is not None:
             if not self.replay.starts_at_zero:  # the trajectory starts later: keep the mixer's weights until then
-                initial = np.asarray(getattr(self.mixer, "weights"), dtype=np.float64)
+                initial = np.asarray(self.mixer.weights, dtype=np.float64)
             else:
                 self.replay.index = 0
         if not np.array_equal(np.asarray(getattr(self.mixer, "weights", []), dtype=np.float64), initial):
@@ -348,7 +348,7 @@ class GrapeController:
         """The K domain + N task probe batches this rank uses at ``step`` (a pure function of the seed,
         the step and, in sharded mode, the rank)."""
         rank, world = collective_rank_size()
-        return self._probe_batches(step, rank, world, torch.device(device) if device is not None else torch.device("cpu"))
+        return self._probe_batches(step, rank, world, torch.device(device if device is not None else "cpu"))
 
     def _probe_batches(self, step: int, rank: int, world: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
         return draw_probe_groups(

@@ -34,7 +34,8 @@ def filter_reweighter_options(
     unknown = sorted(set(options) - everything)
     if unknown:
         raise TypeError(
-            f"unknown reweighting option(s) {', '.join(map(repr, unknown))}; known options: {', '.join(sorted(everything))}"
+            f"unknown reweighting option(s) {', '.join(map(repr, unknown))}; "
+            f"known options: {', '.join(sorted(everything))}"
         )
     accepted = set() if method == REPLAY_METHOD else set(method_options(method))
     kept = {k: v for k, v in options.items() if k in accepted}

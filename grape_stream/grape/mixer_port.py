@@ -20,7 +20,8 @@ def mixer_domain_names(mixer: Any) -> list[str]:
     if names is None:
         domains = getattr(mixer, "domains", None)
         if domains is None:
-            raise TypeError(f"{type(mixer).__name__} has neither `domain_names` nor `domains`; is it a WeightedStreamingMixer?")
+            raise TypeError(f"{type(mixer).__name__} has neither `domain_names` nor `domains`; "
+                            "is it a WeightedStreamingMixer?")
         names = [getattr(d, "name", d) for d in domains]
     names = [str(n) for n in names]
     if not names:

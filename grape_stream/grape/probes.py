@@ -62,8 +62,8 @@ def unwrap_for_probe(model: nn.Module) -> nn.Module:
     while True:
         if isinstance(model, (DistributedDataParallel, nn.DataParallel)):
             model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
+        elif isinstance(inner := getattr(model, "_orig_mod", None), nn.Module):
+            model = inner
         else:
             break
     why = _sharded_parameter(model)
@@ -90,7 +90,8 @@ def collate_domain_samples(samples: Sequence[Mapping[str, Any]]) -> dict[str, to
     toks = []
     for s in samples:
         t = s["tokens"]
-        toks.append(t.to(torch.int64) if isinstance(t, torch.Tensor) else torch.from_numpy(np.asarray(t).astype(np.int64)))
+        toks.append(t.to(torch.int64) if isinstance(t, torch.Tensor)
+                    else torch.from_numpy(np.asarray(t).astype(np.int64)))
     tokens = torch.stack(toks)
     return {"tokens": tokens, "loss_mask": torch.ones_like(tokens, dtype=torch.uint8)}
 

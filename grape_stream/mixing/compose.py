@@ -141,6 +141,7 @@ class BatchComposer:
                 f"{prev}: a plain DataLoader was iterated again without moving the mixer's cursor. Use "
                 "mixer.dataloader(...), or mixer.seek(batch) / load_state_dict before iterating again.",
                 RuntimeWarning,
+                stacklevel=1,  # this generator runs inside a DataLoader worker: no useful caller to point at
             )
         sched = EffectiveSchedule()
         next_seq = table.read_into(sched, max(0, table.published - table.C + table.C // 4))

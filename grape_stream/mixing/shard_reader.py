@@ -179,7 +179,7 @@ class DomainReader:
             local = sample_ids[where] - int(ds.sample_offset_per_shard[sid])
             shard = ds.shards[sid]
             if not self._is_mds[sid]:
-                for w, idx in zip(where, local):
+                for w, _idx in zip(where, local):
                     out[w] = self._get_item(int(sample_ids[w]))
                 continue
             m = self._map(sid)

@@ -102,7 +102,8 @@ def recipe_streams(cfg: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[T
     return domains, tasks
 
 
-def build_mixer(cfg: Mapping[str, Any], domains: list[dict[str, Any]], batch_size: int, seed: int) -> WeightedStreamingMixer:
+def build_mixer(cfg: Mapping[str, Any], domains: list[dict[str, Any]], batch_size: int,
+                seed: int) -> WeightedStreamingMixer:
     """The mixer over the recipe's domains (``data.mixer`` passed through as keyword arguments)."""
     streams = []
     for d in domains:

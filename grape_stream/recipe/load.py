@@ -36,7 +36,8 @@ def resolve_recipe_path(name_or_path: str) -> str:
     key = os.path.basename(key)
     if key in bundled:
         return bundled[key]
-    raise FileNotFoundError(f"no recipe {name_or_path!r}: not a file, and not one of the bundled recipes {sorted(bundled)}")
+    raise FileNotFoundError(f"no recipe {name_or_path!r}: not a file, "
+                            f"and not one of the bundled recipes {sorted(bundled)}")
 
 
 def load_recipe(source: str | os.PathLike[str] | Mapping[str, Any], overrides: Sequence[str] = ()) -> dict[str, Any]:

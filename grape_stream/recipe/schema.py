@@ -17,7 +17,7 @@ from grape_stream.config import RecipeConfig, is_free, is_required
 __all__ = ["REQUIRED", "SCHEMA", "Free", "Required", "dotted_keys", "merge", "schema_of", "unknown_key"]
 
 
-class Free(dict):  # type: ignore[type-arg]
+class Free(dict):
     """Marks a mapping whose keys are free-form (passed through to a library as keyword arguments)."""
 
 
@@ -69,7 +69,8 @@ def unknown_key(path: str, where: str) -> KeyError:
 def merge(schema: Mapping[str, Any], given: Mapping[str, Any], prefix: str, where: str) -> dict[str, Any]:
     """``given`` checked against ``schema`` with every missing key filled by its default (deep copies)."""
     if not isinstance(given, Mapping):
-        raise TypeError(f"recipe key {prefix.rstrip('.') or '<root>'!r}{where} must be a mapping, got {type(given).__name__}")
+        raise TypeError(f"recipe key {prefix.rstrip('.') or '<root>'!r}{where} must be a mapping, "
+                        f"got {type(given).__name__}")
     out: dict[str, Any] = {}
     for key in given:
         if key not in schema:

@@ -37,7 +37,8 @@ def _check_entries(data: Mapping[str, Any]) -> None:
             elif isinstance(e, Mapping):
                 bad = sorted(set(e) - ENTRY_KEYS[group])
                 if bad:
-                    raise KeyError(f"unknown recipe key 'data.{group}[{i}].{bad[0]}'; an entry takes {sorted(ENTRY_KEYS[group])}")
+                    raise KeyError(f"unknown recipe key 'data.{group}[{i}].{bad[0]}'; "
+                                   f"an entry takes {sorted(ENTRY_KEYS[group])}")
                 if not e.get("name"):
                     raise ValueError(f"recipe key 'data.{group}[{i}]' needs a 'name'")
                 names.append(str(e["name"]))
@@ -65,13 +66,16 @@ def validate(cfg: Mapping[str, Any]) -> None:
     if model["kind"] not in MODEL_KINDS:
         raise ValueError(f"recipe key 'model.kind' is {model['kind']!r}; choose 'gpt' or 'hf'")
     if model["kind"] == "hf" and not model["hf_config"]:
-        raise ValueError("model.kind=hf needs 'model.hf_config' (a model type such as gpt2 or llama, or a local config dir)")
+        raise ValueError("model.kind=hf needs 'model.hf_config' "
+                         "(a model type such as gpt2 or llama, or a local config dir)")
     if cfg["optimizer"]["name"].lower() != "adamw":
         raise ValueError(f"recipe key 'optimizer.name' is {cfg['optimizer']['name']!r}; supported: adamw")
     if cfg["scheduler"]["name"] not in SCHEDULERS:
-        raise ValueError(f"recipe key 'scheduler.name' is {cfg['scheduler']['name']!r}; choose cosine, linear, constant or wsd")
+        raise ValueError(f"recipe key 'scheduler.name' is {cfg['scheduler']['name']!r}; "
+                         "choose cosine, linear, constant or wsd")
     if cfg["data"]["task_probe_split"] == cfg["data"]["task_test_split"]:
-        raise ValueError("data.task_probe_split and data.task_test_split must differ: never evaluate on the probe split")
+        raise ValueError("data.task_probe_split and data.task_test_split must differ: "
+                         "never evaluate on the probe split")
     gbs = cfg["trainer"]["global_train_batch_size"]
     if isinstance(gbs, bool) or not isinstance(gbs, int) or gbs < 1:
         raise ValueError(f"trainer.global_train_batch_size must be a positive integer, got {gbs!r}")

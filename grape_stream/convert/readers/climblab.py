@@ -37,7 +37,8 @@ def _count_check(idx: int, unit: str, arr: np.ndarray, count: Any, rec: Record) 
         ok = False
     if ok:
         return None
-    return BadInput("token_count_mismatch", idx, unit, f"token_count {count!r} but {arr.size} tokens; kept the tokens", keep=rec)
+    return BadInput("token_count_mismatch", idx, unit, f"token_count {count!r} but {arr.size} tokens; kept the tokens",
+                    keep=rec)
 
 
 @register

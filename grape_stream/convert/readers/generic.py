@@ -51,7 +51,8 @@ class RecordFields:
             return None
         return self.domain or domain_from_path(path)
 
-    def domain_and_split(self, obj: dict, idx: int, unit: str, path_domain: str | None) -> tuple[str, str | None] | BadInput:
+    def domain_and_split(self, obj: dict, idx: int, unit: str,
+                         path_domain: str | None) -> tuple[str, str | None] | BadInput:
         if self.domain_field:
             try:
                 domain = get_field(obj, self.domain_field)
@@ -74,7 +75,8 @@ class RecordFields:
                 return BadInput("missing_field", idx, unit, f"no split field {self.split_field!r}")
             why = check_domain_name(split)
             if why:
-                return BadInput("bad_field", idx, unit, f"split field {self.split_field!r}: {why.replace('domain', 'split')}")
+                return BadInput("bad_field", idx, unit,
+                                f"split field {self.split_field!r}: {why.replace('domain', 'split')}")
         return domain, split
 
 

@@ -45,7 +45,8 @@ class SlimPajamaReader(Reader):
     def read(self, path: str) -> Iterator[Record | BadInput]:
         split = split_from_path(path) if self.split_from_path else None
         if self.split_from_path and split is None:
-            yield BadInput("bad_field", None, "line", f"--split-from-path: no train/validation/test in path {path}", fatal=True)
+            yield BadInput("bad_field", None, "line", f"--split-from-path: no train/validation/test in path {path}",
+                           fatal=True)
             return
         if path.endswith(".parquet"):
             items: Iterator[Any] = iter_parquet_rows(path, ["text", "meta"])

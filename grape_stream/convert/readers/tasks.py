@@ -68,7 +68,8 @@ def _qa(q: str, a: str) -> str:
 
 def _ai2_arc(o: dict) -> str:
     choices = _need(o, "choices")
-    if not isinstance(choices, dict) or not isinstance(choices.get("text"), list) or not isinstance(choices.get("label"), list):
+    if (not isinstance(choices, dict) or not isinstance(choices.get("text"), list)
+            or not isinstance(choices.get("label"), list)):
         raise _Bad("bad_field", "'choices' is not {text: [...], label: [...]}")
     key = str(_need(o, "answerKey")).strip()
     labels = [str(x) for x in choices["label"]]

@@ -69,7 +69,8 @@ class Wiki40bReader(Reader):
             return
         split = split_from_path(path) if self.split_from_path else None
         if self.split_from_path and split is None:
-            yield BadInput("bad_field", None, "row", f"--split-from-path: file name {os.path.basename(path)} names no split", fatal=True)
+            yield BadInput("bad_field", None, "row",
+                           f"--split-from-path: file name {os.path.basename(path)} names no split", fatal=True)
             return
         for item in iter_parquet_rows(path, ["text"]):
             if isinstance(item, BadInput):

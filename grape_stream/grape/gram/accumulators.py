@@ -298,9 +298,10 @@ class RowAccumulator:
                                   ghost is None, held, held_rows, new_data, new_rows, gram, span=(r0, r1))
         else:
             parts = []
-            if held is not None:
+            # not needs_all: held rows and new rows are explicit wherever there is data
+            if held is not None and held_rows is not None:
                 parts.append(held_rows)
-            if new_data is not None:
+            if new_data is not None and new_rows is not None:
                 parts.append(new_rows)
             visit = torch.unique(torch.cat(parts)) if parts else torch.empty(0, dtype=torch.long, device=idx.device)
             for a in range(0, visit.numel(), step):
@@ -375,7 +376,11 @@ class RowAccumulator:
             self.sparse_exact = False
             return
         if self.sparse_exact:
-            support = c.rows if held is None else torch.unique(torch.cat([held_rows, c.rows]))
+            if held is None:
+                support = c.rows
+            else:
+                assert held_rows is not None, "sparse_exact data always has explicit rows"
+                support = torch.unique(torch.cat([held_rows, c.rows]))
             if keep is not None:
                 support = support[_positions(keep, support)[1]]
             new_rows: Rows = support

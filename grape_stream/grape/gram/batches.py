@@ -34,7 +34,7 @@ def batch_size(batch: Any, where: str) -> int:
     for p, s in sizes:
         if s is None:
             raise ValueError(f"{where}{p} is a 0-d tensor: every tensor of a batch needs a leading batch dimension")
-    distinct = {s for _, s in sizes}
+    distinct = {s for _, s in sizes if s is not None}  # none is None: checked just above
     if len(distinct) != 1:
         raise ValueError(f"{where} mixes batch sizes {sorted(distinct)} across its tensors: {sorted(sizes)}")
     b = distinct.pop()
@@ -96,7 +96,7 @@ class MicroBatch:
     sample_groups: Tensor  # (B,) int64
     is_last: bool
     batch_size: int = 0
-    groups: Tensor = field(default=None)  # (G_m,) unique global ids
+    groups: Tensor = field(init=False)  # (G_m,) unique global ids, set by __post_init__
     sample_segments: list[tuple[int, int]] = field(default_factory=list)  # per local group
 
     def __post_init__(self) -> None:

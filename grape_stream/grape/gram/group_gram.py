@@ -13,11 +13,12 @@ and drops them: no full gradient copy, let alone G of them, is ever held. See do
 from __future__ import annotations
 
 import math
+import operator
 import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Literal, Optional, Sequence
+from typing import Any, Callable, Iterable, Literal, Optional, Sequence, overload
 
 import torch
 from torch import Tensor, nn
@@ -117,6 +118,16 @@ def _scan_graph(root: Tensor) -> tuple[set[int], list[Tensor], list[Any]]:
 
 
 # ---------------------------------------------------------------------------------------------- main
+@overload
+def group_gram(model: nn.Module, per_sample_loss: PerSampleLoss, groups: Sequence[Any], *,
+               params: Optional[Iterable[nn.Parameter]] = ..., micro_batch_size: Optional[int] = ...,
+               reduce: Optional[Literal["mean"]] = ..., return_info: Literal[False] = ..., process_group: Any = ...,
+               chunk_elements: int = ..., ghost: bool = ...) -> tuple[Tensor, Tensor]: ...
+@overload
+def group_gram(model: nn.Module, per_sample_loss: PerSampleLoss, groups: Sequence[Any], *,
+               params: Optional[Iterable[nn.Parameter]] = ..., micro_batch_size: Optional[int] = ...,
+               reduce: Optional[Literal["mean"]] = ..., return_info: Literal[True], process_group: Any = ...,
+               chunk_elements: int = ..., ghost: bool = ...) -> tuple[Tensor, Tensor, GramInfo]: ...
 def group_gram(
     model: nn.Module,
     per_sample_loss: PerSampleLoss,
@@ -251,7 +262,7 @@ def _classify(
                 fallback.setdefault(id(p), (mname, f"parameter {pname!r} of {type(module).__name__}"))
             else:
                 fast[pname] = p
-        if fast:
+        if fast and kind is not None:  # fast is only filled when kind is not None
             candidates.append((mname, module, kind, fast))
     fast_modules = []
     for mname, module, kind, fast in candidates:
@@ -345,7 +356,7 @@ def _run(
             engine.layouts = cache[ckey]
             for m_idx, (a, b) in enumerate(spans):
                 micro = MicroBatch(sample_groups[a:b], is_last=m_idx == len(spans) - 1)
-                mb = map_tensors(batch, lambda t: t[a:b])
+                mb = map_tensors(batch, operator.itemgetter(slice(a, b)))  # t -> t[a:b]
                 t0 = time.perf_counter()
                 engine.begin(micro, None)
                 losses = per_sample_loss(model, mb)
@@ -361,7 +372,8 @@ def _run(
                 w = weights[micro.sample_groups].to(losses.dtype)
                 total = (losses * w).sum()
                 reachable, leaves, _alive = _scan_graph(total)
-                stray = {id(v): "used outside its module's forward (functional use)" for v in leaves if id(v) in fast_ids}
+                stray = {id(v): "used outside its module's forward (functional use)"
+                         for v in leaves if id(v) in fast_ids}
                 if stray:
                     raise _Retry(stray)
                 engine.drop_unreachable(reachable)

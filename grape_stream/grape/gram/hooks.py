@@ -127,7 +127,7 @@ class FusedGramEngine:
                     self.originals.append((mod, pname, p))
                     # A detached alias: the module computes exactly as before, but autograd neither
                     # computes this parameter's full gradient nor saves an input just for it.
-                    mod._parameters[pname] = p.detach()
+                    mod._parameters[pname] = p.detach()  # type: ignore[assignment]  # torch types it Parameter-only
 
         return pre_hook
 
@@ -148,8 +148,7 @@ class FusedGramEngine:
             key = (id(mod), self.call_counts.get(id(mod), 0))
             self.call_counts[key[0]] = key[1] + 1
             inp = args[0] if args else next(iter(kwargs.values()), None)
-            ok = isinstance(output, Tensor) and isinstance(inp, Tensor)
-            lead = lead_shape(kind, mod, inp) if ok else None
+            lead = lead_shape(kind, mod, inp) if isinstance(output, Tensor) and isinstance(inp, Tensor) else None
             if self.mode == "probe":
                 self.recorded[key] = lead
                 return None
@@ -162,7 +161,7 @@ class FusedGramEngine:
 
     def _capture(self, name, mod, kind, params, key, inp, output, lead) -> Any:
         """Run mode: record the use and hook its output gradient."""
-        batch = self.micro.batch_size
+        batch = self._mb.batch_size
         layout, lead1 = self.layouts.get(key, ("unsupported", None))
         if lead is None:
             self._layout_error(params, f"{name}: non-tensor input or output")
@@ -175,7 +174,7 @@ class FusedGramEngine:
             rows = max(1, math.prod(lead))  # one sample owns every row, whatever the layout
         elif layout == "batch" and same_tail and lead[0] == batch:
             rows = math.prod(lead) // batch
-        elif (layout == "flat" and same_tail and lead[0] == batch * lead1[0]
+        elif (layout == "flat" and same_tail and lead1 is not None and lead[0] == batch * lead1[0]
               and is_sample_major_view(inp, batch)):
             rows = math.prod(lead) // batch
         elif layout in ("shared", "shared1"):
@@ -247,6 +246,12 @@ class FusedGramEngine:
                 f"({', '.join(sorted(set(missing)))}); is the output modified in place or detached?"
             )
 
+    @property
+    def _mb(self) -> MicroBatch:
+        """The current micro-batch: set by `begin` for the run-mode forward and backward the hooks serve."""
+        assert self.micro is not None, "no micro-batch: FusedGramEngine.begin(micro) was not called"
+        return self.micro
+
     def finish_micro(self) -> None:
         self.uses = []
         self.pending = {}
@@ -256,14 +261,14 @@ class FusedGramEngine:
     # ------------------------------------------------------------------ backward
     def _keep_rows(self, p: nn.Parameter) -> Optional[Tensor]:
         """Rows of `p` that a later contribution can still touch (None: all of them)."""
-        if not self.micro.is_last:
+        if not self._mb.is_last:
             return None
         rest = self.pending.get(id(p), [])
         if not rest:
             return torch.empty(0, dtype=torch.long, device=self.device)
         if any(u.kind != "embedding" for u in rest):
             return None
-        return torch.unique(torch.cat([u.keep_ids for u in rest]))
+        return torch.unique(torch.cat([u.keep_ids for u in rest if u.keep_ids is not None]))  # all embeddings
 
     def _accumulator(self, p: nn.Parameter, dtype: torch.dtype) -> RowAccumulator:
         acc = self.acc.get(id(p))
@@ -297,24 +302,26 @@ class FusedGramEngine:
             acc.absorb(contrib, self._keep_rows(p), self.gram, self.budget)
 
     def _segments(self, rows: int) -> list[tuple[int, int]]:
-        return [(a * rows, b * rows) for a, b in self.micro.sample_segments]
+        return [(a * rows, b * rows) for a, b in self._mb.sample_segments]
 
     def _token_local(self, rows: int) -> Tensor:
-        return self.micro.local.repeat_interleave(rows) if rows > 1 else self.micro.local
+        return self._mb.local.repeat_interleave(rows) if rows > 1 else self._mb.local
 
     def _segsum(self, x: Tensor, rows: int) -> Tensor:
         """(n, ...) token rows -> (G_m, ...) per-group sums (rows of a group are contiguous)."""
-        per_sample = x.reshape(self.micro.batch_size, rows, -1).sum(1)  # (B, f)
-        out = self.micro.onehot(per_sample.dtype) @ per_sample  # (G_m, B) @ (B, f)
+        per_sample = x.reshape(self._mb.batch_size, rows, -1).sum(1)  # (B, f)
+        out = self._mb.onehot(per_sample.dtype) @ per_sample  # (G_m, B) @ (B, f)
         return out.reshape(-1, *x.shape[1:])
 
     def _contributions(self, use: Use, grad: Tensor) -> dict[str, Any]:
-        mod, rows = use.module, use.rows_per_sample
-        groups = self.micro.groups
+        mod: Any = use.module  # duck-typed by use.kind: Linear, HF Conv1D, Embedding, LayerNorm or RMSNorm
+        rows, inp = use.rows_per_sample, use.inp
+        assert inp is not None, "the input is dropped only after the use's contributions are formed"
+        groups = self._mb.groups
         out: dict[str, Any] = {}
         if use.kind in ("linear", "conv1d"):
             dtype = self.compute_dtype(grad.dtype)
-            x = use.inp.reshape(-1, use.inp.shape[-1]).to(dtype)
+            x = inp.reshape(-1, inp.shape[-1]).to(dtype)
             dy = grad.reshape(-1, grad.shape[-1]).to(dtype)
             segs = self._segments(rows)
             if "weight" in use.params:
@@ -324,7 +331,7 @@ class FusedGramEngine:
                 out["bias"] = TensorContribution(self._segsum(dy, rows), groups)
         elif use.kind == "embedding":
             dtype = self.compute_dtype(grad.dtype)
-            ids = use.inp.reshape(-1)
+            ids = inp.reshape(-1)
             vecs = grad.reshape(ids.numel(), -1).to(dtype)
             tok_groups = groups[self._token_local(rows)]
             if mod.padding_idx is not None:  # the padding row never receives gradient
@@ -334,7 +341,7 @@ class FusedGramEngine:
         elif use.kind in ("layernorm", "rmsnorm"):
             dtype = self.compute_dtype(grad.dtype)
             ns = tuple(mod.normalized_shape)
-            x = use.inp.to(dtype)
+            x = inp.to(dtype)
             if use.kind == "layernorm":
                 xhat = F.layer_norm(x, ns, None, None, mod.eps)
             else:

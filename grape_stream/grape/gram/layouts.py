@@ -81,7 +81,8 @@ def lead_shape(kind: str, module: nn.Module, inp: Tensor) -> tuple[int, ...]:
     if kind == "embedding":
         return tuple(inp.shape)
     if kind in ("layernorm", "rmsnorm"):
-        return tuple(inp.shape[: inp.dim() - len(module.normalized_shape)])
+        norm: Any = module  # nn.LayerNorm or RMSNorm (matched on forward by fast_kind)
+        return tuple(inp.shape[: inp.dim() - len(norm.normalized_shape)])
     return tuple(inp.shape[:-1])
 
 
@@ -143,7 +144,7 @@ def probe_layouts(
 
     def reset_rng() -> None:
         torch.set_rng_state(rng)
-        if cuda_rng is not None:
+        if cuda_rng is not None and cuda_dev is not None:
             torch.cuda.set_rng_state(cuda_rng, cuda_dev)
 
     engine.capturing = True

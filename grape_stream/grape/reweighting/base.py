@@ -160,6 +160,8 @@ class Reweighter:
                 etas.append(0.0)
             elif o["step_size"] == "constant":
                 etas.append(float(o[f"eta_{side}"]))
+            elif lr is None:  # update() checks this first (_check_lr); same message for a direct call
+                raise ValueError("lr is required with step_size='lr_over_mu' (eta = lr / mu)")
             else:
                 etas.append(float(lr) / o[f"mu_{side}"])
         return etas[0], etas[1]
@@ -363,7 +365,8 @@ class Reweighter:
             )
             if diff:
                 detail = ", ".join(f"{k}: saved {theirs.get(k)!r} vs now {mine_opts.get(k)!r}" for k in diff)
-                raise ValueError(f"options differ from the saved state ({detail}); pass strict=False to keep the new ones")
+                raise ValueError(f"options differ from the saved state ({detail}); "
+                                 "pass strict=False to keep the new ones")
         log_alpha = log_weights_from_json(state["log_alpha"], self.num_domains, "log_alpha")
         log_z = log_weights_from_json(state["log_z"], self.num_tasks, "log_z")
         alpha, z = probs_from_log(log_alpha), probs_from_log(log_z)

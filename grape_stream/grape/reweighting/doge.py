@@ -7,7 +7,7 @@ O((K+N)^2) instead of N copies of a model gradient. See docs/reweighting.md.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
@@ -56,7 +56,7 @@ def pcgrad_coefficients(task_gram: np.ndarray, orders: Sequence[Sequence[int]]) 
 class DogeReweighter(Reweighter):
     method = "doge"
     description = "DoGE: z fixed uniform, alpha_k *= exp(eta_alpha * mean_n <g_k, h_n>) (raw alignment)"
-    options_accepted = (
+    options_accepted: ClassVar[tuple[str, ...]] = (
         "mu_alpha", "step_size", "eta_alpha", "clip_norm", "alpha0", "alpha_floor", "history_limit",
     )
     moves_alpha = True

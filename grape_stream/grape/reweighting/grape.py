@@ -7,7 +7,7 @@ nothing, RoI-ema (``grape_ema``) by an EMA of l_n on the task side. See docs/rew
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -23,7 +23,7 @@ __all__ = ["GrapeEmaReweighter", "GrapeGapReweighter", "GrapeReweighter"]
 class GrapeReweighter(Reweighter):
     method = "grape"
     description = "GRAPE with rate-of-improvement (RoI): both sides use grad log l_n = h_n / l_n"
-    options_accepted = (
+    options_accepted: ClassVar[tuple[str, ...]] = (
         "mu_alpha", "mu_z", "step_size", "eta_alpha", "eta_z", "clip_norm", "z_smoothing",
         "alpha0", "z0", "alpha_floor", "history_limit",
     )

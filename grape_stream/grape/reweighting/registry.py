@@ -38,7 +38,8 @@ def register(cls: R) -> R:
     if not isinstance(name, str) or not name or name != name.strip().lower().replace("-", "_"):
         raise ValueError(f"{cls.__name__}.method must be a lower-case snake_case name, got {name!r}")
     if name in REWEIGHTERS and REWEIGHTERS[name] is not cls:
-        raise ValueError(f"reweighting method {name!r} is registered twice ({REWEIGHTERS[name].__name__}, {cls.__name__})")
+        raise ValueError(f"reweighting method {name!r} is registered twice "
+                         f"({REWEIGHTERS[name].__name__}, {cls.__name__})")
     REWEIGHTERS[name] = cls
     return cls
 

@@ -39,7 +39,8 @@ class GrapeTrajectoryCallback(Callback):
     ``folder`` may contain ``{run_name}``. Only global rank 0 writes.
     """
 
-    def __init__(self, folder: str = "{run_name}", filename: str = "grape_trajectory.jsonl", plots: bool = True) -> None:
+    def __init__(self, folder: str = "{run_name}", filename: str = "grape_trajectory.jsonl",
+                 plots: bool = True) -> None:
         self.folder = folder
         self.filename = filename
         self.plots = plots

@@ -239,7 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("recipe", help="a recipe YAML path, or the name of a bundled recipe (e.g. demo-cpu)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides (values are YAML)")
-    parser.add_argument("--dry-run", action="store_true", help="validate and build (model on meta device), do not train")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="validate and build (model on meta device), do not train")
     parser.add_argument("--print-config", action="store_true", help="print the resolved recipe as YAML")
     # intermixed: `grape-stream train RECIPE --dry-run key=value` works as well as options first
     args = parser.parse_intermixed_args(list(argv) if argv is not None else None)
