@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 
 import pytest
-from _mds_fixtures import batch_identities, write_domains
-from test_mixer_s3 import upload
 
+from _mds_fixtures import batch_identities, write_domains
 from grape_stream.mixing.mixer import DomainStream, WeightedStreamingMixer
+from test_mixer_s3 import upload
 
 B = 8
 SIZES = [240, 200]

@@ -23,9 +23,9 @@ from grape_stream.mixing.collate import collate_samples, to_tensor
 from grape_stream.mixing.epoch_order import DomainOrder
 from grape_stream.mixing.quotas import BatchPlan, QuotaPlanner, default_on_spent, slot_permutation
 from grape_stream.mixing.schedule import EffectiveSchedule, WeightSchedule
-from grape_stream.retry import RetryPolicy
 from grape_stream.mixing.shard_reader import DomainReader, Prefetcher
 from grape_stream.mixing.weight_table import ScheduleOverflow
+from grape_stream.retry import RetryPolicy
 
 __all__ = ["RESERVED_KEYS", "BatchComposer", "MainProcess", "batch_tensors", "samples_of"]
 

@@ -50,8 +50,8 @@ from grape_stream.mixing.probe import probe_ids, probe_samples
 from grape_stream.mixing.quotas import COMPOSITIONS, QuotaPlanner, budget_for, effective_weights
 from grape_stream.mixing.schedule import WeightSchedule, validate_weights
 from grape_stream.mixing.shard_reader import DomainReader, DomainReadError, Prefetcher
-from grape_stream.retry import DEFAULT_RETRY
 from grape_stream.mixing.weight_table import MAX_SLOTS
+from grape_stream.retry import DEFAULT_RETRY
 from grape_stream.streaming_compat.local_index import DomainUnavailableError, RemoteMismatchError
 from grape_stream.streaming_compat.shard_state import bytes_to_int, shm_prefix
 from grape_stream.world import streaming_world

@@ -32,8 +32,8 @@ from grape_stream.retry import DEFAULT_RETRY, RetryError, RetryPolicy, call_with
 from grape_stream.streaming_compat.shard_state import (
     is_mds_shard,
     prepare_shard,
-    shard_is_preparing,
     shard_is_local,
+    shard_is_preparing,
     touch_shard,
 )
 
