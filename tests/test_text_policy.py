@@ -51,3 +51,41 @@ def test_a_text_without_a_safe_cut_stays_whole():
     text = "y" * 5000
     assert split_for_tokenizer(text, 1000) == [text]
     assert split_for_tokenizer("short", 1000) == ["short"]
+
+
+def _jsonl_with_broken_records(path) -> None:
+    lines = [
+        '{"text": "a good first document", "domain": "web"}',
+        '{"text": "broken \\ud800 surrogate", "domain": "web"}',  # a lone surrogate, as crawls have
+        '{"text": "nul\\u0000 inside", "domain": "web"}',
+        '{"text": "a good last document", "domain": "web"}',
+    ]
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "gpt2"])
+def test_a_conversion_repairs_broken_text_and_counts_it_with_file_and_line(tmp_path, tokenizer):
+    from grape_stream.convert import convert
+
+    src = tmp_path / "in.jsonl"
+    _jsonl_with_broken_records(src)
+    res = convert("jsonl", [str(src)], str(tmp_path / "out"), tokenizer=tokenizer, seq_len=16,
+                  domain_field="domain", progress=False)
+    rep = res.report["files"]["in.jsonl"]
+    assert rep["documents"] == 4 and rep["bad"] == {"repaired_text": 2}  # nothing good lost, both counted
+    assert [(e["kind"], e["line"]) for e in rep["examples"]] == [("repaired_text", 2), ("repaired_text", 3)]
+    assert "lone surrogate" in rep["examples"][0]["reason"]
+
+
+def test_skip_policy_drops_and_strict_stops_at_file_and_line(tmp_path):
+    from grape_stream.convert import ConvertInputError, convert
+
+    src = tmp_path / "in.jsonl"
+    _jsonl_with_broken_records(src)
+    res = convert("jsonl", [str(src)], str(tmp_path / "skip"), tokenizer="bytes", seq_len=16,
+                  domain_field="domain", text_policy="skip", progress=False)
+    rep = res.report["files"]["in.jsonl"]
+    assert rep["documents"] == 2 and rep["bad"] == {"unencodable_text": 2}
+    with pytest.raises(ConvertInputError, match=r"in\.jsonl: line 2: repaired_text: 1 lone surrogate"):
+        convert("jsonl", [str(src)], str(tmp_path / "strict"), tokenizer="bytes", seq_len=16,
+                domain_field="domain", strict=True, progress=False)

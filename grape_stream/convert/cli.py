@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--local", default=None, help="staging/resume directory for a remote --out")
     w.add_argument("--keep-local", action="store_true", help="keep the staged shards after uploading them")
     w.add_argument("--strict", action="store_true", help="stop at the first bad input, naming file and line")
+    w.add_argument("--text-errors", choices=("repair", "skip"), default="repair",
+                   help="text with lone surrogates or control characters: repair it (U+FFFD / dropped "
+                        "characters; the document is kept) or skip the document; both are counted in "
+                        "report.json (default: repair)")
     w.add_argument("--overwrite", action="store_true", help="discard a previous conversion in --out and start over")
     w.add_argument("--max-examples", type=int, default=5, help="examples per bad-input kind and file in report.json")
     w.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -93,7 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             holdout=args.holdout, split=args.split, split_seed=args.split_seed,
             workers=args.workers, files_per_unit=args.files_per_unit, compression=compression,
             shard_size=args.shard_size, hashes=[h for h in args.hashes.split(",") if h],
-            local=args.local, keep_local=args.keep_local, strict=args.strict, overwrite=args.overwrite,
+            local=args.local, keep_local=args.keep_local, strict=args.strict, text_policy=args.text_errors,
+            overwrite=args.overwrite,
             max_examples=args.max_examples, progress=not args.no_progress,
             **{name: getattr(args, name) for name in reader_options()},
         )

@@ -46,6 +46,7 @@ from grape_stream.convert.readers import Reader, build_reader
 from grape_stream.convert.remote import check_remote, default_local, is_remote, upload
 from grape_stream.convert.result import ConvertResult, format_table
 from grape_stream.convert.runner import Runner
+from grape_stream.convert.text_policy import TEXT_POLICIES
 from grape_stream.convert.unit import UnitJob
 
 __all__ = [
@@ -83,6 +84,7 @@ def convert(
     local: str | None = None,
     keep_local: bool = False,
     strict: bool = False,
+    text_policy: str = "repair",
     overwrite: bool = False,
     max_examples: int = 5,
     progress: bool = True,
@@ -131,6 +133,9 @@ def convert(
         compression=compression, shard_size=shard_size, hashes=hashes, files_per_unit=files_per_unit,
         root=root, files=files, rels=rels, remote=remote,
     )
+    if text_policy not in TEXT_POLICIES:
+        raise ValueError(f"text_policy must be one of {TEXT_POLICIES}, got {text_policy!r}")
+    plan["text_policy"] = text_policy  # part of the plan: a resume must not mix policies
     state = os.path.join(local_root, STATE_DIR)
     prepare_out(local_root, state, plan, overwrite)
     units = split_units(files, rels, files_per_unit)

@@ -30,6 +30,8 @@ BAD_KINDS = (
     "bad_tokens",         # pre-tokenized ids outside [0, vocab) or not integers
     "token_count_mismatch",  # token_count disagrees with len(tokens); the document is KEPT (tokens win)
     "empty_document",     # no text / no tokens after cleaning
+    "repaired_text",      # lone surrogates / control characters fixed (text policy "repair"); the document is KEPT
+    "unencodable_text",   # the same, dropped (text policy "skip")
     "truncated_parquet",  # parquet footer/row group unreadable; the unreadable part is lost
     "unreadable_file",    # the file cannot be opened at all
 )

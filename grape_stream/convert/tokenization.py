@@ -18,6 +18,8 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from grape_stream.convert.text_policy import MAX_PIECE_CHARS, split_for_tokenizer
+
 __all__ = [
     "Tokenizer",
     "ByteTokenizer",
@@ -56,6 +58,10 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
+def _concat(parts: list[np.ndarray]) -> np.ndarray:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
 class ByteTokenizer:
     """UTF-8 bytes as ids: 0..255 are the bytes, 256 is EOS; vocab_size 257.
 
@@ -68,7 +74,8 @@ class ByteTokenizer:
     eos_id = 256
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.uint32) for t in texts]
+        return [_concat([np.frombuffer(p.encode("utf-8"), dtype=np.uint8).astype(np.uint32)
+                         for p in split_for_tokenizer(t)]) for t in texts]
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         arr = np.asarray(ids, dtype=np.int64)
@@ -104,8 +111,17 @@ class HFTokenizer:
         self._encode = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        encs = self._encode(list(texts), add_special_tokens=False)
-        return [np.asarray(e.ids, dtype=np.uint32) for e in encs]
+        """Huge texts are encoded piece by piece (convert.text_policy.split_for_tokenizer: the same ids, a
+        bounded peak memory); ordinary batches go to the Rust tokenizer in one call."""
+        if all(len(t) <= MAX_PIECE_CHARS for t in texts):
+            encs = self._encode(list(texts), add_special_tokens=False)
+            return [np.asarray(e.ids, dtype=np.uint32) for e in encs]
+        out = []
+        for t in texts:
+            ids = [np.asarray(e.ids, dtype=np.uint32)
+                   for p in split_for_tokenizer(t) for e in self._encode([p], add_special_tokens=False)]
+            out.append(_concat(ids))
+        return out
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         return self._tok.decode([int(i) for i in np.asarray(ids).ravel()], skip_special_tokens=False)

@@ -26,6 +26,7 @@ from grape_stream.convert.layout import STATE_DIR, dataset_dir, remote_dir
 from grape_stream.convert.packing import ExamplePadder, SequencePacker
 from grape_stream.convert.records import BadInput, Record
 from grape_stream.convert.remote import upload_partitions
+from grape_stream.convert.text_policy import clean_text
 from grape_stream.convert.tokenization import Tokenizer, load_tokenizer
 
 __all__ = ["UnitJob", "ConvertInputError", "run_unit", "assign_split", "STATE_DIR", "dataset_dir", "remote_dir"]
@@ -261,6 +262,12 @@ def _usable(item: Record | BadInput, rep: _FileReport, rel: str, job: UnitJob) -
             return None
         item = item.keep
     if item.text is not None:
+        cleaned = clean_text(item.text, job.plan.get("text_policy", "repair"))
+        if cleaned.kind is not None:
+            _report_bad(rep, rel, BadInput(cleaned.kind, item.index, item.unit, cleaned.reason), job)
+            if cleaned.text is None:
+                return None
+            item.text = cleaned.text
         empty, why = not item.text.strip(), "empty text"
     else:
         empty, why = item.tokens is None or item.tokens.size == 0, "no tokens"
