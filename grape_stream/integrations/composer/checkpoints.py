@@ -77,7 +77,7 @@ def recover_checkpoint_folder(
             key = tuple(int(m.groupdict().get(u) or 0) for u in ("epoch", "batch", "sample", "token"))
             found.append((key, name))
     complete = []
-    for key, name in sorted(found):
+    for _key, name in sorted(found):
         path = os.path.join(folder, name)
         if checkpoint_is_complete(path):
             complete.append(name)
