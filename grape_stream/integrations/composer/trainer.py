@@ -26,10 +26,11 @@ from composer import Trainer
 from composer import loggers as composer_loggers
 from composer.algorithms import GradientClipping
 from composer.core import Evaluator
-from composer.utils import dist, reproducibility
+from composer.utils import dist, format_name_with_dist, parse_uri, reproducibility
 
 from grape_stream.integrations.composer.algorithm import GrapeAlgorithm
 from grape_stream.integrations.composer.callbacks import GrapeTrajectoryCallback, JSONLMetricsLogger, TaskEvalSummary
+from grape_stream.integrations.composer.checkpoints import DISCARDED_DIR, Recovery, recover_checkpoint_folder
 from grape_stream.integrations.composer.model import ComposerGPT
 from grape_stream.integrations.composer.schedulers import build_scheduler
 from grape_stream.recipe import (
@@ -44,11 +45,14 @@ from grape_stream.recipe import (
 )
 from grape_stream.world import process_world
 
-__all__ = ["Built", "build", "build_algorithm", "main"]
+__all__ = ["Built", "build", "build_algorithm", "main", "recover_before_autoresume"]
 
 log = logging.getLogger(__name__)
 
 DEVICES = ("cpu", "gpu", "mps")
+# Composer 0.32.1's defaults, passed to the Trainer explicitly so that recovery and Composer agree on the names
+SAVE_FILENAME = "ep{epoch}-ba{batch}-rank{rank}.pt"
+SAVE_LATEST_FILENAME = "latest-rank{rank}.pt"
 LOGGERS = {
     "file": composer_loggers.FileLogger,
     "tensorboard": composer_loggers.TensorboardLogger,
@@ -76,6 +80,7 @@ class Built:
     callbacks: list[Any] = field(default_factory=list)
     loggers: list[Any] = field(default_factory=list)
     trainer: Any = None
+    checkpoint_recovery: Any = None  # the Recovery of this rank's checkpoint folder (autoresume, local folder)
 
     def close(self) -> None:
         """Close the trainer, then release the streaming resources of the mixer and the tasks."""
@@ -168,6 +173,40 @@ def build(cfg: Mapping[str, Any], *, dry_run: bool = False, extra_callbacks: Seq
     return built
 
 
+def recover_before_autoresume(save_folder: str | None, run_name: str, *, save_filename: str = SAVE_FILENAME,
+                              latest_filename: str = SAVE_LATEST_FILENAME) -> Recovery | None:
+    """Make this rank's checkpoints in a local ``save_folder`` resumable after a kill during a save.
+
+    Called before the Composer Trainer is built, on every rank (for its own ``-rank{rank}`` files), when
+    ``trainer.autoresume`` is on. The folder is formatted as Composer formats it (``{run_name}``, ``{rank}``,
+    ...). A checkpoint cut off by a kill (0 bytes, or a torch archive without its end) is moved into
+    ``<save_folder>/.grape_discarded/`` (kept, never deleted); ``latest`` is pointed at the newest complete
+    checkpoint, which may be a complete save the kill left unlinked. Without this, Composer 0.32.1 resumes
+    from the older ``latest`` and then refuses to start (``FileExistsError: ... may conflict with a future
+    checkpoint``) on every retry.
+
+    Remote save folders (``s3://...`` and other object stores) are left alone and None is returned: an
+    object store shows an upload only once it is complete, and this check reads local files only. None
+    too without a save folder. A ``save_filename`` other than an uncompressed ``.pt`` with ``{batch}`` is
+    not checked (logged; see :func:`recover_checkpoint_folder`).
+    """
+    if not save_folder:
+        return None
+    backend, _, _ = parse_uri(save_folder)
+    if backend:
+        log.debug("checkpoint recovery skipped for the remote save folder %s", save_folder)
+        return None
+    folder = format_name_with_dist(save_folder, run_name)
+    rank = dist.get_global_rank()
+    rec = recover_checkpoint_folder(folder, rank=rank, save_filename=format_name_with_dist(save_filename, run_name),
+                                    latest_filename=format_name_with_dist(latest_filename, run_name))
+    if rec.discarded or rec.relinked:
+        log.warning("autoresume, rank %d: checkpoint folder %s recovered after a kill during a save: moved %s "
+                    "into %s/, resuming from %s", rank, folder, rec.discarded or "nothing", DISCARDED_DIR,
+                    rec.latest or "the start (no complete checkpoint)")
+    return rec
+
+
 def _build_trainer(built: Built, world: int, extra_callbacks: Sequence[Any], extra_loggers: Sequence[Any]) -> None:
     """Open the data (mixer, evaluators) and build the Trainer into ``built``."""
     cfg, t = built.cfg, built.cfg["trainer"]
@@ -175,6 +214,13 @@ def _build_trainer(built: Built, world: int, extra_callbacks: Sequence[Any], ext
     device = _device_name(cfg)
     if world > 1:
         dist.initialize_dist(device)
+    save_filename = t.get("save_filename") or SAVE_FILENAME
+    latest_filename = t.get("save_latest_filename") or SAVE_LATEST_FILENAME
+    if t["autoresume"]:
+        built.checkpoint_recovery = recover_before_autoresume(
+            t["save_folder"], cfg["run_name"], save_filename=save_filename, latest_filename=latest_filename)
+        if world > 1:
+            dist.barrier()  # every rank's folder is consistent before any rank reads a `latest`
     mixer = build_mixer(cfg, built.domains, built.per_rank_batch_size, cfg["seed"])
     train_dl = train_dataloader(cfg, mixer, built.per_rank_batch_size)
     evaluators = _evaluators(cfg, built.tasks)
@@ -206,6 +252,8 @@ def _build_trainer(built: Built, world: int, extra_callbacks: Sequence[Any], ext
         device_train_microbatch_size=t["device_train_microbatch_size"] or built.per_rank_batch_size,
         seed=cfg["seed"],
         save_folder=t["save_folder"],
+        save_filename=save_filename,
+        save_latest_filename=latest_filename,
         save_interval=t["save_interval"],
         save_num_checkpoints_to_keep=t["save_num_checkpoints_to_keep"],
         save_overwrite=t["save_overwrite"],
