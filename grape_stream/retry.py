@@ -10,6 +10,7 @@ converter uploads), so `retry_deadline` in a recipe or on a `DomainStream` means
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from dataclasses import dataclass, replace
@@ -18,7 +19,7 @@ from typing import Callable, TypeVar
 from grape_stream.config import RETRY_DEADLINE_S
 from grape_stream.errors import StorageError
 
-__all__ = ["RetryPolicy", "RetryError", "DEFAULT_RETRY", "call_with_retry"]
+__all__ = ["RetryPolicy", "RetryError", "DEFAULT_RETRY", "DEADLINE_ENV", "call_with_retry", "default_policy"]
 
 T = TypeVar("T")
 
@@ -73,6 +74,19 @@ class RetryPolicy:
 
 
 DEFAULT_RETRY = RetryPolicy()
+DEADLINE_ENV = "GRAPE_STREAM_RETRY_DEADLINE"
+
+
+def default_policy() -> RetryPolicy:
+    """The default policy, with its deadline taken from ``GRAPE_STREAM_RETRY_DEADLINE`` (seconds) when set:
+    how an operator shortens or lengthens every remote retry of a converter or job without code."""
+    raw = os.environ.get(DEADLINE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_RETRY
+    try:
+        return DEFAULT_RETRY.with_deadline(float(raw))
+    except ValueError:
+        raise ValueError(f"{DEADLINE_ENV}={raw!r} is not a number of seconds") from None
 
 
 def call_with_retry(

@@ -135,7 +135,8 @@ def convert(
     )
     if text_policy not in TEXT_POLICIES:
         raise ValueError(f"text_policy must be one of {TEXT_POLICIES}, got {text_policy!r}")
-    plan["text_policy"] = text_policy  # part of the plan: a resume must not mix policies
+    if text_policy != "repair":  # part of the plan (a resume must not mix policies); absent = the default,
+        plan["text_policy"] = text_policy  # so conversions started before the option existed still resume
     state = os.path.join(local_root, STATE_DIR)
     prepare_out(local_root, state, plan, overwrite)
     units = split_units(files, rels, files_per_unit)

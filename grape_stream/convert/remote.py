@@ -13,7 +13,23 @@ import tempfile
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
+from grape_stream.retry import RetryError, RetryPolicy, call_with_retry, default_policy
+
 __all__ = ["is_remote", "default_local", "check_remote", "upload", "upload_partitions"]
+
+
+def _is_transient(exc: BaseException) -> bool:
+    """Network and server errors are retried; a missing bucket or a refused credential is not."""
+    text = f"{type(exc).__name__}: {exc}"
+    permanent = ("NoSuchBucket", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "404")
+    return not isinstance(exc, (FileNotFoundError, PermissionError)) and not any(p in text for p in permanent)
+
+
+def _upload_one(cu: object, remote: str, name: str, policy: RetryPolicy) -> None:
+    endpoint = os.environ.get("S3_ENDPOINT_URL")
+    where = f"{remote}/{name}" + (f" (endpoint {endpoint})" if endpoint else "")
+    call_with_retry(lambda: cu.upload_file(name), policy=policy,  # type: ignore[attr-defined]
+                    what=f"uploading {where}; re-run the same command to resume", retryable=_is_transient)
 
 
 def is_remote(out: str) -> bool:
@@ -32,21 +48,28 @@ def check_remote(remote: str) -> None:
     """Fail before any work when the bucket is unreachable (wrong endpoint, missing bucket, no creds)."""
     from streaming.base.storage.upload import CloudUploader
 
+    endpoint = os.environ.get("S3_ENDPOINT_URL", "(default AWS)")
     with tempfile.TemporaryDirectory() as tmp:
-        try:
-            CloudUploader.get((tmp, remote), exist_ok=True)
+        try:  # an outage at start-up is ridden out like one mid-way; a wrong bucket or credential is not
+            call_with_retry(lambda: CloudUploader.get((tmp, remote), exist_ok=True), policy=default_policy(),
+                            what=f"cannot reach {remote} (S3_ENDPOINT_URL={endpoint})", retryable=_is_transient)
+        except RetryError:
+            raise
         except Exception as e:
-            endpoint = os.environ.get("S3_ENDPOINT_URL", "(default AWS)")
             raise ConnectionError(f"cannot write to {remote} (S3_ENDPOINT_URL={endpoint}): {e}") from e
 
 
 def upload(local_root: str, remote: str, names: list[str]) -> None:
-    """Upload files (paths relative to `local_root`) in the order given: the manifest last."""
+    """Upload files (paths relative to `local_root`) in the order given: the manifest last.
+
+    Each file is retried with backoff under the default retry deadline (an outage of a minute is ridden
+    out); past it the conversion stops with one error, and re-running the command resumes (finished
+    units are kept, and uploads of the same bytes are idempotent)."""
     from streaming.base.storage.upload import CloudUploader
 
     cu = CloudUploader.get((local_root, remote), keep_local=True, exist_ok=True)
     for name in names:
-        cu.upload_file(name)
+        _upload_one(cu, remote, name, default_policy())
 
 
 def upload_partitions(local_root: str, remote: str, dirs: list[str], *, keep_local: bool) -> None:
@@ -62,9 +85,12 @@ def upload_partitions(local_root: str, remote: str, dirs: list[str], *, keep_loc
         for name in sorted(os.listdir(d)):
             rel = os.path.relpath(os.path.join(d, name), local_root).replace(os.sep, "/")
             (indexes if name == "index.json" else shards).append(rel)
+    def one(name: str) -> None:
+        _upload_one(cu, remote, name, default_policy())
+
     with ThreadPoolExecutor(max_workers=8) as pool:
-        list(pool.map(cu.upload_file, shards))
-        list(pool.map(cu.upload_file, indexes))
+        list(pool.map(one, shards))
+        list(pool.map(one, indexes))
     if not keep_local:
         for rel in shards:
             os.remove(os.path.join(local_root, rel))

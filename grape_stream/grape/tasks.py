@@ -23,12 +23,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from grape_stream.streaming_compat.local_index import (
-    check_s3_credentials,
-    default_local_for,
-    release_streaming_dataset,
-    sync_local_index,
-)
+from grape_stream.streaming_compat.local_index import check_s3_credentials, default_local_for, sync_local_index
+from grape_stream.streaming_compat.shm import create_registered, release_streaming_dataset
 from grape_stream.world import dist_active, streaming_world
 
 __all__ = ["TaskStream", "collate_task_samples", "probe_indices", "task_names"]
@@ -160,7 +156,7 @@ class TaskStream:
                                  download_timeout=self.download_timeout)
             if dist_active():
                 torch.distributed.barrier()
-        ds = StreamingDataset(
+        ds = create_registered(lambda: StreamingDataset(
             remote=self.remote,
             local=local,
             split=split,
@@ -168,7 +164,7 @@ class TaskStream:
             batch_size=batch_size,
             download_timeout=self.download_timeout,
             **self.streaming_kwargs,
-        )
+        ), enabled=streaming_world().local_rank == 0)
         if ds.num_samples < 1:
             raise ValueError(f"task {self.name!r}: split {split!r} has no samples")
         self._datasets[split] = ds

@@ -8,6 +8,7 @@ the directory, and a failure half-way releases what was already registered.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -30,10 +31,10 @@ from grape_stream.streaming_compat.local_index import (
 from grape_stream.streaming_compat.shard_state import check_dataset, require_supported_streaming
 from grape_stream.streaming_compat.shm import (
     cleanup_stale_streaming_shm,
+    create_registered,
     describe_local_users,
     detach_scanner_attachments,
     record_owner,
-    registration_lock,
     release_streaming_dataset,
 )
 from grape_stream.world import dist_active, process_world
@@ -225,6 +226,8 @@ def _open_one(d: DomainStream, local: str, limit: int | str | None, *, batch_siz
             remote=d.remote, local=local, split=d.split, batch_size=batch_size, shuffle=False,
             predownload=predownload, cache_limit=limit, **opts,
         )
+    except FileExistsError:
+        raise  # a shared-memory prefix race: create_registered retries it
     except Exception as exc:
         where = d.remote or local
         if "Reused local directory" in str(exc):
@@ -244,15 +247,16 @@ def open_datasets(domains: Sequence[DomainStream], locals_: Sequence[str], *, ba
     """
     datasets: list[Any] = []
     try:
-        with registration_lock(enabled=local_rank == 0):
-            for d, loc in zip(domains, locals_):
-                limit = d.cache_limit if d.cache_limit is not None else (
-                    None if total_cache is None else int(total_cache) // len(domains))
-                ds = _open_one(d, loc, limit, batch_size=batch_size, predownload=predownload, opts=opts)
-                datasets.append(ds)
-                record_owner(ds)
-                check_dataset(ds)
-                _check_columns(d.name, ds)
+        for d, loc in zip(domains, locals_):
+            limit = d.cache_limit if d.cache_limit is not None else (
+                None if total_cache is None else int(total_cache) // len(domains))
+            ds = create_registered(functools.partial(_open_one, d, loc, limit, batch_size=batch_size,
+                                                     predownload=predownload, opts=opts),
+                                   enabled=local_rank == 0)
+            datasets.append(ds)
+            record_owner(ds)
+            check_dataset(ds)
+            _check_columns(d.name, ds)
     except BaseException:
         release_all(datasets, os.getpid())
         raise

@@ -51,7 +51,7 @@ from grape_stream.mixing.quotas import COMPOSITIONS, QuotaPlanner, budget_for, e
 from grape_stream.mixing.schedule import WeightSchedule, validate_weights
 from grape_stream.mixing.shard_reader import DomainReader, DomainReadError, Prefetcher
 from grape_stream.mixing.weight_table import MAX_SLOTS
-from grape_stream.retry import DEFAULT_RETRY
+from grape_stream.retry import default_policy
 from grape_stream.streaming_compat.local_index import DomainUnavailableError, RemoteMismatchError
 from grape_stream.streaming_compat.shard_state import bytes_to_int, shm_prefix
 from grape_stream.world import streaming_world
@@ -100,7 +100,7 @@ class WeightedStreamingMixer(IterableDataset):
         retry_deadline: seconds a failing shard download is retried with exponential backoff and jitter
             (a storage outage shorter than this changes no sample); then the read fails with one error
             naming the domain, the shard, the remote, the endpoint and the last cause. Per domain:
-            ``DomainStream(retry_deadline=...)``.
+            ``DomainStream(retry_deadline=...)``. Default: 180 s, or ``GRAPE_STREAM_RETRY_DEADLINE``.
         **streaming_kwargs: passed to every StreamingDataset: ``cache_limit`` (split evenly across the
             domains unless a DomainStream sets its own), ``predownload`` (samples ahead, default
             ``8 * batch_size``), ``download_retry``, ``download_timeout``, ``validate_hash``,
@@ -122,7 +122,7 @@ class WeightedStreamingMixer(IterableDataset):
         overwrite_local: bool = False,
         s3_dummy_credentials: bool = False,
         prefetch: bool = True,
-        retry_deadline: float = DEFAULT_RETRY.deadline,
+        retry_deadline: float | None = None,
         **streaming_kwargs: Any,
     ) -> None:
         super().__init__()
@@ -177,7 +177,7 @@ class WeightedStreamingMixer(IterableDataset):
             datasets=self._datasets, predownload=self.predownload,
             needs_prefetch=[bool(prefetch) and (d.remote is not None or any(s.compression for s in ds.shards))
                             for d, ds in zip(self.domains, self._datasets)],
-            retry=[DEFAULT_RETRY.with_deadline(retry_deadline if d.retry_deadline is None else d.retry_deadline)
+            retry=[default_policy().with_deadline(retry_deadline if d.retry_deadline is None else d.retry_deadline)
                    for d in self.domains],
         )
         self._schedule = WeightSchedule(self.K, alpha0, schedule_capacity, lag)

@@ -33,10 +33,11 @@ import gc
 import json
 import logging
 import os
+import random
 import re
 import tempfile
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import numpy as np
 
@@ -50,7 +51,10 @@ from grape_stream.streaming_compat.processes import (  # noqa: F401 - segments_i
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 __all__ = [
+    "create_registered",
     "SHM_NAMES",
     "cleanup_stale_streaming_shm",
     "describe_local_users",
@@ -397,3 +401,19 @@ def registration_lock(enabled: bool = True, timeout: float = 600.0) -> Iterator[
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
+
+
+def create_registered(factory: Callable[[], T], *, enabled: bool = True, attempts: int = 20) -> T:
+    """``factory()`` (a StreamingDataset constructor) under :func:`registration_lock`, retried when the
+    shared-memory prefix streaming chose was taken meanwhile by a job that does not take our lock (a plain
+    streaming job, another library): streaming 0.13 then raises ``FileExistsError: '/NNNNNN_locals'``
+    before it registered anything, so trying again after a short random pause picks the next prefix."""
+    for attempt in range(attempts):
+        try:
+            with registration_lock(enabled=enabled):
+                return factory()
+        except FileExistsError as exc:
+            if "_locals" not in str(exc) or attempt == attempts - 1:
+                raise
+            time.sleep(random.uniform(0.05, 0.25))
+    raise AssertionError("unreachable")  # pragma: no cover
