@@ -29,6 +29,18 @@ def segments(prefixes) -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n[:6].isdigit() and int(n[:6]) in prefixes}
 
 
+def inodes(names) -> set[int]:
+    """The segments' identities: /dev/shm is machine-wide, and once a dead job's prefix is reclaimed another
+    streaming job on the machine may register the same prefix number; its segments are new files."""
+    out = set()
+    for n in names:
+        try:
+            out.add(os.stat(f"/dev/shm/{n}").st_ino)
+        except FileNotFoundError:
+            pass
+    return out
+
+
 def locks(prefixes) -> set[str]:
     tmp = tempfile.gettempdir()
     return {n for n in os.listdir(tmp) if n[:6].isdigit() and n.endswith("_filelock") and int(n[:6]) in prefixes}
@@ -90,6 +102,8 @@ def test_sigkill_leak_is_cleaned_only_when_its_owner_is_dead(dirs, tmp_path):
         proc.wait()
     leaked = segments(prefixes)
     assert leaked == held  # the trap: the segments outlive their process
+    leaked_inodes = inodes(leaked)
+    dead_pid = proc.pid
 
     # Another live process now tries streaming directly: it is refused the directory (the trap), and its
     # scan leaves the dead job's segments mapped in it, which a mapping-based liveness check would take
@@ -107,10 +121,16 @@ def test_sigkill_leak_is_cleaned_only_when_its_owner_is_dead(dirs, tmp_path):
             batch = next(iter(m.dataloader()))
             assert batch["tokens"].shape == (8, 16)
             mine = set(m.shm_prefixes)
-            stale = {n for n in segments(prefixes) if int(n[:6]) not in mine}
-            assert stale == set()
-            assert not {p for p in prefixes if p not in mine
-                        and os.path.exists(f"/dev/shm/grape_stream_owner.{p:06}")}
+            stale = inodes(n for n in segments(prefixes) if int(n[:6]) not in mine) & leaked_inodes
+            assert stale == set()  # every segment the dead job left is gone (a reused prefix is another job's)
+            dead_records = []
+            for p in prefixes:
+                try:
+                    with open(f"/dev/shm/grape_stream_owner.{p:06}") as f:
+                        dead_records += [p] if json.load(f).get("pid") == dead_pid else []
+                except (FileNotFoundError, ValueError):
+                    pass
+            assert dead_records == []  # and so are its owner records
     finally:
         os.killpg(scanner.pid, signal.SIGKILL)
         scanner.wait()
