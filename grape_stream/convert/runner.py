@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from grape_stream.convert.unit import UnitJob, run_unit
+from grape_stream.stale_temp import sweep_stale_multiprocessing_dirs
 
 __all__ = ["Runner"]
 
@@ -73,6 +74,7 @@ class Runner:
 
     def __enter__(self) -> "Runner":
         if self.workers > 1:
+            sweep_stale_multiprocessing_dirs()  # what killed conversions left in the temp dir
             ctx = mp.get_context(_start_method())
             self.queue = ctx.Queue()
             with _no_tokenizer_threads_in_children():

@@ -52,6 +52,7 @@ from grape_stream.mixing.schedule import WeightSchedule, validate_weights
 from grape_stream.mixing.shard_reader import DomainReader, DomainReadError, Prefetcher
 from grape_stream.mixing.weight_table import MAX_SLOTS
 from grape_stream.retry import default_policy
+from grape_stream.stale_temp import sweep_stale_multiprocessing_dirs
 from grape_stream.streaming_compat.local_index import DomainUnavailableError, RemoteMismatchError
 from grape_stream.streaming_compat.shard_state import bytes_to_int, shm_prefix
 from grape_stream.world import streaming_world
@@ -282,7 +283,12 @@ class WeightedStreamingMixer(IterableDataset):
         self._schedule.note_consumed(batches)
 
     def dataloader(self, num_workers: int = 0, **kwargs: Any) -> MixerDataLoader:
-        """A DataLoader over this mixer that tracks consumed batches (see :class:`MixerDataLoader`)."""
+        """A DataLoader over this mixer that tracks consumed batches (see :class:`MixerDataLoader`).
+
+        With workers, the ``pymp-*`` temp folders that earlier SIGKILLed runs left are swept first
+        (grape_stream.stale_temp: only folders no live process uses)."""
+        if num_workers > 0:
+            sweep_stale_multiprocessing_dirs()
         return MixerDataLoader(self, num_workers=num_workers, **kwargs)
 
     def seek(self, batch: int) -> None:
