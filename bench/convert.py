@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--data", default=os.path.join(tempfile.gettempdir(), "grape_bench_convert"))
     ap.add_argument("--repeat", type=int, default=1, help="runs per measurement; the best is kept")
+    ap.add_argument("--out", default=str(RESULTS), help="where the JSON goes")
     args = ap.parse_args(argv)
 
     root = Path(args.data) / "input"
@@ -241,15 +242,16 @@ def main(argv: list[str] | None = None) -> int:
           f"workers=2 {summary['cpu_efficiency_workers2_vs_limit']:.0%} of the limit")
     print(f"cpu count {os.cpu_count()}, load average now {os.getloadavg()[0]:.1f} (cores shared with other jobs)")
 
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    tmp = RESULTS.with_suffix(".json.tmp")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps({
         "benchmark": "convert", "input_mb": args.mb, "files": len(paths), "compressed_mb": compressed / 2**20,
         "seq_len": args.seq_len, "tokenizer": "gpt2", "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
         "runs": rows, "summary": summary,
     }, indent=1) + "\n")
-    tmp.replace(RESULTS)
-    print(f"wrote {RESULTS}")
+    tmp.replace(out)
+    print(f"wrote {out}")
     return 0
 
 

@@ -33,6 +33,8 @@ BENCHES = (
     Bench("convert", ("--mb", "4", "--files", "4"), "--out"),
     Bench("loader", ("--size-mb", "16", "--domains", "7", "--workers", "0", "--seconds", "2", "--no-s3"), "--out"),
     Bench("alignment", ("--small",), "--out"),
+    Bench("faults", ("--quick",), "--out"),
+    Bench("huge_document", ("--mb", "5"), "--out"),
     Bench("overhead", ("--steps", "40", "--repeats", "1"), "--out"),
     Bench("mixture_quality", ("--seeds", "0", "--methods", "uniform,grape", "--steps", "20", "--fresh"),
           "--results"),
