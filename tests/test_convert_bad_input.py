@@ -13,6 +13,7 @@ import zstandard
 
 from convert_data import make_docs, read_mds, slimpajama_records, write_jsonl, write_slimpajama_parquet, write_zst
 from grape_stream.convert.pipeline import ConvertInputError, convert
+from grape_stream.cli import main as grape_stream_main
 from grape_stream.convert.cli import main as cli_main
 
 META = {"redpajama_set_name": "RedPajamaC4"}
@@ -109,8 +110,8 @@ def test_strict_error_in_a_worker_process_reaches_the_caller(broken_slimpajama, 
 
 def test_cli_strict_exits_1_with_message(broken_slimpajama, tmp_path, capsys):
     root, _, _ = broken_slimpajama
-    rc = cli_main(["slimpajama", "-i", str(root / "f_truncated.parquet"), "-o", str(tmp_path / "o"),
-                   "--tokenizer", "bytes", "--strict", "--no-progress"])
+    rc = grape_stream_main(["convert", "slimpajama", "-i", str(root / "f_truncated.parquet"), "-o", str(tmp_path / "o"),
+                            "--tokenizer", "bytes", "--strict", "--no-progress"])
     assert rc == 1
     err = capsys.readouterr().err
     assert "f_truncated.parquet: whole file: truncated_parquet" in err

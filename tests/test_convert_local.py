@@ -24,6 +24,7 @@ from convert_data import (
     write_wiki40b,
 )
 from grape_stream.convert.pipeline import convert
+from grape_stream.cli import main as grape_stream_main
 from grape_stream.convert.cli import main as cli_main
 from grape_stream.convert.readers.wiki40b import strip_markers
 from grape_stream.convert.tokenization import load_tokenizer
@@ -228,11 +229,13 @@ def test_cli_hash_split_and_printed_table(tmp_path, capsys):
 
 
 def test_cli_usage_errors_exit_2(tmp_path, capsys):
-    assert cli_main(["jsonl", "--input", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    # through the dispatcher (errors.run_cli), as a user runs it: one line on stderr, exit 2
+    assert grape_stream_main(["convert", "jsonl", "--input", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o"),
+                              "--no-progress"]) == 2
     assert "nope.jsonl" in capsys.readouterr().err
     write_jsonl(tmp_path / "a.jsonl", [{"text": "x"}])
-    assert cli_main(["jsonl", "-i", str(tmp_path / "a.jsonl"), "-o", str(tmp_path / "o"), "--holdout", "0.1",
-                     "--split-field", "s", "--no-progress"]) == 2
+    assert grape_stream_main(["convert", "jsonl", "-i", str(tmp_path / "a.jsonl"), "-o", str(tmp_path / "o"),
+                              "--holdout", "0.1", "--split-field", "s", "--no-progress"]) == 2
     assert "pick one" in capsys.readouterr().err
 
 

@@ -9,6 +9,7 @@ import numpy as np
 
 from convert_data import make_docs, read_mds, write_jsonl, write_slimpajama_tree
 from grape_stream.convert.pipeline import convert
+from grape_stream.cli import main as grape_stream_main
 from grape_stream.convert.cli import main as cli_main
 
 
@@ -62,8 +63,8 @@ def test_cli_to_s3_with_splits_and_default_staging(s3_server, s3_bucket, tmp_pat
 
 def test_missing_bucket_fails_fast_with_endpoint_in_message(s3_server, tmp_path, capsys):
     write_jsonl(tmp_path / "en.jsonl", [{"text": "hello"}])
-    rc = cli_main(["jsonl", "-i", str(tmp_path / "en.jsonl"), "-o", "s3://no-such-bucket-xyz/p", "--local",
-                   str(tmp_path / "stage"), "--tokenizer", "bytes", "--no-progress"])
-    assert rc == 2
+    rc = grape_stream_main(["convert", "jsonl", "-i", str(tmp_path / "en.jsonl"), "-o", "s3://no-such-bucket-xyz/p",
+                            "--local", str(tmp_path / "stage"), "--tokenizer", "bytes", "--no-progress"])
+    assert rc == 1  # a StorageError: one line, exit status 1
     err = capsys.readouterr().err
     assert "s3://no-such-bucket-xyz/p" in err and s3_server in err
