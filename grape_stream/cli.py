@@ -1,6 +1,9 @@
 """`grape-stream` command line: one sub-command per job, each implemented in the module that owns it.
 
 Sub-commands are resolved lazily so `grape-stream convert --help` does not import torch or Composer.
+Every sub-command runs under :func:`grape_stream.errors.run_cli`: a known failure (a
+:class:`~grape_stream.errors.UserFacingError`) prints one line ``grape-stream: error: ...`` and exits 2
+(1 for storage); ``--debug`` (anywhere on the line) or ``GRAPE_STREAM_DEBUG=1`` shows its traceback.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import sys
 from typing import Callable, Sequence
 
 from grape_stream import __version__
+from grape_stream.errors import run_cli
 
 # name -> (module, function, one-line help). Each function takes argv (list[str]) and returns an exit code.
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -24,12 +28,15 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 def _usage() -> str:
     lines = ["usage: grape-stream COMMAND [options]", "", "commands:"]
     lines += [f"  {name:<9} {help_}" for name, (_, _, help_) in COMMANDS.items()]
-    lines += ["", "Run `grape-stream COMMAND --help` for a command's options."]
+    lines += ["", "Run `grape-stream COMMAND --help` for a command's options. Any command takes --debug",
+              "(or GRAPE_STREAM_DEBUG=1): an error shows its full traceback instead of one line."]
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    debug = [a for a in args if a == "--debug"]
+    args = [a for a in args if a != "--debug"]
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0
@@ -41,8 +48,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"grape-stream: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module, func, _ = COMMANDS[name]
-    entry: Callable[[list[str]], int] = getattr(importlib.import_module(module), func)
-    return int(entry(rest) or 0)
+
+    def entry(argv_: list[str]) -> int:
+        run: Callable[[list[str]], int] = getattr(importlib.import_module(module), func)
+        return int(run(argv_) or 0)
+
+    return run_cli("grape-stream", entry, [*rest, *debug])
 
 
 if __name__ == "__main__":

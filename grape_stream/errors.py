@@ -16,6 +16,8 @@ from typing import Callable, Sequence
 __all__ = [
     "UserFacingError",
     "ConfigError",
+    "ConfigKeyError",
+    "ConfigTypeError",
     "DataError",
     "StorageError",
     "debug_enabled",
@@ -33,6 +35,17 @@ class UserFacingError(Exception):
 
 class ConfigError(UserFacingError, ValueError):
     """A recipe or option is wrong (unknown key, bad type, inconsistent values)."""
+
+
+class ConfigKeyError(ConfigError, KeyError):
+    """An unknown key (still a KeyError for callers that catch one); printed without KeyError's quotes."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A value of the wrong type for its key (still a TypeError for callers that catch one)."""
 
 
 class DataError(UserFacingError, ValueError):

@@ -15,14 +15,14 @@ import os
 
 import pytest
 import torch
-from _grape_data import write_dataset
-from test_composer import _losses, _run, _trajectory, tiny_recipe  # the helpers of the SIGKILL-between-saves test
 
+from _grape_data import write_dataset
 from grape_stream.integrations.composer.checkpoints import (
     DISCARDED_DIR,
     checkpoint_is_complete,
     recover_checkpoint_folder,
 )
+from test_composer import _losses, _run, _trajectory, tiny_recipe  # the helpers of the SIGKILL-between-saves test
 
 NAME = "ep0-ba{}-rank{}.pt"
 LATEST = "latest-rank0.pt"

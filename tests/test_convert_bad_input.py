@@ -12,8 +12,13 @@ import pytest
 import zstandard
 
 from convert_data import make_docs, read_mds, slimpajama_records, write_jsonl, write_slimpajama_parquet, write_zst
-from grape_stream.convert.cli import main as cli_main
+from grape_stream.cli import main as grape_stream_main
 from grape_stream.convert.pipeline import ConvertInputError, convert
+
+
+def cli_main(argv: list[str]) -> int:
+    """`grape-stream convert ARGV` through the dispatcher, as a user runs it (known errors: one line)."""
+    return grape_stream_main(["convert", *argv])
 
 META = {"redpajama_set_name": "RedPajamaC4"}
 

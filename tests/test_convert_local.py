@@ -23,10 +23,15 @@ from convert_data import (
     write_slimpajama_tree,
     write_wiki40b,
 )
-from grape_stream.convert.cli import main as cli_main
+from grape_stream.cli import main as grape_stream_main
 from grape_stream.convert.pipeline import convert
 from grape_stream.convert.readers.wiki40b import strip_markers
 from grape_stream.convert.tokenization import load_tokenizer
+
+
+def cli_main(argv: list[str]) -> int:
+    """`grape-stream convert ARGV` through the dispatcher, as a user runs it (known errors: one line)."""
+    return grape_stream_main(["convert", *argv])
 
 SEQ = 64
 

@@ -126,7 +126,7 @@ def test_unknown_method_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_missing_corpus_names_the_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert demo.main(["--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")]) == 2
+    assert cli_main(["demo", "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")]) == 2
     assert "nowhere" in capsys.readouterr().err
 
 

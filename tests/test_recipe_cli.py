@@ -40,8 +40,8 @@ def test_inspect_manifest_dir_mds_dir_and_trajectory(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "updates 3" in out and "alpha last" in out and "d0=0.483" in out
 
-    assert cli(["inspect", str(tmp_path / "nothing")]) == 1
-    assert "no such file" in capsys.readouterr().out
+    assert cli(["inspect", str(tmp_path / "nothing")]) == 2  # a DataError: one line on stderr
+    assert "no such file" in capsys.readouterr().err
 
 
 def test_plot_writes_a_png(tmp_path, capsys):
@@ -53,5 +53,5 @@ def test_plot_writes_a_png(tmp_path, capsys):
     assert os.path.getsize(out) > 10_000
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"type": "meta"}\n')
-    assert cli(["plot", str(bad)]) == 1
-    assert "no update records" in capsys.readouterr().out
+    assert cli(["plot", str(bad)]) == 2
+    assert "no update records" in capsys.readouterr().err

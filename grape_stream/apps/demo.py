@@ -221,11 +221,7 @@ def _print_results(results: Mapping[str, Mapping[str, Any]], settings: DemoSetti
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, methods, settings = _parse(argv)
-    try:
-        corpus = find_corpus(args.data)
-    except FileNotFoundError as exc:
-        print(f"grape-stream demo: {exc}", file=sys.stderr)
-        return 2
+    corpus = find_corpus(args.data)  # CorpusNotFoundError: one line under grape-stream (errors.run_cli)
     corpus_meta = json.loads((corpus / "corpus.json").read_text())
     out = Path(args.out)
     mds = out / "mds"
@@ -258,4 +254,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from grape_stream.errors import run_cli
+
+    raise SystemExit(run_cli("grape-stream demo", main, sys.argv[1:]))

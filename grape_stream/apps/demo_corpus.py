@@ -13,10 +13,15 @@ from typing import Any, Sequence
 
 from grape_stream.atomic import atomic_write_text
 from grape_stream.convert.pipeline import CONVERTER_VERSION, convert
+from grape_stream.errors import DataError
 
-__all__ = ["CONVERT_SETTINGS_FILE", "ensure_converted", "find_corpus"]
+__all__ = ["CONVERT_SETTINGS_FILE", "CorpusNotFoundError", "ensure_converted", "find_corpus"]
 
 CONVERT_SETTINGS_FILE = "grape_demo_convert.json"
+
+
+class CorpusNotFoundError(DataError, FileNotFoundError):
+    """The demo corpus is not where it was looked for (still a FileNotFoundError)."""
 
 
 def find_corpus(path: str | None = None) -> Path:
@@ -26,7 +31,7 @@ def find_corpus(path: str | None = None) -> Path:
         if (c / "corpus.json").is_file():
             return c
     where = ", ".join(str(c) for c in candidates)
-    raise FileNotFoundError(
+    raise CorpusNotFoundError(
         f"no demo corpus (corpus.json) at {where}; run from the repository root or pass --data DIR "
         "(scripts/build_demo_corpus.py builds it)"
     )
@@ -50,7 +55,7 @@ def ensure_converted(corpus: Path, out: Path, *, seq_len: int = 256,
     """
     files = sorted(corpus.glob("*/*.jsonl.zst"))
     if not files:
-        raise FileNotFoundError(f"{corpus}: no <split>/<lang>.jsonl.zst files")
+        raise CorpusNotFoundError(f"{corpus}: no <split>/<lang>.jsonl.zst files")
     want = _corpus_fingerprint(corpus, files, seq_len)
     stamp = out / CONVERT_SETTINGS_FILE
     manifest_path = out / "manifest.json"

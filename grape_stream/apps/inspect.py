@@ -17,6 +17,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from grape_stream.errors import DataError
+
 __all__ = ["summarize", "main"]
 
 
@@ -95,7 +97,7 @@ def _trajectory_summary(path: str) -> dict[str, Any]:
 
 
 def summarize(path: str) -> dict[str, Any]:
-    """A summary dict of ``path`` (manifest dir, MDS dir or trajectory JSONL); ValueError if it is none."""
+    """A summary of ``path`` (manifest dir, MDS dir or trajectory JSONL); DataError (a ValueError) if it is none."""
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, "manifest.json")):
             return _manifest_summary(path)
@@ -106,12 +108,12 @@ def summarize(path: str) -> dict[str, Any]:
             return {"kind": "mds_tree", "path": path,
                     "datasets": [dict(_mds_index_summary(i), name=os.path.relpath(os.path.dirname(i), path))
                                  for i in idx]}
-        raise ValueError(f"{path}: no manifest.json and no index.json below it")
+        raise DataError(f"{path}: no manifest.json and no index.json below it (is it a `grape-stream convert` output?)")
     if os.path.isfile(path):
         if path.endswith((".jsonl", ".json")):
             return _trajectory_summary(path)
-        raise ValueError(f"{path}: not a directory and not a .jsonl trajectory")
-    raise ValueError(f"{path}: no such file or directory")
+        raise DataError(f"{path}: not a directory and not a .jsonl trajectory")
+    raise DataError(f"{path}: no such file or directory")
 
 
 def _fmt_w(w: Sequence[float] | None, names: Sequence[str] | None) -> str:
@@ -171,11 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("path")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = parser.parse_args(list(argv) if argv is not None else None)
-    try:
-        summary = summarize(args.path)
-    except ValueError as exc:
-        print(f"grape-stream inspect: {exc}")
-        return 1
+    summary = summarize(args.path)  # a DataError is one line under grape-stream (errors.run_cli)
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
     else:

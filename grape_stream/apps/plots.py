@@ -10,6 +10,7 @@ import argparse
 import os
 from typing import Sequence
 
+from grape_stream.errors import DataError
 from grape_stream.integrations.trajectory_plot import plot_trajectory
 
 __all__ = ["plot_trajectory", "main"]
@@ -24,11 +25,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--out takes one trajectory; omit it to write each PNG beside its JSONL")
     for path in args.trajectories:
         if not os.path.exists(path):
-            parser.error(f"no such file: {path}")
-        try:
-            png = plot_trajectory(path, args.out)
-        except ValueError as exc:
-            print(f"grape-stream plot: {exc}")
-            return 1
-        print(png)
+            raise DataError(f"no such file: {path}")
+        print(plot_trajectory(path, args.out))  # a bad trajectory is a DataError: one line under grape-stream
     return 0

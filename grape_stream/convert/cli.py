@@ -1,8 +1,10 @@
 """`grape-stream convert SOURCE --input PATH_OR_GLOB... --out DIR_OR_URL [options]`.
 
 A thin argparse layer over `grape_stream.convert.pipeline.convert`; docs/converters.md has one worked example per
-source. Exit status: 0 done, 1 bad input under --strict or an output that holds another conversion,
-2 a usage error (unknown option, missing input file, inconsistent options).
+source. Run under `grape-stream` (:func:`grape_stream.errors.run_cli`), a known failure prints one line. Exit
+status: 0 done, 1 bad input under --strict, an output that holds another conversion, or storage that cannot be
+reached / written (re-run the same command to resume), 2 a usage error (unknown option, missing input file,
+inconsistent options).
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ import argparse
 import sys
 from typing import Sequence
 
-from grape_stream.convert.errors import ConvertInputError, ConvertStateError
 from grape_stream.convert.pipeline import convert
 from grape_stream.convert.readers import REGISTRY, reader_options
+from grape_stream.errors import ConfigError, DataError, StorageError, UserFacingError
 
 __all__ = ["main", "build_parser"]
 
@@ -86,6 +88,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _as_user_error(exc: BaseException) -> BaseException:
+    """The converter's contract: a ValueError (inconsistent options, unknown tokenizer), FileNotFoundError
+    (missing input) or ConnectionError (an output it cannot reach) from :func:`convert` is the user's to fix,
+    so it becomes the matching UserFacingError (one line; the original is its ``__cause__``)."""
+    if isinstance(exc, UserFacingError):
+        return exc
+    if isinstance(exc, ConnectionError):
+        msg = f"{exc}; re-run the same command to resume once the storage is reachable"
+        return StorageError(msg)
+    if isinstance(exc, FileNotFoundError):
+        return DataError(str(exc))
+    if isinstance(exc, ValueError):
+        return ConfigError(str(exc))
+    return exc
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     compression = None if args.compression.lower() in ("none", "") else args.compression
@@ -102,12 +120,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_examples=args.max_examples, progress=not args.no_progress,
             **{name: getattr(args, name) for name in reader_options()},
         )
-    except (ConvertInputError, ConvertStateError) as e:
-        print(f"grape-stream convert: error: {e}", file=sys.stderr)
-        return 1
-    except (ValueError, FileNotFoundError, ConnectionError) as e:
-        print(f"grape-stream convert: error: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, FileNotFoundError, ConnectionError) as exc:
+        user = _as_user_error(exc)
+        if user is exc:
+            raise
+        raise user from exc
     print(result.table())
     if result.units_run == 0:
         print(f"already complete: {result.out} (nothing to do)")
@@ -123,4 +140,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from grape_stream.errors import run_cli
+
+    raise SystemExit(run_cli("grape-stream convert", main, sys.argv[1:]))

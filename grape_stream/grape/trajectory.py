@@ -14,6 +14,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from grape_stream.atomic import atomic_open
+from grape_stream.errors import DataError
 
 __all__ = ["floats", "jsonable", "load_trajectory", "read_records", "write_trajectory"]
 
@@ -47,13 +48,13 @@ def read_records(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[dic
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
+                raise DataError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
             kind = rec.get("type", "update")
             if kind == "meta":
                 meta = rec
             elif kind == "update":
                 if "step" not in rec or "alpha" not in rec:
-                    raise ValueError(f"{path}:{lineno}: an update record needs 'step' and 'alpha'")
+                    raise DataError(f"{path}:{lineno}: an update record needs 'step' and 'alpha'")
                 records.append(rec)
     return meta, records
 
@@ -62,7 +63,7 @@ def load_trajectory(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[
     """Read a trajectory JSONL: (meta, update records sorted by step). Errors name the line."""
     meta, records = read_records(path)
     if not records:
-        raise ValueError(f"{path}: no update records")
+        raise DataError(f"{path}: no update records (is it a GRAPE trajectory JSONL?)")
     records.sort(key=lambda r: r["step"])
     return meta, records
 

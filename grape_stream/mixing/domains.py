@@ -103,6 +103,29 @@ class DomainStream:
     cache_limit: int | str | None = None
     retry_deadline: float | None = None
 
+    def __post_init__(self) -> None:
+        """Wrong types fail here, naming the field (not as an AttributeError when the mixer opens the domain)."""
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"DomainStream: name must be a non-empty str, got {self.name!r} "
+                            f"({type(self.name).__name__}); e.g. DomainStream('en', local='data/en')")
+        for attr in ("remote", "local"):
+            value = getattr(self, attr)
+            if isinstance(value, os.PathLike):
+                setattr(self, attr, os.fspath(value))
+            elif value is not None and not isinstance(value, str):
+                raise TypeError(f"DomainStream {self.name!r}: {attr} must be a str (a path or URL) or None, "
+                                f"got {value!r} ({type(value).__name__})")
+        if self.split is not None and not isinstance(self.split, str):
+            raise TypeError(f"DomainStream {self.name!r}: split must be a str or None, got {self.split!r} "
+                            f"({type(self.split).__name__})")
+        if self.max_epochs is not None and (isinstance(self.max_epochs, bool)
+                                            or not isinstance(self.max_epochs, (int, float))):
+            raise TypeError(f"DomainStream {self.name!r}: max_epochs must be a number or None, got {self.max_epochs!r}")
+        if self.cache_limit is not None and (isinstance(self.cache_limit, bool)
+                                             or not isinstance(self.cache_limit, (int, str))):
+            raise TypeError(f"DomainStream {self.name!r}: cache_limit must be bytes (int), a size such as '10gb', "
+                            f"or None, got {self.cache_limit!r}")
+
     def resolved_local(self) -> str:
         if self.local:
             return os.path.abspath(os.fspath(self.local))

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from grape_stream.errors import StorageError
 from grape_stream.retry import DEFAULT_RETRY, RetryError, RetryPolicy, call_with_retry
 from grape_stream.streaming_compat.shard_state import (
     is_mds_shard,
@@ -40,7 +41,7 @@ from grape_stream.streaming_compat.shard_state import (
 __all__ = ["DomainReader", "Prefetcher", "DomainReadError"]
 
 
-class DomainReadError(RuntimeError):
+class DomainReadError(StorageError, RuntimeError):
     """A sample of a domain could not be read (download failed, shard missing, corrupt)."""
 
 

@@ -5,7 +5,14 @@ trainer integration (``grape_stream.integrations.<trainer>``) builds its Trainer
 
 from __future__ import annotations
 
-from grape_stream.recipe.data import build_mixer, read_manifest, recipe_streams, resolved_sizes, train_dataloader
+from grape_stream.recipe.data import (
+    build_mixer,
+    check_local_data,
+    read_manifest,
+    recipe_streams,
+    resolved_sizes,
+    train_dataloader,
+)
 from grape_stream.recipe.grape import algorithm_kwargs
 from grape_stream.recipe.load import bundled_recipes, load_recipe, resolve_recipe_path
 from grape_stream.recipe.model import build_model
@@ -19,6 +26,7 @@ __all__ = [
     "apply_overrides",
     "build_mixer",
     "build_model",
+    "check_local_data",
     "bundled_recipes",
     "load_recipe",
     "read_manifest",

@@ -13,10 +13,12 @@ from typing import Any, Mapping
 from streaming.base.storage.download import CloudDownloader
 from torch.utils.data import DataLoader
 
+from grape_stream.errors import ConfigError, DataError
 from grape_stream.grape.tasks import TaskStream
 from grape_stream.mixing.mixer import DomainStream, WeightedStreamingMixer
 
-__all__ = ["build_mixer", "join_location", "read_manifest", "recipe_streams", "resolved_sizes", "train_dataloader"]
+__all__ = ["build_mixer", "check_local_data", "join_location", "manifest_vocab_size", "read_manifest", "recipe_streams",
+           "resolved_sizes", "train_dataloader"]
 
 log = logging.getLogger(__name__)
 
@@ -54,25 +56,94 @@ def read_manifest(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
             return json.load(f)
 
 
+def manifest_vocab_size(manifest: Mapping[str, Any] | None) -> int | None:
+    """The vocabulary the data was tokenized with: the converter writes it under ``tokenizer.vocab_size``
+    (older or hand-written manifests: top-level ``vocab_size``)."""
+    if not manifest:
+        return None
+    tok = manifest.get("tokenizer")
+    value = tok.get("vocab_size") if isinstance(tok, Mapping) else None
+    value = value if value is not None else manifest.get("vocab_size")
+    return int(value) if value else None
+
+
 def resolved_sizes(cfg: Mapping[str, Any], manifest: Mapping[str, Any] | None) -> tuple[int, int]:
-    """(vocab_size, seq_len) of the model: the recipe's, else the manifest's; a model smaller than the
-    data it reads is an error (token ids would fall outside the embedding)."""
+    """(vocab_size, seq_len) of the model: the recipe's, else the manifest's.
+
+    Checked against the data's manifest before any model is built: a ``model.vocab_size`` *smaller* than
+    the vocabulary the data was tokenized with is a :class:`ConfigError` naming both numbers (token ids
+    would fall outside the embedding: an ``IndexError`` deep inside the first forward pass otherwise). A
+    *larger* one is allowed: a padded vocabulary (e.g. 50304 for GPT-2's 50257, a multiple of 64 for
+    faster matmuls) only leaves some embedding rows unused. Likewise a model ``seq_len`` shorter than the
+    data's samples is an error, a longer one is allowed."""
     model, data = cfg["model"], cfg["data"]
-    vocab = model["vocab_size"] or (manifest or {}).get("vocab_size")
+    data_vocab = manifest_vocab_size(manifest)
+    vocab = model["vocab_size"] or data_vocab
     seq = model["seq_len"] or data["seq_len"] or (manifest or {}).get("seq_len")
     if not vocab:
-        raise ValueError("model.vocab_size is not set and no data manifest gives it; set model.vocab_size")
+        raise ConfigError("recipe key 'model.vocab_size' is not set and no data manifest gives it; "
+                          "set model.vocab_size")
     if not seq:
-        raise ValueError("model.seq_len / data.seq_len are not set and no data manifest gives them; set data.seq_len")
-    if manifest:
-        if manifest.get("vocab_size") and int(manifest["vocab_size"]) > int(vocab):
-            raise ValueError(
-                f"the data was tokenized with vocab_size={manifest['vocab_size']} but model.vocab_size={vocab}: "
-                "token ids would fall outside the embedding"
-            )
-        if manifest.get("seq_len") and int(manifest["seq_len"]) > int(seq):
-            raise ValueError(f"the data has seq_len={manifest['seq_len']} but the model's seq_len is {seq}")
+        raise ConfigError("recipe keys 'model.seq_len' / 'data.seq_len' are not set and no data manifest gives them; "
+                          "set data.seq_len")
+    where = _manifest_where(cfg)
+    if data_vocab and data_vocab > int(vocab):
+        raise ConfigError(
+            f"recipe key 'model.vocab_size' is {vocab} but the data{where} was tokenized with vocab_size={data_vocab}: "
+            f"token ids would fall outside the embedding; set model.vocab_size={data_vocab} (or larger, padded), "
+            "or leave it unset to take the data's"
+        )
+    if manifest and manifest.get("seq_len") and int(manifest["seq_len"]) > int(seq):
+        raise ConfigError(f"the data{where} has seq_len={manifest['seq_len']} but the model's seq_len "
+                          f"(model.seq_len / data.seq_len) is {seq}; raise it to {manifest['seq_len']}")
     return int(vocab), int(seq)
+
+
+def _manifest_where(cfg: Mapping[str, Any]) -> str:
+    base = cfg["data"]["remote"] or cfg["data"]["local"]
+    return f" ({join_location(base, 'manifest.json')})" if base else ""
+
+
+def _datasets_under(root: str, split: str | None) -> list[str]:
+    """Names of the converted datasets directly under ``root`` (``<name>[/<split>]/index.json``)."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(n for n in os.listdir(root)
+                  if os.path.isfile(os.path.join(root, n, split or "", "index.json")))
+
+
+def _check_local(kind: str, name: str, local: str, split: str | None, base: str | None, base_key: str) -> None:
+    index = os.path.join(local, split or "", "index.json")
+    if os.path.isfile(index):
+        return
+    if base is not None and not os.path.isdir(base) and os.path.abspath(local).startswith(os.path.abspath(base)):
+        raise DataError(f"data directory {base} (recipe key {base_key!r}) does not exist; convert the data first "
+                        f"(grape-stream convert SOURCE -i ... -o {base}) or fix {base_key}")
+    if not os.path.isdir(local):
+        there = _datasets_under(os.path.dirname(local.rstrip("/")) or ".", split)
+        raise DataError(f"{kind} {name!r} (recipe key 'data.{kind}s') not found: no directory {local}; "
+                        f"{kind}s there: {there or 'none'}")
+    if split and os.path.isfile(os.path.join(local, "index.json")):
+        raise DataError(f"{kind} {name!r}: no split {split!r} at {local} (the data has no splits); "
+                        f"set data.split=null or the entry's split")
+    subs = sorted(d for d in os.listdir(local) if os.path.isfile(os.path.join(local, d, "index.json")))
+    has = f"; splits there: {subs}" if subs else ""
+    raise DataError(f"{kind} {name!r}: no MDS index at {index}{has} (recipe key 'data.split' / the entry's split)")
+
+
+def check_local_data(cfg: Mapping[str, Any], domains: list[dict[str, Any]], tasks: list[TaskStream]) -> None:
+    """Before any model is built: every local-only domain and task (no remote) has its MDS index; else one
+    :class:`DataError` naming the path and listing what the directory does hold."""
+    data = cfg["data"]
+    for d in domains:
+        if d["remote"] is None and d["local"] is not None:
+            _check_local("domain", d["name"], d["local"], d["split"], data["local"], "data.local")
+    t_base = data["task_local"] if data["task_local"] is not None else data["local"]
+    t_key = "data.task_local" if data["task_local"] is not None else "data.local"
+    for t in tasks:
+        if t.remote is None and t.local is not None:
+            for split in dict.fromkeys(s for s in (t.split, t.test_split) if s is not None):
+                _check_local("task", t.name, t.local, split, t_base, t_key)
 
 
 def recipe_streams(cfg: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[TaskStream]]:
@@ -92,6 +163,9 @@ def recipe_streams(cfg: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[T
     for e in data["tasks"]:
         e = {"name": e} if isinstance(e, str) else dict(e)
         name = str(e["name"])
+        if e.get("remote", t_remote) is None and e.get("local", t_local) is None:
+            raise ConfigError(f"task {name!r}: set data.task_local / data.local or data.task_remote / data.remote "
+                              "(or the task's own local/remote)")
         tasks.append(TaskStream(
             name=name,
             remote=e.get("remote", join_location(t_remote, name)),
@@ -108,7 +182,7 @@ def build_mixer(cfg: Mapping[str, Any], domains: list[dict[str, Any]], batch_siz
     streams = []
     for d in domains:
         if d["local"] is None and d["remote"] is None:
-            raise ValueError(f"domain {d['name']!r}: set data.local or data.remote (or the domain's own local/remote)")
+            raise ConfigError(f"domain {d['name']!r}: set data.local or data.remote (or the domain's own local/remote)")
         streams.append(DomainStream(d["name"], remote=d["remote"], local=d["local"], split=d["split"]))
     return WeightedStreamingMixer(domains=streams, batch_size=batch_size, seed=seed, **cfg["data"]["mixer"])
 

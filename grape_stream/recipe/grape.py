@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
+from grape_stream.errors import ConfigError
 from grape_stream.grape.controller import REPLAY_METHOD, filter_reweighter_options
 
 __all__ = ["algorithm_kwargs"]
@@ -32,7 +33,7 @@ def algorithm_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
     controller_opts: dict[str, Any] = {"probe_mode": a["probe_mode"]}
     if method == REPLAY_METHOD:
         if not a["schedule_path"]:
-            raise ValueError("algorithm.method=schedule needs algorithm.schedule_path (a trajectory JSONL)")
+            raise ConfigError("algorithm.method=schedule needs algorithm.schedule_path (a trajectory JSONL)")
         controller_opts.update(schedule_path=a["schedule_path"], schedule_stretch=a["schedule_stretch"])
     return {
         "method": method,

@@ -13,12 +13,17 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
+from grape_stream.errors import ConfigError
 from grape_stream.recipe.overrides import apply_overrides
 from grape_stream.recipe.schema import SCHEMA, merge
 from grape_stream.recipe.validate import validate
 from grape_stream.recipe.yaml_values import yaml_load
 
-__all__ = ["bundled_recipes", "load_recipe", "resolve_recipe_path"]
+__all__ = ["RecipeNotFoundError", "bundled_recipes", "load_recipe", "resolve_recipe_path"]
+
+
+class RecipeNotFoundError(ConfigError, FileNotFoundError):
+    """No such recipe file and no bundled recipe of that name (still a FileNotFoundError)."""
 
 
 def bundled_recipes() -> dict[str, str]:
@@ -36,8 +41,8 @@ def resolve_recipe_path(name_or_path: str) -> str:
     key = os.path.basename(key)
     if key in bundled:
         return bundled[key]
-    raise FileNotFoundError(f"no recipe {name_or_path!r}: not a file, "
-                            f"and not one of the bundled recipes {sorted(bundled)}")
+    raise RecipeNotFoundError(f"no recipe {name_or_path!r}: not a file, and not one of the bundled recipes "
+                              f"{sorted(bundled)}")
 
 
 def load_recipe(source: str | os.PathLike[str] | Mapping[str, Any], overrides: Sequence[str] = ()) -> dict[str, Any]:
@@ -50,7 +55,8 @@ def load_recipe(source: str | os.PathLike[str] | Mapping[str, Any], overrides: S
             try:
                 given = yaml_load(f) or {}
             except yaml.YAMLError as exc:
-                raise ValueError(f"{path}: not valid YAML: {exc}") from None
+                first = " ".join(str(exc).split())
+                raise ConfigError(f"{path}: not valid YAML: {first}") from None
         where, stem = f" in {path}", os.path.splitext(os.path.basename(path))[0]
     cfg = merge(SCHEMA, given, "", where)
     cfg = apply_overrides(cfg, overrides)

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import yaml
 
+from grape_stream.errors import ConfigError
 from grape_stream.recipe.schema import SCHEMA, Free, merge, unknown_key
 from grape_stream.recipe.yaml_values import yaml_load
 
@@ -24,15 +25,15 @@ _WHERE = " (command-line override)"
 def parse_override(item: str) -> tuple[str, Any]:
     """``"a.b=value"`` -> ``("a.b", parsed value)``; an empty value is None."""
     if "=" not in item:
-        raise ValueError(f"override {item!r} is not key=value (e.g. algorithm.method=uniform)")
+        raise ConfigError(f"override {item!r} is not key=value (e.g. algorithm.method=uniform)")
     key, raw = item.split("=", 1)
     key = key.strip()
     if not key:
-        raise ValueError(f"override {item!r} has an empty key")
+        raise ConfigError(f"override {item!r} has an empty key")
     try:
         value = yaml_load(raw) if raw.strip() else None
     except yaml.YAMLError as exc:
-        raise ValueError(f"override {item!r}: the value is not valid YAML ({exc})") from None
+        raise ConfigError(f"override {item!r}: the value is not valid YAML ({' '.join(str(exc).split())})") from None
     return key, value
 
 

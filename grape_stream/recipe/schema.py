@@ -13,6 +13,7 @@ import difflib
 from typing import Any, Mapping
 
 from grape_stream.config import RecipeConfig, is_free, is_required
+from grape_stream.errors import ConfigKeyError, ConfigTypeError
 
 __all__ = ["REQUIRED", "SCHEMA", "Free", "Required", "dotted_keys", "merge", "schema_of", "unknown_key"]
 
@@ -60,17 +61,17 @@ def dotted_keys(schema: Mapping[str, Any], prefix: str = "") -> list[str]:
     return out
 
 
-def unknown_key(path: str, where: str) -> KeyError:
+def unknown_key(path: str, where: str) -> ConfigKeyError:
     close = difflib.get_close_matches(path, dotted_keys(SCHEMA), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
-    return KeyError(f"unknown recipe key {path!r}{where}{hint}")
+    return ConfigKeyError(f"unknown recipe key {path!r}{where}{hint}")
 
 
 def merge(schema: Mapping[str, Any], given: Mapping[str, Any], prefix: str, where: str) -> dict[str, Any]:
     """``given`` checked against ``schema`` with every missing key filled by its default (deep copies)."""
     if not isinstance(given, Mapping):
-        raise TypeError(f"recipe key {prefix.rstrip('.') or '<root>'!r}{where} must be a mapping, "
-                        f"got {type(given).__name__}")
+        raise ConfigTypeError(f"recipe key {prefix.rstrip('.') or '<root>'!r}{where} must be a mapping, "
+                              f"got {type(given).__name__}")
     out: dict[str, Any] = {}
     for key in given:
         if key not in schema:
@@ -80,7 +81,7 @@ def merge(schema: Mapping[str, Any], given: Mapping[str, Any], prefix: str, wher
         if isinstance(default, Free):
             value = given.get(key) or {}
             if not isinstance(value, Mapping):
-                raise TypeError(f"recipe key {path!r}{where} must be a mapping, got {type(value).__name__}")
+                raise ConfigTypeError(f"recipe key {path!r}{where} must be a mapping, got {type(value).__name__}")
             out[key] = dict(value)
         elif isinstance(default, dict):
             out[key] = merge(default, given.get(key) or {}, path + ".", where)

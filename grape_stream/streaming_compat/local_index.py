@@ -32,6 +32,7 @@ from typing import Any, Iterable, Sequence
 import torch.distributed as dist
 
 from grape_stream.atomic import atomic_open, atomic_write_json
+from grape_stream.errors import StorageError
 from grape_stream.streaming_compat.shm import (  # noqa: F401 - re-exported: grape.tasks / apps.demo import them from here
     cleanup_stale_streaming_shm,
     detach_scanner_attachments,
@@ -56,12 +57,12 @@ __all__ = [
 MARKER_NAME = ".grape_stream_source.json"
 
 
-class RemoteMismatchError(RuntimeError):
-    """A local cache directory holds a dataset that is not the configured remote's."""
+class RemoteMismatchError(StorageError, RuntimeError):
+    """A local cache directory holds a dataset that is not the configured remote's (one line on the CLI)."""
 
 
-class DomainUnavailableError(RuntimeError):
-    """A domain's data cannot be read (missing index, unreachable remote, no credentials)."""
+class DomainUnavailableError(StorageError, RuntimeError):
+    """A domain's data cannot be read (missing index, unreachable remote, no credentials); one line on the CLI."""
 
 
 # --------------------------------------------------------------------------------------------------

@@ -26,6 +26,8 @@ from typing import Any
 
 import streaming
 
+from grape_stream.errors import UserFacingError
+
 __all__ = [
     "SUPPORTED",
     "UnsupportedStreamingVersion",
@@ -46,7 +48,7 @@ SUPPORTED = ((0, 13),)
 _REQUIRED_ATTRS = ("_shard_states", "_shard_access_times", "_shm_prefix_int")
 
 
-class UnsupportedStreamingVersion(RuntimeError):
+class UnsupportedStreamingVersion(UserFacingError, RuntimeError):
     """The installed mosaicml-streaming is not a release whose internals the mixer knows."""
 
 

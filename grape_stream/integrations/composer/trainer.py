@@ -16,7 +16,6 @@ import copy
 import json
 import logging
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -28,6 +27,7 @@ from composer.algorithms import GradientClipping
 from composer.core import Evaluator
 from composer.utils import dist, format_name_with_dist, parse_uri, reproducibility
 
+from grape_stream.errors import ConfigError
 from grape_stream.integrations.composer.algorithm import GrapeAlgorithm
 from grape_stream.integrations.composer.callbacks import GrapeTrajectoryCallback, JSONLMetricsLogger, TaskEvalSummary
 from grape_stream.integrations.composer.checkpoints import DISCARDED_DIR, Recovery, recover_checkpoint_folder
@@ -37,6 +37,7 @@ from grape_stream.recipe import (
     algorithm_kwargs,
     build_mixer,
     build_model,
+    check_local_data,
     load_recipe,
     read_manifest,
     recipe_streams,
@@ -112,7 +113,7 @@ def _device_name(cfg: Mapping[str, Any]) -> str:
     if dev == "auto":
         return "gpu" if torch.cuda.is_available() else "cpu"
     if dev not in DEVICES:
-        raise ValueError(f"trainer.device must be auto, cpu, gpu or mps, got {dev!r}")
+        raise ConfigError(f"recipe key 'trainer.device' must be auto, cpu, gpu or mps, got {dev!r}")
     return dev
 
 
@@ -124,7 +125,7 @@ def _loggers(cfg: Mapping[str, Any], output_dir: str) -> list[Any]:
     out = []
     for name, kwargs in cfg["trainer"]["loggers"].items():
         if name not in LOGGERS:
-            raise ValueError(f"unknown logger 'trainer.loggers.{name}'; choose from {sorted(LOGGERS)}")
+            raise ConfigError(f"unknown logger 'trainer.loggers.{name}'; choose from {sorted(LOGGERS)}")
         out.append(LOGGERS[name](**dict(kwargs or {})))
     if cfg["trainer"]["metrics_jsonl"]:
         out.append(JSONLMetricsLogger(os.path.join(output_dir, "metrics.jsonl")))
@@ -152,16 +153,21 @@ def build(cfg: Mapping[str, Any], *, dry_run: bool = False, extra_callbacks: Seq
     world = process_world().size
     gbs = cfg["trainer"]["global_train_batch_size"]
     if gbs % world:
-        raise ValueError(f"trainer.global_train_batch_size={gbs} is not divisible by the {world} ranks")
+        raise ConfigError(f"recipe key 'trainer.global_train_batch_size' ({gbs}) is not divisible by the {world} ranks")
     per_rank = gbs // world
+    if cfg["trainer"]["autoresume"] and not cfg["trainer"]["save_folder"]:  # Composer would refuse it in Trainer()
+        raise ConfigError("recipe key 'trainer.autoresume' is true but 'trainer.save_folder' is not set: "
+                          "set trainer.save_folder (where checkpoints go) or trainer.autoresume=false")
 
+    domains, tasks = recipe_streams(cfg)
+    if not dry_run:  # the data is there and fits the model, before anything is built (one-line errors)
+        check_local_data(cfg, domains, tasks)
     manifest = None if dry_run else read_manifest(cfg)
     vocab, seq = resolved_sizes(cfg, manifest)
     if not dry_run:
         # Trainer(seed=) seeds only after the model exists: seed first so initial weights are reproducible.
         reproducibility.seed_all(cfg["seed"])
     model = ComposerGPT(build_model(cfg, vocab_size=vocab, seq_len=seq, device="meta" if dry_run else None))
-    domains, tasks = recipe_streams(cfg)
     algorithm = build_algorithm(cfg, tasks)
     o = cfg["optimizer"]
     optimizer = torch.optim.AdamW(model.parameters(), lr=float(o["lr"]), betas=tuple(o["betas"]), eps=float(o["eps"]),
@@ -269,17 +275,8 @@ def _build_trainer(built: Built, world: int, extra_callbacks: Sequence[Any], ext
 
 
 # ---------------------------------------------------------------------------------------------------
-# CLI
+# CLI (run under grape_stream.cli / errors.run_cli: a ConfigError / DataError / StorageError is one line)
 # ---------------------------------------------------------------------------------------------------
-_USER_ERRORS = (KeyError, ValueError, TypeError, FileNotFoundError)
-
-
-def _user_error(exc: Exception) -> int:
-    msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-    print(f"grape-stream train: {msg}", file=sys.stderr)
-    return 2
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="grape-stream train",
@@ -293,16 +290,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # intermixed: `grape-stream train RECIPE --dry-run key=value` works as well as options first
     args = parser.parse_intermixed_args(list(argv) if argv is not None else None)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        cfg = load_recipe(args.recipe, args.overrides)
-    except _USER_ERRORS as exc:
-        return _user_error(exc)
+    cfg = load_recipe(args.recipe, args.overrides)
     if args.print_config:
         print(yaml.safe_dump(cfg, sort_keys=False))
-    try:
-        built = build(cfg, dry_run=args.dry_run)
-    except _USER_ERRORS as exc:
-        return _user_error(exc)
+    built = build(cfg, dry_run=args.dry_run)
     print(json.dumps(built.describe(), indent=2))
     if args.dry_run:
         return 0
