@@ -107,3 +107,16 @@ def test_outage_window_refuses_then_recovers(fault_proxy, s3_bucket):
     fault_proxy.set_faults(error_rate=1.0)
     with pytest.raises(Exception, match="SlowDown"):
         c.get_object(Bucket=s3_bucket, Key="k")
+
+
+@pytest.mark.timeout(120)
+def test_refused_credentials_are_not_reported_as_a_missing_index(fault_proxy, s3_bucket, data, tmp_path):
+    remotes = [upload(fault_proxy.url, s3_bucket, d, f"forbid/d{k}") for k, d in enumerate(data)]
+    fault_proxy.forbidden = True
+    t0 = time.monotonic()
+    with pytest.raises(Exception) as info:
+        _remote_mixer(remotes, tmp_path, retry_deadline=60)
+    msg = str(info.value)
+    assert "HTTP 403" in msg and "InvalidAccessKeyId" in msg and "AWS_ACCESS_KEY_ID" in msg, msg
+    assert "not found" not in msg
+    assert time.monotonic() - t0 < 30  # a refusal is not retried until the deadline

@@ -24,7 +24,6 @@ import os
 import shutil
 import socket
 import tempfile
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -33,6 +32,7 @@ import torch.distributed as dist
 
 from grape_stream.atomic import atomic_open, atomic_write_json
 from grape_stream.errors import StorageError
+from grape_stream.retry import RetryError, call_with_retry, default_policy
 from grape_stream.streaming_compat.shm import (  # noqa: F401 - re-exported: grape.tasks / apps.demo import them from here
     cleanup_stale_streaming_shm,
     detach_scanner_attachments,
@@ -86,26 +86,57 @@ def _remote_join(remote: str, *parts: str | None) -> str:
 
 def _download_index(domain: str, remote: str, split: str | None, dest: str, retry: int,
                     timeout: float) -> None:
-    """Download ``remote[/split]/index.json`` to ``dest`` with streaming's downloader and retries."""
+    """Download ``remote[/split]/index.json`` to ``dest`` with streaming's downloader.
+
+    Network and server errors are retried under the retry deadline (a job started during an outage
+    waits it out); a missing object is not, and is told apart from refused credentials (streaming
+    reports both as "not found").
+    """
     from streaming.base.storage.download import CloudDownloader
 
     url = _remote_join(remote, split, "index.json")
-    last: BaseException | None = None
-    for attempt in range(1 + max(0, int(retry))):
+
+    def attempt() -> None:
+        if os.path.exists(dest):
+            os.unlink(dest)
+        CloudDownloader.direct_download(url, dest, timeout)
+
+    try:  # (`retry`, streaming's per-download attempts, has no say here: the deadline bounds the attempts)
+        call_with_retry(attempt, policy=default_policy(),
+                        what=f"domain {domain!r}: cannot read {url}{_endpoint_note(url)}",
+                        retryable=lambda exc: not _is_not_found(exc))
+    except RetryError as exc:
+        raise DomainUnavailableError(str(exc)) from exc
+    except Exception as exc:
+        raise DomainUnavailableError(f"domain {domain!r}: {_explain_missing(url, exc)}") from exc
+
+
+def _endpoint_note(url: str) -> str:
+    endpoint = os.environ.get("S3_ENDPOINT_URL")
+    return f" (endpoint {endpoint})" if url.startswith("s3://") and endpoint else ""
+
+
+def _explain_missing(url: str, exc: BaseException) -> str:
+    """Streaming turns S3 403 and 404 alike into "not found": ask S3 which one it was."""
+    if url.startswith("s3://"):
         try:
-            if os.path.exists(dest):
-                os.unlink(dest)
-            CloudDownloader.direct_download(url, dest, timeout)
-            return
-        except Exception as exc:  # noqa: BLE001 - re-raised below with the domain named
-            last = exc
-            if _is_not_found(exc):
-                break
-            time.sleep(min(2.0, 0.1 * 2 ** attempt))
-    raise DomainUnavailableError(
-        f"domain {domain!r}: cannot read {url} after {1 + max(0, int(retry))} attempt(s): "
-        f"{type(last).__name__}: {last}"
-    ) from last
+            import boto3
+            import botocore.exceptions
+
+            bucket, _, key = url[len("s3://"):].partition("/")
+            boto3.client("s3", endpoint_url=os.environ.get("S3_ENDPOINT_URL") or None).get_object(
+                Bucket=bucket, Key=key, Range="bytes=0-0")  # not HEAD: its error has no body, so no code
+        except botocore.exceptions.ClientError as err:
+            code = str(err.response.get("Error", {}).get("Code", ""))
+            status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status == 403 or code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+                return (f"access to {url}{_endpoint_note(url)} was refused (HTTP 403 {code}): check "
+                        "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or the profile) for this endpoint")
+            if code in ("NoSuchBucket",):
+                return f"bucket of {url} does not exist{_endpoint_note(url)} (NoSuchBucket)"
+        except Exception:  # noqa: BLE001 - the explanation is best effort; the original error stands
+            pass
+    return f"{url} not found{_endpoint_note(url)}: was this domain converted there? ({type(exc).__name__}: {exc})"
 
 
 def _is_not_found(exc: BaseException) -> bool:

@@ -6,6 +6,7 @@ on 127.0.0.1 and, per request, either forwards it unchanged or injects one fault
 * ``error_rate``    answer 503 SlowDown (an S3 XML error body) without forwarding,
 * ``reset_rate``    read the request, then drop the connection with a TCP reset (no response),
 * ``latency``       sleep this many seconds before forwarding,
+* ``forbidden``     answer 403 InvalidAccessKeyId (what a wrong or revoked key gets), without forwarding,
 * ``outage(s)``     refuse connections for ``s`` seconds: the listening socket is closed and re-opened
                     on the same port, so clients see ECONNREFUSED exactly as when a server restarts.
 
@@ -28,6 +29,11 @@ from dataclasses import dataclass
 from typing import Any
 
 _HOP_HEADERS = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te", "trailer"}
+_FORBIDDEN = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InvalidAccessKeyId</Code>'
+    b"<Message>The AWS Access Key Id you provided does not exist in our records. (injected by fault_proxy)"
+    b"</Message></Error>"
+)
 _SLOWDOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
     b"<Message>Please reduce your request rate. (injected by fault_proxy)</Message></Error>"
@@ -57,6 +63,7 @@ class FaultProxy:
         self.error_rate = 0.0
         self.reset_rate = 0.0
         self.latency = 0.0
+        self.forbidden = False
         self.stats = FaultStats()
         self._stopping = threading.Event()
         self._refuse_until = 0.0
@@ -81,6 +88,7 @@ class FaultProxy:
 
     def clear(self) -> None:
         self.set_faults()
+        self.forbidden = False
         self._refuse_until = 0.0
 
     def outage(self, seconds: float) -> None:
@@ -179,6 +187,10 @@ class FaultProxy:
                 if self.in_outage():
                     _reset(conn)
                     return
+                if self.forbidden:
+                    body = b"" if method == "HEAD" else _FORBIDDEN
+                    conn.sendall(_response(403, [("Content-Type", "application/xml")], body, reason="Forbidden"))
+                    continue
                 with self._lock:
                     roll = self._rng.random()
                     err, rst, lat = self.error_rate, self.reset_rate, self.latency
