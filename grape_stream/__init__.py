@@ -7,8 +7,9 @@ a name that needs them is used); the TYPE_CHECKING block gives IDEs and mypy the
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from grape_stream.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -44,14 +45,5 @@ _LAZY = {
 __all__ = ["__version__", *_LAZY]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'grape_stream' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
-
-def __dir__() -> list[str]:
-    return sorted(__all__)

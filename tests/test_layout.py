@@ -27,6 +27,7 @@ LEVELS: dict[str, int] = {
     "grape_stream.retry": 0,
     "grape_stream.testing": 0,
     "grape_stream.stale_temp": 0,
+    "grape_stream.lazy": 0,
     "grape_stream.streaming_compat": 1,
     "grape_stream.mixing": 2,
     "grape_stream.convert": 2,

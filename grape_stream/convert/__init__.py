@@ -15,8 +15,9 @@ packing, tokenization, spark (the same on Spark), cli, readers/ (the registry of
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from grape_stream.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from grape_stream.convert.errors import ConvertInputError, ConvertStateError
@@ -39,10 +40,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'grape_stream.convert' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

@@ -12,8 +12,9 @@ The public names below are imported lazily, so that importing one numpy-only par
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from grape_stream.lazy import lazy_exports
 
 if TYPE_CHECKING:  # pragma: no cover - for IDEs and type checkers
     from grape_stream.mixing.collate import collate_samples
@@ -52,10 +53,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'grape_stream.mixing' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
