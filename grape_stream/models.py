@@ -15,6 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from grape_stream.config import ModelConfig
+
+_RECIPE = ModelConfig()
+
 
 @dataclass
 class GPTConfig:
@@ -22,12 +26,12 @@ class GPTConfig:
 
     vocab_size: int = 50257
     seq_len: int = 512
-    n_layer: int = 2
-    n_head: int = 8
-    d_model: int = 256
-    d_ff: int = 512
-    dropout: float = 0.0
-    tie_embeddings: bool = True
+    n_layer: int = _RECIPE.n_layer  # the architecture defaults are the recipe's (grape_stream.config), stated once
+    n_head: int = _RECIPE.n_head
+    d_model: int = _RECIPE.d_model
+    d_ff: int = _RECIPE.d_ff
+    dropout: float = _RECIPE.dropout
+    tie_embeddings: bool = _RECIPE.tie_embeddings
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
