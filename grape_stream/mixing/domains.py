@@ -192,18 +192,20 @@ def name_seed(seed: int, name: str) -> int:
 # --------------------------------------------------------------------------------------------------
 def prepare_locals(domains: Sequence[DomainStream], locals_: Sequence[str], stream_dirs: Sequence[str], *,
                    local_rank: int, s3_dummy_credentials: bool, overwrite_local: bool, download_retry: int,
-                   download_timeout: float) -> None:
+                   download_timeout: float, retry_deadline: float | None = None) -> None:
     """Run every streaming workaround that must happen before a StreamingDataset is created."""
     require_supported_streaming()
     cleanup_stale_streaming_shm()
     check_s3_credentials([(d.name, d.remote) for d in domains], dummy_credentials=s3_dummy_credentials)
     check_same_locals_across_ranks(stream_dirs)
     _sync_local_indexes(domains, locals_, local_rank=local_rank, overwrite_local=overwrite_local,
-                        download_retry=download_retry, download_timeout=download_timeout)
+                        download_retry=download_retry, download_timeout=download_timeout,
+                        retry_deadline=retry_deadline)
 
 
 def _sync_local_indexes(domains: Sequence[DomainStream], locals_: Sequence[str], *, local_rank: int,
-                        overwrite_local: bool, download_retry: int, download_timeout: float) -> None:
+                        overwrite_local: bool, download_retry: int, download_timeout: float,
+                        retry_deadline: float | None) -> None:
     """Local leader checks every domain's index against its remote; all ranks learn of any error."""
     error: str | None = None
     exc_type: type[BaseException] = DomainUnavailableError
@@ -211,7 +213,8 @@ def _sync_local_indexes(domains: Sequence[DomainStream], locals_: Sequence[str],
         try:
             for d, loc in zip(domains, locals_):
                 sync_local_index(d.name, d.remote, loc, d.split, download_retry=download_retry,
-                                 download_timeout=download_timeout, overwrite_local=overwrite_local)
+                                 download_timeout=download_timeout, overwrite_local=overwrite_local,
+                                 retry_deadline=retry_deadline if d.retry_deadline is None else d.retry_deadline)
         except (DomainUnavailableError, RemoteMismatchError) as exc:
             if not dist_active():
                 raise

@@ -157,7 +157,7 @@ class WeightedStreamingMixer(IterableDataset):
         prepare_locals(self.domains, locals_, stream_dirs, local_rank=self.local_rank,
                        s3_dummy_credentials=s3_dummy_credentials, overwrite_local=overwrite_local,
                        download_retry=int(opts.get("download_retry", 2)),
-                       download_timeout=float(opts.get("download_timeout", 60.0)))
+                       download_timeout=float(opts.get("download_timeout", 60.0)), retry_deadline=retry_deadline)
         self._owner_pid = os.getpid()
         self._datasets: list[Any] = open_datasets(
             self.domains, locals_, batch_size=self.batch_size, predownload=self.predownload,

@@ -84,8 +84,8 @@ def _remote_join(remote: str, *parts: str | None) -> str:
     return out
 
 
-def _download_index(domain: str, remote: str, split: str | None, dest: str, retry: int,
-                    timeout: float) -> None:
+def _download_index(domain: str, remote: str, split: str | None, dest: str, timeout: float,
+                    retry_deadline: float | None) -> None:
     """Download ``remote[/split]/index.json`` to ``dest`` with streaming's downloader.
 
     Network and server errors are retried under the retry deadline (a job started during an outage
@@ -101,8 +101,8 @@ def _download_index(domain: str, remote: str, split: str | None, dest: str, retr
             os.unlink(dest)
         CloudDownloader.direct_download(url, dest, timeout)
 
-    try:  # (`retry`, streaming's per-download attempts, has no say here: the deadline bounds the attempts)
-        call_with_retry(attempt, policy=default_policy(),
+    try:  # the deadline bounds the attempts (streaming's download_retry is per shard download)
+        call_with_retry(attempt, policy=default_policy().with_deadline(retry_deadline),
                         what=f"domain {domain!r}: cannot read {url}{_endpoint_note(url)}",
                         retryable=lambda exc: not _is_not_found(exc))
     except RetryError as exc:
@@ -147,7 +147,7 @@ def _is_not_found(exc: BaseException) -> bool:
 
 def sync_local_index(domain: str, remote: str | None, local: str, split: str | None = None, *,
                      download_retry: int = 2, download_timeout: float = 60.0,
-                     overwrite_local: bool = False) -> str:
+                     overwrite_local: bool = False, retry_deadline: float | None = None) -> str:
     """Make ``local[/split]/index.json`` trustworthy before streaming reads it; return its path.
 
     * ``remote is None``: the index must exist (else :class:`DomainUnavailableError` naming the domain
@@ -177,7 +177,7 @@ def sync_local_index(domain: str, remote: str | None, local: str, split: str | N
     marker_path = os.path.join(local_dir, MARKER_NAME)
     source = _remote_join(remote, split)
     tmp = os.path.join(local_dir, f"index.json.remote.{os.getpid()}.tmp")
-    _download_index(domain, remote, split, tmp, download_retry, download_timeout)
+    _download_index(domain, remote, split, tmp, download_timeout, retry_deadline)
     try:
         new_digest = _sha256(tmp)
         marker: dict[str, Any] = {}
