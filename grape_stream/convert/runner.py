@@ -24,6 +24,11 @@ _QUEUE: Any = None  # the progress queue, in a worker process
 
 def _worker_init(q: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and terminates the pool
+    # Pool.terminate() stops workers with SIGTERM and then waits for them. A forked worker inherits the
+    # parent's Python-level SIGTERM handler (importing Composer installs one that calls sys.exit), which
+    # only runs between bytecodes: a worker inside a long C call never exits and terminate() waits
+    # forever (seen: a --strict error in one worker hung the conversion). The default action always kills.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # One core per worker: parallelism comes from --workers, not from tokenizers' own thread pool.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ.setdefault("RAYON_NUM_THREADS", "1")

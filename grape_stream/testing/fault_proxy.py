@@ -25,6 +25,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,10 +73,6 @@ class FaultProxy:
         self._port = port
         self._threads: list[threading.Thread] = []
         self._sockets: set[socket.socket] = set()  # every socket the proxy holds, for the fork hook
-        # A forked child (a DataLoader worker of the process running the proxy) inherits these sockets;
-        # if it kept them, a "closed" listener would still accept connections during an outage and a reset
-        # connection would stay open. The child is not the proxy: it closes its copies.
-        os.register_at_fork(after_in_child=self._forget_sockets_in_child)
 
     # -- control -------------------------------------------------------------------------------------
     @property
@@ -102,6 +99,7 @@ class FaultProxy:
         return time.monotonic() < self._refuse_until
 
     def start(self) -> "FaultProxy":
+        _LIVE.add(self)
         self._open_listener()
         t = threading.Thread(target=self._accept_loop, name="fault-proxy-accept", daemon=True)
         t.start()
@@ -109,6 +107,7 @@ class FaultProxy:
         return self
 
     def stop(self) -> None:
+        _LIVE.discard(self)
         self._stopping.set()
         self._close_listener()
         for t in self._threads:
@@ -121,15 +120,16 @@ class FaultProxy:
         self.stop()
 
     def _forget_sockets_in_child(self) -> None:
-        for s in [self._listener, *self._sockets]:
-            if s is not None:
+        # Runs in a freshly forked child: no locks (another thread of the parent may have held one at the
+        # fork, and it would never be released here), only closing file descriptors.
+        for s in [self._listener, *list(self._sockets)]:
+            if s is not None and s.fileno() >= 0:
                 try:
                     os.close(s.fileno())
                 except OSError:
                     pass
-        self._sockets.clear()
+        self._sockets = set()
         self._listener = None
-        self._stopping.set()
 
     # -- listening -----------------------------------------------------------------------------------
     def _open_listener(self) -> None:
@@ -243,6 +243,21 @@ class FaultProxy:
                 conn.close()
             except OSError:
                 pass
+
+
+#: Running proxies. A forked child (a DataLoader worker of the process that runs a proxy) inherits their
+#: sockets; if it kept them, a "closed" listener would still accept connections during an outage and a
+#: reset connection would stay open. The child is not the proxy: it closes its copies (one hook, for all).
+_LIVE: "weakref.WeakSet[FaultProxy]" = weakref.WeakSet()
+
+
+def _close_inherited_sockets() -> None:
+    for proxy in list(_LIVE):
+        proxy._forget_sockets_in_child()
+    _LIVE.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_sockets)
 
 
 def _reset(conn: socket.socket) -> None:
