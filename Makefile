@@ -24,7 +24,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
-# The fast half only (no servers, processes, Spark or training runs): about 40 s.
+# The fast unit tests only (no servers, processes, Spark or training runs): about 30 s.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not integration" $(ARGS)
 

@@ -54,12 +54,22 @@ INTEGRATION_MODULES = frozenset({
     "test_s3_fixture",
 })
 _INTEGRATION_FIXTURES = frozenset({"s3_server", "s3_bucket", "fault_proxy"})
+#: Single tests in otherwise fast modules that train, kill or start processes.
+INTEGRATION_TESTS = frozenset({
+    "test_sigkill_during_a_save_then_autoresume_continues_the_same_trajectory",
+    "test_subprocess_stderr_is_exactly_one_line",
+    "test_same_output_for_one_and_two_workers",
+    "test_fsdp_is_refused_with_a_clear_message",
+    "test_a_sigkilled_dataloader_run_leaves_a_folder_that_is_then_swept",
+})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         module = item.module.__name__.rpartition(".")[2] if item.module else ""
-        if module in INTEGRATION_MODULES or _INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())):
+        name = getattr(item, "originalname", item.name)
+        if (module in INTEGRATION_MODULES or name in INTEGRATION_TESTS
+                or _INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ()))):
             item.add_marker(pytest.mark.integration)
         else:
             item.add_marker(pytest.mark.unit)
