@@ -55,3 +55,30 @@ def test_plot_writes_a_png(tmp_path, capsys):
     bad.write_text('{"type": "meta"}\n')
     assert cli(["plot", str(bad)]) == 2
     assert "no update records" in capsys.readouterr().err
+
+
+def test_inspect_counts_a_merged_conversion_once_and_summarises_its_report(tmp_path, capsys):
+    from grape_stream.convert import convert
+
+    src = tmp_path / "in"
+    src.mkdir()
+    for lang in ("en", "fr"):
+        with open(src / f"{lang}.jsonl", "w", encoding="utf-8") as f:
+            for i in range(60):
+                f.write(json.dumps({"text": f"{lang} document {i} " * 20, "lang": lang}) + "\n")
+            f.write("not json\n")
+    res = convert("jsonl", [str(src)], str(tmp_path / "out"), tokenizer="bytes", seq_len=64, domain_field="lang",
+                  workers=2, progress=False)
+    assert any(p.name.startswith("part-") for p in (tmp_path / "out" / "en").iterdir())  # merged from parts
+    assert cli(["inspect", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    total = sum(d["samples"] for d in res.manifest["domains"].values())
+    assert f"total {total}" in " ".join(out.split())  # each sample once, not once more per part-* index
+    assert "part-" not in out
+    assert "2 files, 120 documents; bad input: invalid_json 2" in out
+
+
+def test_print_config_prints_and_does_not_train(capsys):
+    assert cli(["train", "demo-cpu", "--print-config", "trainer.max_duration=7ba"]) == 0
+    out = capsys.readouterr().out
+    assert "max_duration: 7ba" in out and '"model"' not in out  # YAML only: no build summary, no training

@@ -48,10 +48,14 @@ def _mds_index_summary(index_path: str) -> dict[str, Any]:
 
 
 def _find_indexes(root: str) -> list[str]:
+    """One index per dataset: below a directory with an index.json (a merged dataset) the per-worker
+    ``part-*`` indexes describe the same samples again, so they are not listed (nor counted twice)."""
     found = []
-    for dirpath, _dirs, files in os.walk(root):
+    for dirpath, dirs, files in os.walk(root):
+        dirs.sort()
         if "index.json" in files:
             found.append(os.path.join(dirpath, "index.json"))
+            dirs[:] = []
     return sorted(found)
 
 
@@ -116,6 +120,17 @@ def summarize(path: str) -> dict[str, Any]:
     raise DataError(f"{path}: no such file or directory")
 
 
+def _report_line(report: dict[str, Any]) -> str:
+    """report.json in one readable line: files, documents, bad input by kind (file:line examples stay there)."""
+    totals = report.get("totals") or {}
+    bad = totals.get("bad") or {}
+    line = f"{totals.get('files', len(report.get('files', {})))} files, {totals.get('documents', '?')} documents"
+    if not bad:
+        return line + ", no bad input"
+    kinds = ", ".join(f"{k} {v}" for k, v in sorted(bad.items(), key=lambda kv: -kv[1]))
+    return f"{line}; bad input: {kinds} (examples with file and line in report.json)"
+
+
 def _fmt_w(w: Sequence[float] | None, names: Sequence[str] | None) -> str:
     if w is None:
         return "-"
@@ -161,8 +176,7 @@ def _print(summary: dict[str, Any]) -> None:
         print(f"  {'total':<{width}}  {sum(r['samples'] for r in rows):>10}")
     report = summary.get("report")
     if report:
-        skipped = report.get("skipped", report)
-        print(f"  report.json: {json.dumps(skipped)[:300]}")
+        print(f"  report.json        {_report_line(report)}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -286,13 +286,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides (values are YAML)")
     parser.add_argument("--dry-run", action="store_true",
                         help="validate and build (model on meta device), do not train")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved recipe as YAML")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved recipe as YAML and exit (nothing is built or trained)")
     # intermixed: `grape-stream train RECIPE --dry-run key=value` works as well as options first
     args = parser.parse_intermixed_args(list(argv) if argv is not None else None)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_recipe(args.recipe, args.overrides)
-    if args.print_config:
+    if args.print_config:  # print and stop: a user asking to see the recipe did not ask to train
         print(yaml.safe_dump(cfg, sort_keys=False))
+        return 0
     built = build(cfg, dry_run=args.dry_run)
     print(json.dumps(built.describe(), indent=2))
     if args.dry_run:
