@@ -87,20 +87,27 @@ def iter_records(path: str, columns: list[str]) -> Iterator[tuple[int, dict] | B
     return iter_jsonl(path)
 
 
-@dataclass
-class _TextReader(Reader):
-    text_field: str = "text"
-    fields: RecordFields = field(default_factory=RecordFields)
+class FieldsReader(Reader):
+    """A reader whose domain and split come from record fields or a fixed name (`RecordFields`):
+    the --domain / --domain-field / --split-field options become its `fields`."""
 
-    options = (TEXT_FIELD, DOMAIN, DOMAIN_FIELD, SPLIT_FIELD)
+    fields: RecordFields
 
     @classmethod
     def from_options(cls, **options: Any) -> Reader:
         fields = RecordFields.from_options(options)
-        return cls(fields=fields, **options)
+        return cls(fields=fields, **options)  # type: ignore[call-arg]  # subclasses are dataclasses with `fields`
 
     def path_domain(self, path: str) -> str | None:
         return self.fields.fixed_domain(path)
+
+
+@dataclass
+class _TextReader(FieldsReader):
+    text_field: str = "text"
+    fields: RecordFields = field(default_factory=RecordFields)
+
+    options = (TEXT_FIELD, DOMAIN, DOMAIN_FIELD, SPLIT_FIELD)
 
     def describe(self) -> dict[str, Any]:
         return {"text_field": self.text_field, **vars(self.fields)}

@@ -26,8 +26,8 @@ from typing import Any, Callable, Iterator
 
 from grape_stream.convert.formats import iter_parquet_rows
 
-from .base import DOMAIN, DOMAIN_FIELD, SPLIT_FIELD, BadInput, Reader, ReaderOption, Record, register
-from .generic import RecordFields, iter_records
+from .base import DOMAIN, DOMAIN_FIELD, SPLIT_FIELD, BadInput, ReaderOption, Record, register
+from .generic import FieldsReader, RecordFields, iter_records
 
 __all__ = ["TaskReader", "TASK_LAYOUTS", "detect_layout", "format_example"]
 
@@ -186,7 +186,7 @@ LAYOUT = ReaderOption(
 
 @register
 @dataclass
-class TaskReader(Reader):
+class TaskReader(FieldsReader):
     """layout: "auto" (per record, from its fields) or one of TASK_LAYOUTS."""
 
     layout: str = "auto"
@@ -199,14 +199,6 @@ class TaskReader(Reader):
     def __post_init__(self) -> None:
         if self.layout != "auto" and self.layout not in TASK_LAYOUTS:
             raise ValueError(f"unknown task layout {self.layout!r}; known: auto, {', '.join(TASK_LAYOUTS)}")
-
-    @classmethod
-    def from_options(cls, **options: Any) -> Reader:
-        fields = RecordFields.from_options(options)
-        return cls(fields=fields, **options)
-
-    def path_domain(self, path: str) -> str | None:
-        return self.fields.fixed_domain(path)
 
     def describe(self) -> dict[str, Any]:
         return {"layout": self.layout, **vars(self.fields)}
