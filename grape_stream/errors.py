@@ -1,7 +1,8 @@
 """Errors a user can fix, and how the command line reports them: one line, traceback on request.
 
 A known failure (bad config key, missing data, unreachable or forbidden storage, a corrupt record under
---strict) is a `UserFacingError` or one of the standard errors listed in `USER_ERRORS`; the CLI prints
+--strict) is a `UserFacingError` (the library's own error types subclass it beside their builtin base,
+so `except ValueError` callers keep working); the CLI prints
 ``grape-stream: error: <message>`` (one line) and exits 2 (1 for storage), without a 30-frame traceback. The
 traceback comes back with ``--debug`` or ``GRAPE_STREAM_DEBUG=1``. Anything else is a bug and keeps its
 traceback.

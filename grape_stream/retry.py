@@ -19,7 +19,8 @@ from typing import Callable, TypeVar
 from grape_stream.config import RETRY_DEADLINE_S
 from grape_stream.errors import StorageError
 
-__all__ = ["RetryPolicy", "RetryError", "DEFAULT_RETRY", "DEADLINE_ENV", "call_with_retry", "default_policy"]
+__all__ = ["RetryPolicy", "RetryError", "DEFAULT_RETRY", "DEADLINE_ENV", "call_with_retry", "default_policy",
+           "is_transient", "endpoint_note"]
 
 T = TypeVar("T")
 
@@ -127,3 +128,29 @@ def call_with_retry(
                     exc, attempt, elapsed,
                 ) from exc
             sleep(pause)
+
+
+#: What an object store says when retrying cannot help: the object or bucket is missing, or the
+#: credentials are refused (botocore: "An error occurred (NoSuchKey) ...", "(403)", "(404)").
+_PERMANENT_MARKERS = ("NoSuchKey", "NoSuchBucket", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+                      "(403)", "(404)", "not found")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a storage error may go away by itself (network, throttling, 5xx) and is worth retrying.
+
+    Not: a missing or forbidden object (streaming 0.13 raises S3 403 and 404 both as FileNotFoundError
+    "Object ... not found"), an error already explained to the user, or a programming error.
+    """
+    if isinstance(exc, (FileNotFoundError, PermissionError, StorageError)):
+        return False
+    if isinstance(exc, (ValueError, TypeError, KeyError, IndexError, AttributeError)):
+        return False
+    text = f"{type(exc).__name__}: {exc}"
+    return not any(marker in text for marker in _PERMANENT_MARKERS)
+
+
+def endpoint_note(url: str) -> str:
+    """`` (endpoint http://...)`` for an s3:// URL read through S3_ENDPOINT_URL, so errors name the server."""
+    endpoint = os.environ.get("S3_ENDPOINT_URL")
+    return f" (endpoint {endpoint})" if url.startswith("s3://") and endpoint else ""

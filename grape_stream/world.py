@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["World", "collective_rank_size", "dist_active", "process_world", "streaming_world", "worker_slot"]
+__all__ = ["World", "collective_rank_size", "dist_active", "process_world", "streaming_world", "dataloader_worker"]
 
 
 @dataclass(frozen=True)
@@ -82,9 +82,10 @@ def streaming_world() -> World:
     return env
 
 
-def worker_slot() -> tuple[int, int]:
-    """(worker id, number of workers) of the current DataLoader worker; (0, 1) in the main process."""
+def dataloader_worker() -> tuple[int, int] | None:
+    """(worker id, number of workers) inside a DataLoader worker; None in the main process (which is not
+    "worker 0 of 1": the mixer gives the main process its own slot in the live weight table)."""
     from torch.utils.data import get_worker_info
 
     info = get_worker_info()
-    return (0, 1) if info is None else (info.id, info.num_workers)
+    return None if info is None else (info.id, info.num_workers)

@@ -13,23 +13,15 @@ import tempfile
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
-from grape_stream.retry import RetryError, RetryPolicy, call_with_retry, default_policy
+from grape_stream.retry import RetryError, RetryPolicy, call_with_retry, default_policy, endpoint_note, is_transient
 
 __all__ = ["is_remote", "default_local", "check_remote", "upload", "upload_partitions"]
 
 
-def _is_transient(exc: BaseException) -> bool:
-    """Network and server errors are retried; a missing bucket or a refused credential is not."""
-    text = f"{type(exc).__name__}: {exc}"
-    permanent = ("NoSuchBucket", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "404")
-    return not isinstance(exc, (FileNotFoundError, PermissionError)) and not any(p in text for p in permanent)
-
-
 def _upload_one(cu: object, remote: str, name: str, policy: RetryPolicy) -> None:
-    endpoint = os.environ.get("S3_ENDPOINT_URL")
-    where = f"{remote}/{name}" + (f" (endpoint {endpoint})" if endpoint else "")
+    where = f"{remote}/{name}{endpoint_note(remote)}"
     call_with_retry(lambda: cu.upload_file(name), policy=policy,  # type: ignore[attr-defined]
-                    what=f"uploading {where}; re-run the same command to resume", retryable=_is_transient)
+                    what=f"uploading {where}; re-run the same command to resume", retryable=is_transient)
 
 
 def is_remote(out: str) -> bool:
@@ -52,7 +44,7 @@ def check_remote(remote: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         try:  # an outage at start-up is ridden out like one mid-way; a wrong bucket or credential is not
             call_with_retry(lambda: CloudUploader.get((tmp, remote), exist_ok=True), policy=default_policy(),
-                            what=f"cannot reach {remote} (S3_ENDPOINT_URL={endpoint})", retryable=_is_transient)
+                            what=f"cannot reach {remote} (S3_ENDPOINT_URL={endpoint})", retryable=is_transient)
         except RetryError:
             raise
         except Exception as e:

@@ -28,7 +28,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset
 
 from grape_stream.mixing.collate import collate_samples
 from grape_stream.mixing.compose import RESERVED_KEYS, BatchComposer, MainProcess
@@ -55,7 +55,7 @@ from grape_stream.retry import default_policy
 from grape_stream.stale_temp import sweep_stale_multiprocessing_dirs
 from grape_stream.streaming_compat.local_index import DomainUnavailableError, RemoteMismatchError
 from grape_stream.streaming_compat.shard_state import bytes_to_int, shm_prefix
-from grape_stream.world import streaming_world
+from grape_stream.world import dataloader_worker, streaming_world
 
 __all__ = [
     "DomainStream",
@@ -259,17 +259,16 @@ class WeightedStreamingMixer(IterableDataset):
     def _iter(self, batched: bool) -> Iterator[Any]:
         if self._closed:
             raise RuntimeError("the mixer is closed")
-        # The main process and "worker 0 of 1" differ (slot 0 moves the cursor), so this asks torch
-        # directly instead of grape_stream.world.worker_slot().
-        info = get_worker_info()
+        info = dataloader_worker()  # the main process (slot 0: it moves the cursor) or a worker
         if info is None:
             main = MainProcess(is_closed=lambda: self._closed, prefetchers=self._prefetchers)
             return self._composer.batches(self._schedule, slot=0, num_workers=1, worker=0, batched=batched,
                                           main=main)
-        if info.id + 1 >= MAX_SLOTS:
+        worker, num_workers = info
+        if worker + 1 >= MAX_SLOTS:
             raise RuntimeError(f"the mixer supports at most {MAX_SLOTS - 1} DataLoader workers per rank")
-        return self._composer.batches(self._schedule, slot=info.id + 1, num_workers=info.num_workers,
-                                      worker=info.id, batched=batched, main=None)
+        return self._composer.batches(self._schedule, slot=worker + 1, num_workers=num_workers,
+                                      worker=worker, batched=batched, main=None)
 
     def begin_tracked_iteration(self, depth: int) -> None:
         """A counting loader starts: up to ``depth`` batches may be in flight from now on."""

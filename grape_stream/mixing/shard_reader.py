@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from grape_stream.errors import StorageError
-from grape_stream.retry import DEFAULT_RETRY, RetryError, RetryPolicy, call_with_retry
+from grape_stream.retry import DEFAULT_RETRY, RetryError, RetryPolicy, call_with_retry, endpoint_note, is_transient
 from grape_stream.streaming_compat.shard_state import (
     is_mds_shard,
     prepare_shard,
@@ -50,19 +50,7 @@ class _NotYet(Exception):
 
 
 def _is_transient(exc: BaseException) -> bool:
-    """Retry network and server errors; not a missing or forbidden object (streaming raises those as
-    FileNotFoundError "Object ... not found" for S3 403 / 404), nor a local corruption."""
-    if isinstance(exc, _NotYet):
-        return True
-    if isinstance(exc, (FileNotFoundError, PermissionError, DomainReadError)):
-        return False
-    return not isinstance(exc, (ValueError, TypeError, KeyError, IndexError, AttributeError))
-
-
-def _endpoint_note(stream: Any) -> str:
-    remote = getattr(stream, "remote", None) or ""
-    endpoint = os.environ.get("S3_ENDPOINT_URL")
-    return f" (endpoint {endpoint})" if remote.startswith("s3://") and endpoint else ""
+    return isinstance(exc, _NotYet) or is_transient(exc)
 
 
 class _Mapped:
@@ -156,7 +144,7 @@ class DomainReader:
                     ) from exc
                 raise _NotYet(f"shard {basename} was evicted before it could be read") from exc
 
-        what = f"domain {self.name!r}: cannot fetch shard {basename} from {self._where()}{_endpoint_note(self._stream)}"
+        what = f"domain {self.name!r}: cannot fetch shard {basename} from {self._where()}{endpoint_note(self._where())}"
         try:
             return call_with_retry(attempt, policy=self.retry, what=what, retryable=_is_transient)
         except DomainReadError:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from grape_stream.atomic import atomic_open, atomic_write_json
 from grape_stream.errors import StorageError
-from grape_stream.retry import RetryError, call_with_retry, default_policy
+from grape_stream.retry import RetryError, call_with_retry, default_policy, endpoint_note, is_transient
 from grape_stream.streaming_compat.shm import (  # noqa: F401 - re-exported: grape.tasks / apps.demo import them from here
     cleanup_stale_streaming_shm,
     detach_scanner_attachments,
@@ -103,17 +103,12 @@ def _download_index(domain: str, remote: str, split: str | None, dest: str, time
 
     try:  # the deadline bounds the attempts (streaming's download_retry is per shard download)
         call_with_retry(attempt, policy=default_policy().with_deadline(retry_deadline),
-                        what=f"domain {domain!r}: cannot read {url}{_endpoint_note(url)}",
-                        retryable=lambda exc: not _is_not_found(exc))
+                        what=f"domain {domain!r}: cannot read {url}{endpoint_note(url)}",
+                        retryable=is_transient)
     except RetryError as exc:
         raise DomainUnavailableError(str(exc)) from exc
     except Exception as exc:
         raise DomainUnavailableError(f"domain {domain!r}: {_explain_missing(url, exc)}") from exc
-
-
-def _endpoint_note(url: str) -> str:
-    endpoint = os.environ.get("S3_ENDPOINT_URL")
-    return f" (endpoint {endpoint})" if url.startswith("s3://") and endpoint else ""
 
 
 def _explain_missing(url: str, exc: BaseException) -> str:
@@ -130,19 +125,13 @@ def _explain_missing(url: str, exc: BaseException) -> str:
             code = str(err.response.get("Error", {}).get("Code", ""))
             status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if status == 403 or code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-                return (f"access to {url}{_endpoint_note(url)} was refused (HTTP 403 {code}): check "
+                return (f"access to {url}{endpoint_note(url)} was refused (HTTP 403 {code}): check "
                         "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or the profile) for this endpoint")
             if code in ("NoSuchBucket",):
-                return f"bucket of {url} does not exist{_endpoint_note(url)} (NoSuchBucket)"
+                return f"bucket of {url} does not exist{endpoint_note(url)} (NoSuchBucket)"
         except Exception:  # noqa: BLE001 - the explanation is best effort; the original error stands
             pass
-    return f"{url} not found{_endpoint_note(url)}: was this domain converted there? ({type(exc).__name__}: {exc})"
-
-
-def _is_not_found(exc: BaseException) -> bool:
-    text = str(exc)
-    return isinstance(exc, FileNotFoundError) or "not found" in text.lower() or "NoSuchKey" in text \
-        or "404" in text
+    return f"{url} not found{endpoint_note(url)}: was this domain converted there? ({type(exc).__name__}: {exc})"
 
 
 def sync_local_index(domain: str, remote: str | None, local: str, split: str | None = None, *,
