@@ -7,7 +7,7 @@ Trainer and many Lightning modules use. (The metrics dict for a logger is the co
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -15,12 +15,15 @@ from torch import nn
 from grape_stream.config import AlgorithmConfig
 from grape_stream.grape.controller import filter_reweighter_options
 from grape_stream.grape.tasks import TaskStream
+from grape_stream.mixing.loader import MixerDataLoader
 from grape_stream.mixing.mixer import WeightedStreamingMixer
 from grape_stream.models import per_sample_lm_loss_from_logits
 
 __all__ = [
     "CONTROLLER_OPTIONS",
     "IGNORE_INDEX",
+    "BatchTransform",
+    "MixerTrainLoader",
     "as_task",
     "causal_lm_inputs",
     "find_mixer",
@@ -30,6 +33,9 @@ __all__ = [
 
 #: The label value Hugging Face causal LMs (and torch's cross_entropy default) leave out of the loss.
 IGNORE_INDEX = -100
+
+#: Turns a mixer batch into what the model's training step takes (e.g. :func:`causal_lm_inputs`).
+BatchTransform = Callable[[Mapping[str, Any]], Mapping[str, Any]]
 
 #: Keyword options of an algorithm that go to GrapeController itself (everything else: the reweighter).
 CONTROLLER_OPTIONS = frozenset({"probe_mode", "probe_train_mode", "schedule_path", "schedule_stretch", "gram_options"})
@@ -114,3 +120,20 @@ def logits_per_sample_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) 
     out = model(**kwargs)
     logits = out if isinstance(out, torch.Tensor) else out.logits
     return per_sample_lm_loss_from_logits(logits, batch)
+
+
+class MixerTrainLoader:
+    """The mixer's counting DataLoader (``mixer.dataloader()``), each batch passed through ``transform``.
+
+    It has no length (the mixer is an endless stream: the trainer needs a step budget) and keeps the mixer
+    as ``.mixer``, where :func:`find_mixer` looks. Batches are counted as handed out, so weight switches
+    land on deterministic batches (see docs/mixer.md, "Lag")."""
+
+    def __init__(self, loader: MixerDataLoader, transform: BatchTransform | None = causal_lm_inputs) -> None:
+        self.loader = loader
+        self.mixer = loader.mixer
+        self.transform = transform
+
+    def __iter__(self) -> Iterator[Mapping[str, Any]]:
+        for batch in self.loader:
+            yield batch if self.transform is None else self.transform(batch)

@@ -11,15 +11,15 @@ from typing import TYPE_CHECKING
 from grape_stream.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from grape_stream.integrations.common import causal_lm_inputs, logits_per_sample_loss
+    from grape_stream.integrations.common import MixerTrainLoader, causal_lm_inputs, logits_per_sample_loss
     from grape_stream.integrations.hf.callback import STATE_FILE, GrapeTrainerCallback
-    from grape_stream.integrations.hf.trainer import GrapeTrainer, MixerTrainLoader
+    from grape_stream.integrations.hf.trainer import GrapeTrainer
 
 _LAZY = {
     "GrapeTrainerCallback": "grape_stream.integrations.hf.callback",
     "STATE_FILE": "grape_stream.integrations.hf.callback",
     "GrapeTrainer": "grape_stream.integrations.hf.trainer",
-    "MixerTrainLoader": "grape_stream.integrations.hf.trainer",
+    "MixerTrainLoader": "grape_stream.integrations.common",
     "causal_lm_inputs": "grape_stream.integrations.common",
     "logits_per_sample_loss": "grape_stream.integrations.common",
 }

@@ -15,38 +15,19 @@ these:
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
 from grape_stream.errors import ConfigError
-from grape_stream.integrations.common import causal_lm_inputs
+from grape_stream.integrations.common import BatchTransform, MixerTrainLoader, causal_lm_inputs
 from grape_stream.integrations.hf.callback import GrapeTrainerCallback
-from grape_stream.mixing.loader import MixerDataLoader
 from grape_stream.mixing.mixer import WeightedStreamingMixer
 
-__all__ = ["GrapeTrainer", "MixerTrainLoader"]
+__all__ = ["GrapeTrainer"]
 
 log = logging.getLogger(__name__)
-
-BatchTransform = Callable[[Mapping[str, Any]], Mapping[str, Any]]
-
-
-class MixerTrainLoader:
-    """The mixer's counting DataLoader, each batch passed through ``transform`` (what the model takes).
-
-    It has no length (the mixer is an endless stream: give the Trainer ``max_steps``) and keeps the mixer
-    as ``.mixer``, where :func:`~grape_stream.integrations.common.find_mixer` looks."""
-
-    def __init__(self, loader: MixerDataLoader, transform: BatchTransform | None = causal_lm_inputs) -> None:
-        self.loader = loader
-        self.mixer = loader.mixer
-        self.transform = transform
-
-    def __iter__(self) -> Iterator[Mapping[str, Any]]:
-        for batch in self.loader:
-            yield batch if self.transform is None else self.transform(batch)
 
 
 class GrapeTrainer(Trainer):
