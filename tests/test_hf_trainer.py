@@ -51,7 +51,8 @@ def _log(out: str) -> dict[int, dict]:
         if "train_runtime" in row:
             continue
         # "epoch" is HF's count of steps since the loop (re)started, over max_steps: after a resume it restarts
-        by_step.setdefault(row["step"], {}).update({k: v for k, v in row.items() if "seconds" not in k and k != "epoch"})
+        kept = {k: v for k, v in row.items() if "seconds" not in k and k != "epoch"}
+        by_step.setdefault(row["step"], {}).update(kept)
     return by_step
 
 

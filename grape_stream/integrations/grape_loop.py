@@ -143,13 +143,15 @@ class GrapeLoop:
             "mixer": dict(mixer_state) if mixer_state is not None else ctl.mixer.state_dict(),
         }
 
-    def load_state_dict(self, state: Mapping[str, Any], step: int | None = None, where: str = "the checkpoint") -> None:
+    def load_state_dict(self, state: Mapping[str, Any], step: int | None = None,
+                        where: str = "the checkpoint") -> None:
         """Restore the controller and the mixer's position (before the mixer's loader iterates).
 
         ``step``: the trainer's restored step, which must be the one the state was saved at."""
         if not isinstance(state, Mapping) or state.get("format") != LOOP_STATE_FORMAT:
             got = state.get("format") if isinstance(state, Mapping) else type(state).__name__
-            raise DataError(f"{where} holds no grape_stream loop state (format {got!r}, expected {LOOP_STATE_FORMAT!r})")
+            raise DataError(f"{where} holds no grape_stream loop state (format {got!r}, "
+                            f"expected {LOOP_STATE_FORMAT!r})")
         if step is not None and int(state["step"]) != int(step):
             raise DataError(f"{where} holds the GRAPE state of step {state['step']} but the trainer resumes at step "
                             f"{step}: the checkpoint was not written by one run")

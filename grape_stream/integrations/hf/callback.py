@@ -24,6 +24,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from grape_stream.atomic import atomic_open
 from grape_stream.config import AlgorithmConfig
 from grape_stream.errors import DataError
+from grape_stream.grape.probes import unwrap_for_probe
 from grape_stream.integrations.common import find_mixer, logits_per_sample_loss
 from grape_stream.integrations.grape_loop import EndOfRun, GrapeLoop, PerSampleLoss
 
@@ -38,6 +39,11 @@ log = logging.getLogger(__name__)
 STATE_FILE = "grape_stream.pt"
 
 _DEFAULTS = AlgorithmConfig()
+
+
+def _output_dir(args: TrainingArguments) -> str:
+    """``args.output_dir`` (TrainingArguments fills in ``trainer_output`` when it is None)."""
+    return args.output_dir or "trainer_output"
 
 
 class GrapeTrainerCallback(TrainerCallback):
@@ -90,12 +96,13 @@ class GrapeTrainerCallback(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
         mixer = find_mixer(kwargs.get("train_dataloader"), who="GrapeTrainerCallback")
+        unwrap_for_probe(kwargs["model"])  # sharded parameters (FSDP) fail here, before the first step
         if self.loop.trajectory is None and self.loop.write_trajectory:
-            self.loop.trajectory = os.path.join(args.output_dir, "grape_trajectory.jsonl")
+            self.loop.trajectory = os.path.join(_output_dir(args), "grape_trajectory.jsonl")
         self.loop.attach(mixer)
         folder = self.resume_from
         if folder is None and state.global_step > 0:  # resumed by a Trainer that did not say from where
-            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            folder = os.path.join(_output_dir(args), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         if folder is not None:
             self._restore(folder, state.global_step)
         self.loop.start()
@@ -136,7 +143,7 @@ class GrapeTrainerCallback(TrainerCallback):
     # -- checkpoints -----------------------------------------------------------------------------------
     @staticmethod
     def _folder(args: TrainingArguments, state: TrainerState) -> str:
-        return os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        return os.path.join(_output_dir(args), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
 
     def _save(self, args: TrainingArguments, state: TrainerState) -> None:
         if not args.should_save or self.loop.controller is None:

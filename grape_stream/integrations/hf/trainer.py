@@ -46,7 +46,8 @@ class GrapeTrainer(Trainer):
             raise ConfigError("GrapeTrainer trains on the mixer: pass mixer=..., not train_dataset")
         super().__init__(*args, **kwargs)
         if not isinstance(mixer, WeightedStreamingMixer):
-            raise ConfigError(f"GrapeTrainer needs mixer= a grape_stream.WeightedStreamingMixer, got {type(mixer).__name__}")
+            raise ConfigError("GrapeTrainer needs mixer= a grape_stream.WeightedStreamingMixer, "
+                              f"got {type(mixer).__name__}")
         if self.args.per_device_train_batch_size != mixer.batch_size:
             raise ConfigError(f"per_device_train_batch_size={self.args.per_device_train_batch_size} differs from the "
                               f"mixer's batch_size={mixer.batch_size}; set them equal")

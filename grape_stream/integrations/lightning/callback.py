@@ -67,7 +67,8 @@ class GrapeLightningCallback(Callback):
         **options: Any,
     ) -> None:
         if not isinstance(mixer, WeightedStreamingMixer):
-            raise TypeError(f"GrapeLightningCallback needs a grape_stream.WeightedStreamingMixer, got {type(mixer).__name__}")
+            raise TypeError("GrapeLightningCallback needs a grape_stream.WeightedStreamingMixer, "
+                            f"got {type(mixer).__name__}")
         self.mixer = mixer
         self.loop = GrapeLoop(method, tasks, alpha_every, z_every, probe_domain_batch, probe_task_batch, mu_alpha,
                               mu_z, per_sample_loss, seed, log_alignment, trajectory, plots, end_of_run, **options)
