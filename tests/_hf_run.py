@@ -1,6 +1,6 @@
 """Subprocess entry for tests/test_hf_trainer.py: a tiny HF Llama trained by GrapeTrainer on the mixer.
 
-    python tests/_hf_run.py DATA OUT [--steps 24] [--save-every 6] [--kill-at STEP] [--resume]
+    python tests/_hf_run.py DATA OUT [--steps 24] [--save-every 6] [--accumulate 1] [--kill-at STEP] [--resume]
 
 Every batch the model trains on is appended to ``OUT/samples.jsonl`` (mixer batch index, sample ids,
 domains), flushed line by line so a SIGKILL keeps what was written. ``--kill-at`` SIGKILLs the process at
@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("out")
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--save-every", type=int, default=6)
+    p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--resume", action="store_true")
     a = p.parse_args(argv)
@@ -61,8 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ))
     args = TrainingArguments(output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=8, learning_rate=3e-3,
-                             lr_scheduler_type="cosine", logging_steps=1, save_steps=a.save_every, report_to=[],
-                             use_cpu=True, seed=0, disable_tqdm=True)
+                             gradient_accumulation_steps=a.accumulate, lr_scheduler_type="cosine", logging_steps=1,
+                             save_steps=a.save_every, report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
     grape = GrapeTrainerCallback(method="grape", tasks=tasks, alpha_every=4, z_every=4, probe_domain_batch=4,
                                  probe_task_batch=4, mu_alpha=3e-3, mu_z=3e-4, plots=False)
     trainer = GrapeTrainer(model=model, args=args, mixer=mixer, batch_transform=recording_inputs,

@@ -1,9 +1,11 @@
 """GRAPE in a real Hugging Face Trainer (tiny random LlamaForCausalLM on CPU, real MDS shards), and its resume.
 
-The training runs are subprocesses (tests/_hf_run.py): one straight run, one SIGKILLed at step 15 (after the
-checkpoint of step 12, before the next), then the same command resumed with ``resume_from_checkpoint=True``.
-The resumed run must train on exactly the straight run's batches from step 13 on, log the same losses, grad
-norms and GRAPE metrics at every step, write the same alpha / z trajectory and end with the same weights.
+The training runs are subprocesses (tests/_hf_run.py): one straight run, one SIGKILLed between two
+checkpoints, then the same command resumed with ``resume_from_checkpoint=True``. The resumed run must train
+on exactly the straight run's batches from the checkpoint on, log the same losses, grad norms and GRAPE
+metrics at every step, write the same alpha / z trajectory and end with the same weights. Once without
+gradient accumulation (24 steps), once with 2 micro-batches per step (12 steps, 24 batches): GRAPE follows
+optimizer steps, the mixer's position the batches.
 """
 
 from __future__ import annotations
@@ -20,14 +22,17 @@ from _grape_data import write_dataset
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-STEPS, SAVE_EVERY, KILL_AT = 24, 6, 15
+#: (accumulate, steps, save every, kill at, the last checkpoint before the kill)
+CASES = [(1, 24, 6, 15, 12), (2, 12, 4, 10, 8)]
+BATCHES = 24
 
 
-def _run(data: str, out: str, *extra: str) -> subprocess.CompletedProcess:
+def _run(data: str, out: str, case: tuple, *extra: str) -> subprocess.CompletedProcess:
+    accumulate, steps, save_every = case[:3]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, os.path.join(HERE, "_hf_run.py"), data, out, "--steps", str(STEPS),
-                           "--save-every", str(SAVE_EVERY), *extra], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=400)
+    return subprocess.run([sys.executable, os.path.join(HERE, "_hf_run.py"), data, out, "--steps", str(steps),
+                           "--save-every", str(save_every), "--accumulate", str(accumulate), *extra], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=400)
 
 
 def _ok(proc: subprocess.CompletedProcess) -> None:
@@ -43,9 +48,9 @@ def _samples(out: str) -> dict[int, dict]:
     return seen
 
 
-def _log(out: str) -> dict[int, dict]:
+def _log(out: str, steps: int) -> dict[int, dict]:
     """Step -> every number the Trainer logged at that step (losses, grad norms, lr, grape/*), timings left out."""
-    state = json.load(open(os.path.join(out, f"checkpoint-{STEPS}", "trainer_state.json"), encoding="utf-8"))
+    state = json.load(open(os.path.join(out, f"checkpoint-{steps}", "trainer_state.json"), encoding="utf-8"))
     by_step: dict[int, dict] = {}
     for row in state["log_history"]:
         if "train_runtime" in row:
@@ -63,10 +68,10 @@ def _trajectory(out: str) -> list:
     return [(r["step"], r["alpha"], r.get("z"), r.get("task_loss"), r.get("alignment")) for r in records]
 
 
-def _weights(out: str) -> dict[str, torch.Tensor]:
+def _weights(out: str, steps: int) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return load_file(os.path.join(out, f"checkpoint-{STEPS}", "model.safetensors"))
+    return load_file(os.path.join(out, f"checkpoint-{steps}", "model.safetensors"))
 
 
 @pytest.fixture(scope="module")
@@ -76,25 +81,28 @@ def data(tmp_path_factory) -> str:
     return root
 
 
-def test_hf_trainer_sigkill_then_resume_replays_the_straight_run(data, tmp_path):
+@pytest.mark.parametrize("case", CASES, ids=["no-accumulation", "accumulate-2"])
+def test_hf_trainer_sigkill_then_resume_replays_the_straight_run(data, tmp_path, case):
+    accumulate, steps, save_every, kill_at, last = case
     straight, broken = str(tmp_path / "straight"), str(tmp_path / "killed")
-    _ok(_run(data, straight))
-    killed = _run(data, broken, "--kill-at", str(KILL_AT))
+    _ok(_run(data, straight, case))
+    killed = _run(data, broken, case, "--kill-at", str(kill_at))
     assert killed.returncode == -9, killed.stderr[-2000:]
-    last = max(int(d.split("-")[1]) for d in os.listdir(broken) if d.startswith("checkpoint-"))
-    assert last == 12 and os.path.isfile(os.path.join(broken, "checkpoint-12", "grape_stream.pt"))
-    _ok(_run(data, broken, "--resume"))
+    assert max(int(d.split("-")[1]) for d in os.listdir(broken) if d.startswith("checkpoint-")) == last
+    state = torch.load(os.path.join(broken, f"checkpoint-{last}", "grape_stream.pt"), weights_only=True)
+    assert state["step"] == last and state["mixer"]["batch"] == last * accumulate
+    _ok(_run(data, broken, case, "--resume"))
 
     a, b = _samples(straight), _samples(broken)
-    assert sorted(a) == list(range(STEPS)) and a == b  # the same samples, batch by batch
-    assert max(json.loads(line)["batch"] for line in open(os.path.join(broken, "samples.jsonl"))) == STEPS - 1
-    log_a, log_b = _log(straight), _log(broken)
-    assert sorted(log_a) == list(range(1, STEPS + 1))
+    assert sorted(a) == list(range(BATCHES)) and a == b  # the same samples, batch by batch
+    log_a, log_b = _log(straight, steps), _log(broken, steps)
+    assert sorted(log_a) == list(range(1, steps + 1))
     assert log_a == log_b  # losses, grad norms, learning rates and GRAPE metrics at every step
-    assert all("grape/alpha/d0" in log_a[s] for s in (4, 8, 12, 16, 20, 24))
+    updates = list(range(4, steps + 1, 4))
+    assert [s for s in log_a if "grape/alpha/d0" in log_a[s]] == updates
     assert all("loss" in log_a[s] and "grad_norm" in log_a[s] for s in log_a)  # an update keeps its step's loss log
     traj = _trajectory(straight)
-    assert traj == _trajectory(broken) and [t[0] for t in traj] == [0, 4, 8, 12, 16, 20, 24]
+    assert traj == _trajectory(broken) and [t[0] for t in traj] == [0, *updates]
     assert traj[-1][1] != traj[0][1]  # the mixture moved
-    wa, wb = _weights(straight), _weights(broken)
+    wa, wb = _weights(straight, steps), _weights(broken, steps)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

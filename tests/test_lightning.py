@@ -1,10 +1,11 @@
 """GRAPE in a real Lightning Trainer (grape_stream's tiny GPT on CPU, real MDS shards), and its resume.
 
-The training runs are subprocesses (tests/_lightning_run.py): one straight run, one SIGKILLed at step 15 (after
-the checkpoint of step 12, before the next), then the same command resumed from ``step=12.ckpt``. The
-resumed run must train on exactly the straight run's batches from there on, with the same losses, write the
-same alpha / z trajectory and end with the same weights. With ``accumulate_grad_batches=2`` the GRAPE updates
-follow optimizer steps, not batches, and the mixer's position in the checkpoint is the batches trained on.
+The training runs are subprocesses (tests/_lightning_run.py): one straight run, one SIGKILLed between two
+checkpoints, then the same command resumed from the newest checkpoint. The resumed run must train on exactly
+the straight run's batches from there on, with the same losses, write the same alpha / z trajectory and end
+with the same weights. Once without gradient accumulation (24 steps), once with ``accumulate_grad_batches=2``
+(12 steps, 24 batches): the GRAPE updates follow optimizer steps, and the mixer's position in the checkpoint
+is the batches trained on (not the one Lightning's fetcher read ahead).
 """
 
 from __future__ import annotations
@@ -22,12 +23,16 @@ from _grape_data import write_dataset
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-STEPS, SAVE_EVERY, KILL_AT = 24, 6, 15
+#: (accumulate, steps, save every, kill at, the last checkpoint before the kill)
+CASES = [(1, 24, 6, 15, 12), (2, 12, 4, 10, 8)]
+BATCHES = 24
 
 
-def _run(data: str, out: str, *extra: str) -> subprocess.CompletedProcess:
+def _run(data: str, out: str, case: tuple, *extra: str) -> subprocess.CompletedProcess:
+    accumulate, steps, save_every = case[:3]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, os.path.join(HERE, "_lightning_run.py"), data, out, *extra],
+    return subprocess.run([sys.executable, os.path.join(HERE, "_lightning_run.py"), data, out, "--steps", str(steps),
+                           "--save-every", str(save_every), "--accumulate", str(accumulate), *extra],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
 
 
@@ -62,26 +67,30 @@ def data(tmp_path_factory) -> str:
     return root
 
 
-def test_lightning_sigkill_then_resume_replays_the_straight_run(data, tmp_path):
+@pytest.mark.parametrize("case", CASES, ids=["no-accumulation", "accumulate-2"])
+def test_lightning_sigkill_then_resume_replays_the_straight_run(data, tmp_path, case):
+    accumulate, steps, save_every, kill_at, last = case
     straight, broken = str(tmp_path / "straight"), str(tmp_path / "killed")
-    _ok(_run(data, straight))
-    killed = _run(data, broken, "--kill-at", str(KILL_AT))
+    _ok(_run(data, straight, case))
+    killed = _run(data, broken, case, "--kill-at", str(kill_at))
     assert killed.returncode == -9, killed.stderr[-2000:]
-    assert sorted(os.listdir(os.path.join(broken, "ckpt"))) == ["step=12.ckpt", "step=6.ckpt"]
-    _ok(_run(data, broken, "--resume"))
+    assert sorted(os.listdir(os.path.join(broken, "ckpt"))) == sorted(
+        f"step={s}.ckpt" for s in range(save_every, last + 1, save_every))
+    _ok(_run(data, broken, case, "--resume"))
 
     a, b = _samples(straight), _samples(broken)
-    assert sorted(a) == list(range(STEPS)) and a == b  # the same samples and losses, batch by batch
+    assert sorted(a) == list(range(BATCHES)) and a == b  # the same samples and losses, batch by batch
+    updates = list(range(4, steps + 1, 4))
     traj = _trajectory(straight)
-    assert traj == _trajectory(broken) and [t[0] for t in traj] == [0, 4, 8, 12, 16, 20, 24]
+    assert traj == _trajectory(broken) and [t[0] for t in traj] == [0, *updates]
     assert traj[-1][1] != traj[0][1]  # the mixture moved
-    ca, cb = _final(straight, STEPS), _final(broken, STEPS)
+    ca, cb = _final(straight, steps), _final(broken, steps)
     assert ca["state_dict"].keys() == cb["state_dict"].keys()
     assert all(torch.equal(ca["state_dict"][k], cb["state_dict"][k]) for k in ca["state_dict"])
     state = ca["callbacks"]["GrapeLightningCallback"]
-    assert state["format"] == "grape_stream.loop/1" and state["step"] == STEPS and state["batches"] == STEPS
-    assert state["mixer"]["batch"] == STEPS  # trained on, not the one Lightning's fetcher read ahead
+    assert state["format"] == "grape_stream.loop/1" and state["step"] == steps and state["batches"] == BATCHES
+    assert state["mixer"]["batch"] == BATCHES  # trained on, not the one Lightning's fetcher read ahead
     # the GRAPE metrics reach the Trainer's logger at every update
     rows = list(csv.DictReader(open(os.path.join(straight, "csv", "version_0", "metrics.csv"), encoding="utf-8")))
     logged = {int(r["step"]): float(r["grape/alpha/d0"]) for r in rows if r.get("grape/alpha/d0")}
-    assert sorted(logged) == [4, 8, 12, 16, 20, 24] and logged[24] == traj[-1][1][0]
+    assert sorted(logged) == updates and logged[steps] == traj[-1][1][0]
