@@ -106,3 +106,27 @@ def test_hf_trainer_sigkill_then_resume_replays_the_straight_run(data, tmp_path,
     assert traj[-1][1] != traj[0][1]  # the mixture moved
     wa, wb = _weights(straight, steps), _weights(broken, steps)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_resuming_from_a_checkpoint_without_grape_state_is_one_clear_error(data, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    from grape_stream import DomainStream, TaskStream, WeightedStreamingMixer
+    from grape_stream.errors import DataError
+    from grape_stream.integrations.hf import GrapeTrainer, GrapeTrainerCallback
+
+    def trainer(callbacks: list) -> GrapeTrainer:
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32))
+        mixer = WeightedStreamingMixer([DomainStream(d, local=f"{data}/{d}", split="train") for d in ("d0", "d1")],
+                                       batch_size=4, seed=0)
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, save_steps=2,
+                                 report_to=[], use_cpu=True, disable_tqdm=True)
+        return GrapeTrainer(model=model, args=args, mixer=mixer, callbacks=callbacks)
+
+    trainer([]).train()  # a run without GRAPE: its checkpoint has no grape_stream.pt
+    folder = tmp_path / "checkpoint-2"
+    assert folder.is_dir() and not (folder / "grape_stream.pt").exists()
+    grape = GrapeTrainerCallback(tasks=[TaskStream("t0", local=f"{data}/tasks/t0")], alpha_every=1, z_every=1)
+    with pytest.raises(DataError, match="checkpoint-2 has no grape_stream.pt"):
+        trainer([grape]).train(resume_from_checkpoint=True)
