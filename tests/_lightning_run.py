@@ -1,12 +1,15 @@
 """Subprocess entry for tests/test_lightning.py: grape_stream's tiny GPT trained by a Lightning Trainer on the mixer.
 
     python tests/_lightning_run.py DATA OUT [--steps 24] [--save-every 6] [--accumulate 1] [--kill-at STEP]
-                                   [--resume]
+                                   [--resume] [--devices N]
 
 Every batch trained on is appended to ``OUT/samples.jsonl`` (mixer batch index, sample ids, domains and the
 exact loss), flushed line by line so a SIGKILL keeps what was written. ``--kill-at`` SIGKILLs the process at
 the end of that optimizer step (after GRAPE's update). ``--resume`` resumes from the newest checkpoint in
-``OUT/ckpt``. Checkpoints are ``OUT/ckpt/step=N.ckpt``; metrics go to ``OUT/csv/version_0/metrics.csv``.
+``OUT/ckpt``. Checkpoints are ``OUT/ckpt/step=N.ckpt``; metrics go to ``OUT/csv/version_0/metrics.csv``; each
+rank writes its controller's (step, alpha) history to ``OUT/alphas-rank<r>.json`` at the end.
+``--devices 2`` under ``torchrun --nproc_per_node 2``: DDP on CPU (gloo); rank r > 0 records its batches
+in ``samples-rank<r>.jsonl``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--save-every", type=int, default=6)
     p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--devices", type=int, default=1, help="> 1: DDP on CPU (gloo); launch with torchrun")
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--resume", action="store_true")
     a = p.parse_args(argv)
@@ -47,7 +51,9 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(1)  # two cores shared by the suite: no oversubscription
     os.makedirs(a.out, exist_ok=True)
-    record = open(os.path.join(a.out, "samples.jsonl"), "a", encoding="utf-8")
+    rank = int(os.environ.get("RANK", "0"))
+    record = open(os.path.join(a.out, "samples.jsonl" if rank == 0 else f"samples-rank{rank}.jsonl"), "a",
+                  encoding="utf-8")
 
     class LitGPT(pl.LightningModule):
         def __init__(self) -> None:
@@ -75,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
             if trainer.global_step == a.kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
+    if a.devices > 1:  # torchrun set RANK / WORLD_SIZE: one process group, before streaming would make its own
+        torch.distributed.init_process_group("gloo")  # Lightning's DDP strategy uses it as it is
     mixer = WeightedStreamingMixer([DomainStream(d, local=f"{a.data}/{d}", split="train") for d in DOMAINS],
                                    batch_size=8, seed=0)
     tasks = [TaskStream(t, local=f"{a.data}/tasks/{t}") for t in TASKS]
@@ -84,7 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     checkpoints = ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=a.save_every, save_top_k=-1)
     torch.manual_seed(0)
     module = LitGPT()
-    trainer = pl.Trainer(max_steps=a.steps, accelerator="cpu", devices=1, accumulate_grad_batches=a.accumulate,
+    trainer = pl.Trainer(max_steps=a.steps, accelerator="cpu", devices=a.devices, accumulate_grad_batches=a.accumulate,
+                         strategy="ddp" if a.devices > 1 else "auto",
                          callbacks=[grape, checkpoints, KillAt()], default_root_dir=a.out,
                          logger=CSVLogger(a.out, name="csv", version=0), log_every_n_steps=1,
                          enable_progress_bar=False, enable_model_summary=False)
@@ -93,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
         steps = [int(m.group(1)) for f in os.listdir(ckpt_dir) if (m := re.fullmatch(r"step=(\d+)\.ckpt", f))]
         resume = os.path.join(ckpt_dir, f"step={max(steps)}.ckpt")
     trainer.fit(module, datamodule=MixerDataModule(mixer), ckpt_path=resume)
+    with open(os.path.join(a.out, f"alphas-rank{rank}.json"), "w", encoding="utf-8") as f:
+        json.dump([[r["step"], r["alpha"]] for r in grape.controller.history], f)
     mixer.close()
 
 

@@ -94,3 +94,25 @@ def test_lightning_sigkill_then_resume_replays_the_straight_run(data, tmp_path, 
     rows = list(csv.DictReader(open(os.path.join(straight, "csv", "version_0", "metrics.csv"), encoding="utf-8")))
     logged = {int(r["step"]): float(r["grape/alpha/d0"]) for r in rows if r.get("grape/alpha/d0")}
     assert sorted(logged) == updates and logged[steps] == traj[-1][1][0]
+
+
+def test_lightning_ddp_two_ranks_agree_on_alpha_and_read_disjoint_samples(data, tmp_path):
+    """DDP on CPU (gloo, torchrun, 2 ranks): one mixture for both ranks, different samples, one checkpoint."""
+    out = str(tmp_path / "ddp")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    port = str(29400 + os.getpid() % 500)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           port, os.path.join(HERE, "_lightning_run.py"), data, out, "--devices", "2", "--steps", "8",
+                           "--save-every", "4"], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0, r1 = (json.load(open(os.path.join(out, f"alphas-rank{r}.json"), encoding="utf-8")) for r in (0, 1))
+    assert r0 == r1 and [s for s, _ in r0] == [0, 4, 8] and r0[-1][1] != r0[0][1]
+    s0 = [json.loads(x) for x in open(os.path.join(out, "samples.jsonl"), encoding="utf-8")]
+    s1 = [json.loads(x) for x in open(os.path.join(out, "samples-rank1.jsonl"), encoding="utf-8")]
+    assert [r["batch"] for r in s0] == [r["batch"] for r in s1] == list(range(8))
+    seen0 = {(d, i) for r in s0 for d, i in zip(r["domains"], r["ids"])}
+    seen1 = {(d, i) for r in s1 for d, i in zip(r["domains"], r["ids"])}
+    assert not seen0 & seen1  # each rank reads its own part of every domain
+    state = _final(out, 8)["callbacks"]["GrapeLightningCallback"]
+    assert state["step"] == 8 and state["mixer"]["batch"] == 8 and state["mixer"]["world_size"] == 2
+    assert [t[1] for t in _trajectory(out)] == [a for _, a in r0]
