@@ -5,7 +5,10 @@
 Every batch the model trains on is appended to ``OUT/samples.jsonl`` (mixer batch index, sample ids,
 domains), flushed line by line so a SIGKILL keeps what was written. ``--kill-at`` SIGKILLs the process at
 the end of that optimizer step (after GRAPE's update): nothing is flushed or closed, as in an OOM kill or a
-preempted node. ``--resume`` resumes from the newest ``checkpoint-N`` in OUT.
+preempted node. ``--resume`` resumes from the newest ``checkpoint-N`` in OUT. Each rank writes its
+controller's (step, alpha) history to ``OUT/alphas-rank<r>.json`` at the end. Under ``torchrun
+--nproc_per_node 2`` it trains with DDP on CPU (gloo); rank r > 0 records its batches in
+``samples-rank<r>.jsonl``.
 """
 
 from __future__ import annotations
@@ -41,7 +44,11 @@ def main(argv: list[str] | None = None) -> None:
     from grape_stream.integrations.hf import GrapeTrainer, GrapeTrainerCallback, causal_lm_inputs
 
     os.makedirs(a.out, exist_ok=True)
-    record = open(os.path.join(a.out, "samples.jsonl"), "a", encoding="utf-8")
+    rank = int(os.environ.get("RANK", "0"))
+    record = open(os.path.join(a.out, "samples.jsonl" if rank == 0 else f"samples-rank{rank}.jsonl"), "a",
+                  encoding="utf-8")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: one process group, before streaming makes its own
+        torch.distributed.init_process_group("gloo")
 
     def recording_inputs(batch):
         record.write(json.dumps({"batch": int(batch["batch_index"][0]), "ids": batch["sample_index"].tolist(),
@@ -69,6 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     trainer = GrapeTrainer(model=model, args=args, mixer=mixer, batch_transform=recording_inputs,
                            callbacks=[grape, KillAt()])
     trainer.train(resume_from_checkpoint=True if a.resume else None)
+    with open(os.path.join(a.out, f"alphas-rank{rank}.json"), "w", encoding="utf-8") as f:
+        json.dump([[r["step"], r["alpha"]] for r in grape.controller.history], f)
     mixer.close()
 
 

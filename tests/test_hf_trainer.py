@@ -130,3 +130,25 @@ def test_resuming_from_a_checkpoint_without_grape_state_is_one_clear_error(data,
     grape = GrapeTrainerCallback(tasks=[TaskStream("t0", local=f"{data}/tasks/t0")], alpha_every=1, z_every=1)
     with pytest.raises(DataError, match="checkpoint-2 has no grape_stream.pt"):
         trainer([grape]).train(resume_from_checkpoint=True)
+
+
+def test_hf_trainer_ddp_two_ranks_agree_on_alpha_and_read_disjoint_samples(data, tmp_path):
+    """DDP on CPU (gloo, torchrun, 2 ranks): one mixture for both ranks, different samples, one checkpoint."""
+    out = str(tmp_path / "ddp")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    port = str(29900 + os.getpid() % 500)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           port, os.path.join(HERE, "_hf_run.py"), data, out, "--steps", "8", "--save-every", "4"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0, r1 = (json.load(open(os.path.join(out, f"alphas-rank{r}.json"), encoding="utf-8")) for r in (0, 1))
+    assert r0 == r1 and [s for s, _ in r0] == [0, 4, 8] and r0[-1][1] != r0[0][1]
+    s0 = [json.loads(x) for x in open(os.path.join(out, "samples.jsonl"), encoding="utf-8")]
+    s1 = [json.loads(x) for x in open(os.path.join(out, "samples-rank1.jsonl"), encoding="utf-8")]
+    assert [r["batch"] for r in s0] == [r["batch"] for r in s1] == list(range(8))
+    seen0 = {(d, i) for r in s0 for d, i in zip(r["domains"], r["ids"])}
+    seen1 = {(d, i) for r in s1 for d, i in zip(r["domains"], r["ids"])}
+    assert not seen0 & seen1  # each rank reads its own part of every domain
+    state = torch.load(os.path.join(out, "checkpoint-8", "grape_stream.pt"), weights_only=True)
+    assert state["step"] == 8 and state["mixer"]["batch"] == 8 and state["mixer"]["world_size"] == 2
+    assert [t[1] for t in _trajectory(out)] == [a for _, a in r0]
