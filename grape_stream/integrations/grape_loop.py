@@ -87,7 +87,7 @@ class GrapeLoop:
         self.per_sample_loss = per_sample_loss
         self.seed = seed
         self.log_alignment = log_alignment
-        self.trajectory: str | None = None if trajectory in (None, True, False) else os.fspath(trajectory)  # type: ignore[arg-type]
+        self.trajectory = os.fspath(trajectory) if isinstance(trajectory, (str, os.PathLike)) else None
         self.write_trajectory = trajectory is not False
         self.plots = plots
         self.end_of_run = end_of_run

@@ -74,8 +74,8 @@ class GrapeTrainer(Trainer):
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ConfigError(f"resume_from_checkpoint=True but {self.args.output_dir} has no checkpoint-N folder")
-        folder = resume_from_checkpoint or None
+        folder = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
         for cb in self.grape_callbacks():
             cb.bind(self)
-            cb.resume_from = folder  # type: ignore[assignment]
+            cb.resume_from = folder
         return super().train(folder, *args, **kwargs)
