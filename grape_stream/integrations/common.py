@@ -1,18 +1,41 @@
 """What every trainer integration needs, with no trainer imported: find the mixer behind a train
-dataloader, and split an algorithm's keyword options between controller and reweighter. (The metrics
-dict for a logger is the controller's own: ``GrapeController.metrics(record)``.)
+dataloader, split an algorithm's keyword options between controller and reweighter, and speak the
+Hugging Face model convention (``input_ids`` / ``labels`` batches, outputs with ``.logits``) that the HF
+Trainer and many Lightning modules use. (The metrics dict for a logger is the controller's own:
+``GrapeController.metrics(record)``.)
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+from torch import nn
 
 from grape_stream.config import AlgorithmConfig
 from grape_stream.grape.controller import filter_reweighter_options
 from grape_stream.grape.tasks import TaskStream
+from grape_stream.mixing.loader import MixerDataLoader
 from grape_stream.mixing.mixer import WeightedStreamingMixer
+from grape_stream.models import per_sample_lm_loss_from_logits
 
-__all__ = ["CONTROLLER_OPTIONS", "as_task", "find_mixer", "split_algorithm_options"]
+__all__ = [
+    "CONTROLLER_OPTIONS",
+    "IGNORE_INDEX",
+    "BatchTransform",
+    "MixerTrainLoader",
+    "as_task",
+    "causal_lm_inputs",
+    "find_mixer",
+    "logits_per_sample_loss",
+    "split_algorithm_options",
+]
+
+#: The label value Hugging Face causal LMs (and torch's cross_entropy default) leave out of the loss.
+IGNORE_INDEX = -100
+
+#: Turns a mixer batch into what the model's training step takes (e.g. :func:`causal_lm_inputs`).
+BatchTransform = Callable[[Mapping[str, Any]], Mapping[str, Any]]
 
 #: Keyword options of an algorithm that go to GrapeController itself (everything else: the reweighter).
 CONTROLLER_OPTIONS = frozenset({"probe_mode", "probe_train_mode", "schedule_path", "schedule_stretch", "gram_options"})
@@ -68,3 +91,49 @@ def split_algorithm_options(
     reweighter = {**kept_defaults, **options}
     filter_reweighter_options(method, reweighter, strict=True)
     return controller, reweighter
+
+
+def causal_lm_inputs(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """A mixer batch as a Hugging Face causal LM takes it: ``input_ids`` = ``tokens`` and ``labels`` = the
+    same tokens, with ``loss_mask == 0`` positions set to -100 (ignored), since HF models shift the labels
+    themselves. The mixer's bookkeeping columns (``domain``, ``batch_index``, ...) are dropped: an HF
+    ``forward`` rejects unknown keyword arguments. Packed sequences need no ``attention_mask``."""
+    tokens = batch["tokens"]
+    if not isinstance(tokens, torch.Tensor):
+        tokens = torch.as_tensor(tokens)
+    tokens = tokens.long()
+    labels = tokens.clone()
+    mask = batch.get("loss_mask")
+    if mask is not None:
+        labels = labels.masked_fill(torch.as_tensor(mask) == 0, IGNORE_INDEX)
+    return {"input_ids": tokens, "labels": labels}
+
+
+def logits_per_sample_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The GRAPE probe's per-sample LM loss, Tensor[B], for a model called as ``model(input_ids=...)`` that
+    returns logits or an output with ``.logits`` (any HF ``*ForCausalLM``). Scores the same loss as
+    :func:`grape_stream.models.per_sample_lm_loss` (``loss_mask`` honoured); the KV cache is turned off,
+    as a probe never decodes."""
+    kwargs: dict[str, Any] = {"input_ids": batch["tokens"].long()[:, :-1]}
+    if getattr(getattr(model, "config", None), "use_cache", None) is not None:
+        kwargs["use_cache"] = False
+    out = model(**kwargs)
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    return per_sample_lm_loss_from_logits(logits, batch)
+
+
+class MixerTrainLoader:
+    """The mixer's counting DataLoader (``mixer.dataloader()``), each batch passed through ``transform``.
+
+    It has no length (the mixer is an endless stream: the trainer needs a step budget) and keeps the mixer
+    as ``.mixer``, where :func:`find_mixer` looks. Batches are counted as handed out, so weight switches
+    land on deterministic batches (see docs/mixer.md, "Lag")."""
+
+    def __init__(self, loader: MixerDataLoader, transform: BatchTransform | None = causal_lm_inputs) -> None:
+        self.loader = loader
+        self.mixer = loader.mixer
+        self.transform = transform
+
+    def __iter__(self) -> Iterator[Mapping[str, Any]]:
+        for batch in self.loader:
+            yield batch if self.transform is None else self.transform(batch)

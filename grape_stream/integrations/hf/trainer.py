@@ -1,0 +1,81 @@
+"""GrapeTrainer: a ``transformers.Trainer`` whose train dataloader is a WeightedStreamingMixer.
+
+A callback cannot replace the Trainer's train dataloader, so three small overrides live here, and only
+these:
+
+* ``get_train_dataloader`` returns the mixer's own counting loader (``mixer.dataloader()``), its batches
+  turned into ``input_ids`` / ``labels`` (:func:`~grape_stream.integrations.common.causal_lm_inputs`).
+  It is not passed through ``accelerator.prepare``: the mixer already gives every rank its own disjoint
+  batches, and accelerate's wrapper would read one batch ahead of the trainer.
+* ``ignore_data_skip`` is forced on: on resume the Trainer would otherwise re-read (and throw away) every
+  batch since the start through a new loader; the mixer restores its position itself.
+* ``train`` tells the GrapeTrainerCallback which checkpoint folder it resumes from.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from transformers import Trainer
+from transformers.trainer_utils import get_last_checkpoint
+
+from grape_stream.errors import ConfigError
+from grape_stream.integrations.common import BatchTransform, MixerTrainLoader, causal_lm_inputs
+from grape_stream.integrations.hf.callback import GrapeTrainerCallback
+from grape_stream.mixing.mixer import WeightedStreamingMixer
+
+__all__ = ["GrapeTrainer"]
+
+log = logging.getLogger(__name__)
+
+
+class GrapeTrainer(Trainer):
+    """``Trainer(..., mixer=mixer, callbacks=[GrapeTrainerCallback(...)])``: train on the mixer's batches.
+
+    ``mixer``: the train data (do not pass ``train_dataset``); ``args.per_device_train_batch_size`` must equal
+    ``mixer.batch_size`` and ``args.max_steps`` must be set. ``batch_transform`` turns a mixer batch into the
+    model's keyword arguments (default: ``input_ids`` and ``labels`` from ``tokens`` and ``loss_mask``; None
+    passes the mixer's batch as it is). ``args.dataloader_num_workers`` / ``dataloader_pin_memory`` are
+    honoured. Evaluation datasets work as in any Trainer.
+    """
+
+    def __init__(self, *args: Any, mixer: WeightedStreamingMixer,
+                 batch_transform: BatchTransform | None = causal_lm_inputs, **kwargs: Any) -> None:
+        if kwargs.get("train_dataset") is not None:
+            raise ConfigError("GrapeTrainer trains on the mixer: pass mixer=..., not train_dataset")
+        super().__init__(*args, **kwargs)
+        if not isinstance(mixer, WeightedStreamingMixer):
+            raise ConfigError("GrapeTrainer needs mixer= a grape_stream.WeightedStreamingMixer, "
+                              f"got {type(mixer).__name__}")
+        if self.args.per_device_train_batch_size != mixer.batch_size:
+            raise ConfigError(f"per_device_train_batch_size={self.args.per_device_train_batch_size} differs from the "
+                              f"mixer's batch_size={mixer.batch_size}; set them equal")
+        if self.args.max_steps <= 0:
+            raise ConfigError("GrapeTrainer needs max_steps > 0 in TrainingArguments: the mixer is an endless stream")
+        if not self.args.ignore_data_skip:
+            log.info("GrapeTrainer sets ignore_data_skip=True: the mixer restores its own position on resume")
+            self.args.ignore_data_skip = True
+        self.mixer = mixer
+        self.batch_transform = batch_transform
+
+    def grape_callbacks(self) -> list[GrapeTrainerCallback]:
+        return [cb for cb in self.callback_handler.callbacks if isinstance(cb, GrapeTrainerCallback)]
+
+    def get_train_dataloader(self) -> MixerTrainLoader:  # type: ignore[override]
+        loader = self.mixer.dataloader(num_workers=self.args.dataloader_num_workers,
+                                       pin_memory=self.args.dataloader_pin_memory)
+        return MixerTrainLoader(loader, self.batch_transform)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; a resume (a folder, or True: the newest ``checkpoint-N`` in ``output_dir``) also
+        restores the GRAPE controller and the mixer's position from that folder's ``grape_stream.pt``."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ConfigError(f"resume_from_checkpoint=True but {self.args.output_dir} has no checkpoint-N folder")
+        folder = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
+        for cb in self.grape_callbacks():
+            cb.bind(self)
+            cb.resume_from = folder
+        return super().train(folder, *args, **kwargs)

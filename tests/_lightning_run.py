@@ -1,0 +1,111 @@
+"""Subprocess entry for tests/test_lightning.py: grape_stream's tiny GPT trained by a Lightning Trainer on the mixer.
+
+    python tests/_lightning_run.py DATA OUT [--steps 24] [--save-every 6] [--accumulate 1] [--kill-at STEP]
+                                   [--resume] [--devices N]
+
+Every batch trained on is appended to ``OUT/samples.jsonl`` (mixer batch index, sample ids, domains and the
+exact loss), flushed line by line so a SIGKILL keeps what was written. ``--kill-at`` SIGKILLs the process at
+the end of that optimizer step (after GRAPE's update). ``--resume`` resumes from the newest checkpoint in
+``OUT/ckpt``. Checkpoints are ``OUT/ckpt/step=N.ckpt``; metrics go to ``OUT/csv/version_0/metrics.csv``; each
+rank writes its controller's (step, alpha) history to ``OUT/alphas-rank<r>.json`` at the end.
+``--devices 2`` under ``torchrun --nproc_per_node 2``: DDP on CPU (gloo); rank r > 0 records its batches
+in ``samples-rank<r>.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+DOMAINS = ["d0", "d1", "d2"]
+TASKS = ["t0", "t1"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("data")
+    p.add_argument("out")
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--save-every", type=int, default=6)
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--devices", type=int, default=1, help="> 1: DDP on CPU (gloo); launch with torchrun")
+    p.add_argument("--kill-at", type=int, default=None)
+    p.add_argument("--resume", action="store_true")
+    a = p.parse_args(argv)
+
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from _grape_data import SEQ, VOCAB
+    from grape_stream import DomainStream, TaskStream, WeightedStreamingMixer
+    from grape_stream.integrations.lightning import GrapeLightningCallback, MixerDataModule
+    from grape_stream.models import GPT, GPTConfig, per_sample_lm_loss
+
+    torch.set_num_threads(1)  # two cores shared by the suite: no oversubscription
+    os.makedirs(a.out, exist_ok=True)
+    rank = int(os.environ.get("RANK", "0"))
+    record = open(os.path.join(a.out, "samples.jsonl" if rank == 0 else f"samples-rank{rank}.jsonl"), "a",
+                  encoding="utf-8")
+
+    class LitGPT(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=2, n_head=2, d_model=32, d_ff=64))
+
+        def forward(self, tokens):  # the GRAPE probe calls module(tokens) -> logits
+            return self.model(tokens)
+
+        def training_step(self, batch, batch_idx):
+            loss = per_sample_lm_loss(self.model, batch).mean()
+            record.write(json.dumps({"batch": int(batch["batch_index"][0]), "ids": batch["sample_index"].tolist(),
+                                     "domains": batch["domain"].tolist(), "loss": loss.item()}) + "\n")
+            record.flush()
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=3e-3)
+            sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=a.steps)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    class KillAt(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == a.kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    if a.devices > 1:  # torchrun set RANK / WORLD_SIZE: one process group, before streaming would make its own
+        torch.distributed.init_process_group("gloo")  # Lightning's DDP strategy uses it as it is
+    mixer = WeightedStreamingMixer([DomainStream(d, local=f"{a.data}/{d}", split="train") for d in DOMAINS],
+                                   batch_size=8, seed=0)
+    tasks = [TaskStream(t, local=f"{a.data}/tasks/{t}") for t in TASKS]
+    grape = GrapeLightningCallback(mixer, method="grape", tasks=tasks, alpha_every=4, z_every=4, probe_domain_batch=4,
+                                   probe_task_batch=4, mu_alpha=3e-3, mu_z=3e-4, plots=False)
+    ckpt_dir = os.path.join(a.out, "ckpt")
+    checkpoints = ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=a.save_every, save_top_k=-1)
+    torch.manual_seed(0)
+    module = LitGPT()
+    trainer = pl.Trainer(max_steps=a.steps, accelerator="cpu", devices=a.devices, accumulate_grad_batches=a.accumulate,
+                         strategy="ddp" if a.devices > 1 else "auto",
+                         callbacks=[grape, checkpoints, KillAt()], default_root_dir=a.out,
+                         logger=CSVLogger(a.out, name="csv", version=0), log_every_n_steps=1,
+                         enable_progress_bar=False, enable_model_summary=False)
+    resume = None
+    if a.resume:
+        steps = [int(m.group(1)) for f in os.listdir(ckpt_dir) if (m := re.fullmatch(r"step=(\d+)\.ckpt", f))]
+        resume = os.path.join(ckpt_dir, f"step={max(steps)}.ckpt")
+    trainer.fit(module, datamodule=MixerDataModule(mixer), ckpt_path=resume)
+    with open(os.path.join(a.out, f"alphas-rank{rank}.json"), "w", encoding="utf-8") as f:
+        json.dump([[r["step"], r["alpha"]] for r in grape.controller.history], f)
+    mixer.close()
+
+
+if __name__ == "__main__":
+    main()
