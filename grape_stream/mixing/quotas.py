@@ -67,11 +67,38 @@ def _mix(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
+_MASK = (1 << 64) - 1
+_GOLDEN_I, _M1_I, _M2_I = int(_GOLDEN), int(_M1), int(_M2)
+
+
+def _mix_int(z: int) -> int:
+    """:func:`_mix` on one Python int (the same uint64 arithmetic, without numpy's per-call cost)."""
+    z = (z + _GOLDEN_I) & _MASK
+    z = ((z ^ (z >> 30)) * _M1_I) & _MASK
+    z = ((z ^ (z >> 27)) * _M2_I) & _MASK
+    return z ^ (z >> 31)
+
+
 def hash64(*keys: int | np.integer | np.ndarray) -> np.ndarray:
-    """A uint64 hash of integer coordinates (arrays broadcast), e.g. ``hash64(seed, batch, rank, TAG)``."""
+    """A uint64 hash of integer coordinates (arrays broadcast), e.g. ``hash64(seed, batch, rank, TAG)``.
+
+    Leading scalar keys are mixed with Python ints (bit-identical: the same operations modulo 2**64, a
+    negative key taken as its int64 two's complement, as ``astype(uint64)`` does); numpy takes over at the
+    first array key. That keeps a per-batch hash of a few coordinates at a few microseconds.
+    """
+    h_int = 0
+    i = 0
+    for k in keys:
+        if not isinstance(k, (int, np.integer)) or isinstance(k, np.uint64):
+            break
+        v = int(k)
+        if not -(1 << 63) <= v < (1 << 63):
+            raise OverflowError(f"hash key {v} does not fit in int64")
+        h_int = _mix_int(h_int ^ (v & _MASK))
+        i += 1
     with np.errstate(over="ignore"):
-        h = np.zeros((), dtype=np.uint64)
-        for k in keys:
+        h = np.asarray(h_int, dtype=np.uint64)
+        for k in keys[i:]:
             arr = np.asarray(k)
             if arr.dtype != np.uint64:
                 arr = np.asarray(arr, dtype=np.int64).astype(np.uint64)
@@ -212,6 +239,8 @@ class QuotaPlanner:
         self._spent_reported = self.counts >= self.budgets
         self._u_start = 0
         self._u = np.empty(0)
+        self._weights_key: tuple | None = None
+        self._weights: tuple[np.ndarray, np.ndarray] = (np.empty(0), np.empty(0))
 
     # -- public ------------------------------------------------------------------------------------
     def plan(self, batch: int, segments: Callable[[int, int], list[Segment]]) -> BatchPlan | None:
@@ -304,9 +333,18 @@ class QuotaPlanner:
         avail = self.available
         if not avail.any():
             raise StreamExhausted(b)
-        alpha = effective_weights(alpha_sched, avail)
+        key = (id(alpha_sched), avail.tobytes())
+        if self._weights_key is not None and self._weights_key[:2] == key and self._weights_key[2] is alpha_sched:
+            alpha, scaled = self._weights
+        else:  # new weights or a newly spent domain: computed once per segment, not per batch
+            alpha = effective_weights(alpha_sched, avail)
+            scaled = self.B * _cumulative(alpha)
+            self._weights_key, self._weights = (*key, alpha_sched), (alpha, scaled)
         if self.composition == "systematic":
-            q = systematic_counts(alpha, self.B, self._offset(b))[0]
+            # systematic_counts(alpha, B, u)[0] with B * cum computed once (the same floating-point ops).
+            edges = np.clip(np.ceil(scaled - self._offset(b)[0]), 0, self.B).astype(np.int64)
+            edges[-1] = self.B
+            q = np.diff(edges, prepend=0)
         else:
             q = batch_quota(self.composition, alpha, self.B, self.seed, b, self.rank)
         remaining = self.budgets - self.counts
