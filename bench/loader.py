@@ -281,7 +281,7 @@ def _measure(method: str, storage: str, dirs: list[str], remotes: list[str] | No
     else:
         drop_raw(dirs)
     total = sum(dir_samples(dirs))
-    max_batches = total // batch  # at most one pass over the data
+    max_batches = total // max(batch, 1)  # at most one pass over the data
     cache = Path(tempfile.mkdtemp(prefix="bench_cache_", dir=data_root))
     try:
         if method == "raw":

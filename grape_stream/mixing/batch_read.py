@@ -28,8 +28,8 @@ class BatchReader:
         offsets = [np.asarray(r.dataset.sample_offset_per_shard, np.int64) for r in readers]  # first id per shard
         self.domain_base = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         self.shard_first = np.concatenate([o + b for o, b in zip(offsets, self.domain_base)])
-        self.shard_domain = np.concatenate([np.full(len(o), k, np.int64) for k, o in enumerate(offsets)])
-        self.shard_local = np.concatenate([np.arange(len(o), dtype=np.int64) for o in offsets])
+        # Per global shard: (its domain's reader, its index there), as Python objects for the loop below.
+        self.shard_owner = [(self.readers[k], i) for k, o in enumerate(offsets) for i in range(len(o))]
         self.enabled = True  # set False once a shard needs the per-sample path: the caller reads per domain
 
     def read(self, domains: np.ndarray, sample_ids: np.ndarray) -> dict[str, np.ndarray] | None:
@@ -53,13 +53,14 @@ class BatchReader:
         buf: dict[str, np.ndarray] | None = None
         signature = None
         for a, b, gs in zip(bounds[:-1], bounds[1:], starts):
-            m = self.readers[int(self.shard_domain[gs])].uniform(int(self.shard_local[gs]))
+            reader, shard = self.shard_owner[gs]
+            m = reader.uniform(shard)
             if m is None:
                 self.enabled = False
                 return None
             if buf is None:
-                buf, signature = m.empty_batch(n), m.signature()
-            elif m.signature() != signature:
+                buf, signature = m.empty_batch(n), m.signature
+            elif m.signature != signature:
                 return None  # the domains' columns differ: the per-domain path names them
             m.take_into(local[a:b], buf, a, b)
         assert buf is not None and m is not None

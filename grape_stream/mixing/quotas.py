@@ -239,6 +239,8 @@ class QuotaPlanner:
         self._spent_reported = self.counts >= self.budgets
         self._u_start = 0
         self._u = np.empty(0)
+        self._budgeted = bool((self.budgets != _NO_BUDGET).any())
+        self._all_available = np.ones(self.K, bool)
         self._weights_key: tuple | None = None
         self._weights: tuple[np.ndarray, np.ndarray] = (np.empty(0), np.empty(0))
 
@@ -330,7 +332,7 @@ class QuotaPlanner:
         self._report_spent()
 
     def _one_batch(self, b: int, alpha_sched: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        avail = self.available
+        avail = self.available if self._budgeted else self._all_available
         if not avail.any():
             raise StreamExhausted(b)
         key = (id(alpha_sched), avail.tobytes())
@@ -342,11 +344,15 @@ class QuotaPlanner:
             self._weights_key, self._weights = (*key, alpha_sched), (alpha, scaled)
         if self.composition == "systematic":
             # systematic_counts(alpha, B, u)[0] with B * cum computed once (the same floating-point ops).
-            edges = np.clip(np.ceil(scaled - self._offset(b)[0]), 0, self.B).astype(np.int64)
+            # (np.minimum/np.maximum: np.clip's Python wrapper costs more than the arithmetic; no NaN here.)
+            edges = np.minimum(np.maximum(np.ceil(scaled - self._offset(b)[0]), 0), self.B).astype(np.int64)
             edges[-1] = self.B
-            q = np.diff(edges, prepend=0)
+            q = edges.copy()
+            q[1:] -= edges[:-1]
         else:
             q = batch_quota(self.composition, alpha, self.B, self.seed, b, self.rank)
+        if not self._budgeted:
+            return q, alpha  # no max_epochs: nothing can be spent (the clipping below would change nothing)
         remaining = self.budgets - self.counts
         excess = int(np.maximum(q - remaining, 0).sum())
         q = np.minimum(q, remaining)
@@ -373,6 +379,8 @@ class QuotaPlanner:
         return self._u[i:i + 1]
 
     def _report_spent(self) -> None:
+        if not self._budgeted:
+            return
         spent = self.counts >= self.budgets
         new = np.flatnonzero(spent & ~self._spent_reported)
         self._spent_reported = spent

@@ -42,7 +42,7 @@ class Column:
 class MappedShard:
     """One raw MDS shard file, memory-mapped read-only, with its sample offsets."""
 
-    __slots__ = ("mm", "offsets", "columns", "_views")
+    __slots__ = ("mm", "offsets", "columns", "signature", "_views")
 
     def __init__(self, path: str) -> None:
         fd = os.open(path, os.O_RDONLY)
@@ -53,6 +53,8 @@ class MappedShard:
         n = int(np.frombuffer(self.mm, np.uint32, count=1, offset=0)[0])
         self.offsets = np.frombuffer(self.mm, np.uint32, count=n + 1, offset=4).astype(np.int64)
         self.columns: tuple[Column, ...] | None = None
+        #: What must agree between shards whose samples share one batch: names, dtypes, shapes.
+        self.signature: tuple | None = None
         self._views: dict[str, np.ndarray] | None = None
 
     def sample(self, i: int) -> bytes:
@@ -72,6 +74,7 @@ class MappedShard:
                                           buffer=self.mm, offset=first + c.offset, strides=(length,))
                        for c in columns}
         self.columns = columns
+        self.signature = tuple((c.name, c.dtype.str, c.shape) for c in columns)
 
     def take(self, local: np.ndarray) -> dict[str, np.ndarray] | None:
         """Columns of the samples ``local`` (indices inside the shard) as new arrays, or None (not uniform)."""
@@ -95,10 +98,6 @@ class MappedShard:
         assert self.columns is not None
         return {c.name: records[c.name].view(c.dtype).reshape(len(records[c.name]), *c.shape)
                 for c in self.columns}
-
-    def signature(self) -> tuple | None:
-        """What must agree between shards whose samples share one batch: names, dtypes, shapes."""
-        return None if self.columns is None else tuple((c.name, c.dtype.str, c.shape) for c in self.columns)
 
     def close(self) -> None:
         self._views = None  # the views export the mapping's buffer: drop them before closing it
