@@ -247,3 +247,30 @@ def test_domain_order_is_shard_local():
 def test_domain_order_rejects_too_few_samples():
     with pytest.raises(ValueError, match="fewer than the 4 ranks"):
         DomainOrder(np.array([3]), 0, rank=0, world_size=4)
+
+
+def _hash64_numpy(*keys):
+    """The all-numpy hash64 (before the scalar-prefix fast path): the reference it must match bit for bit."""
+    from grape_stream.mixing.quotas import _mix
+
+    with np.errstate(over="ignore"):
+        h = np.zeros((), dtype=np.uint64)
+        for k in keys:
+            arr = np.asarray(k)
+            if arr.dtype != np.uint64:
+                arr = np.asarray(arr, dtype=np.int64).astype(np.uint64)
+            h = _mix(h ^ arr)
+        return np.atleast_1d(h)
+
+
+def test_hash64_scalar_prefix_is_bit_identical_to_numpy():
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        scalars = [int(x) for x in rng.integers(-(1 << 63), (1 << 63) - 1, size=rng.integers(1, 5), dtype=np.int64)]
+        tail = rng.integers(-(1 << 40), 1 << 40, size=7)
+        np.testing.assert_array_equal(hash64(*scalars), _hash64_numpy(*scalars))
+        np.testing.assert_array_equal(hash64(*scalars, tail), _hash64_numpy(*scalars, tail))
+        np.testing.assert_array_equal(hash64(np.int64(scalars[0]), np.uint64(1 << 63), 3),
+                                      _hash64_numpy(np.int64(scalars[0]), np.uint64(1 << 63), 3))
+    with pytest.raises(OverflowError):
+        hash64(1 << 64)

@@ -10,16 +10,15 @@ single samples (a plain DataLoader). Worker ``w`` of ``W`` composes batches ``st
 
 from __future__ import annotations
 
-import math
 import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
-import torch
 
-from grape_stream.mixing.collate import collate_samples, to_tensor
+from grape_stream.mixing.batch_read import BatchReader
+from grape_stream.mixing.collate import PackedBatch, to_tensor
 from grape_stream.mixing.epoch_order import DomainOrder
 from grape_stream.mixing.quotas import BatchPlan, QuotaPlanner, default_on_spent, slot_permutation
 from grape_stream.mixing.schedule import EffectiveSchedule, WeightSchedule
@@ -27,7 +26,7 @@ from grape_stream.mixing.shard_reader import DomainReader, Prefetcher
 from grape_stream.mixing.weight_table import ScheduleOverflow
 from grape_stream.retry import RetryPolicy
 
-__all__ = ["RESERVED_KEYS", "BatchComposer", "MainProcess", "batch_tensors", "samples_of"]
+__all__ = ["RESERVED_KEYS", "BatchComposer", "MainProcess", "batch_tensors", "packed_batch", "samples_of"]
 
 #: Keys the mixer adds to every sample; a dataset column with one of these names is refused.
 RESERVED_KEYS = ("domain", "weights_version", "batch_index", "sample_index", "epoch")
@@ -67,31 +66,50 @@ class BatchComposer:
                 for name, ds, policy in zip(self.domain_names, self.datasets, self.retry)]
 
     # -- one batch ---------------------------------------------------------------------------------
-    def gather(self, plan: BatchPlan, readers: list[DomainReader]) -> dict[str, Any]:
-        """The batch's columns in emission order: stacked arrays where possible, else lists."""
+    def gather(self, plan: BatchPlan, readers: list[DomainReader],
+               batch_reader: BatchReader | None = None) -> dict[str, Any]:
+        """The batch's columns in emission order: stacked arrays where possible, else lists.
+
+        Emission slot ``j`` holds the ``perm[j]``-th sample of the batch grouped by domain (domains in
+        index order, each in its read order), ``perm`` = :func:`slot_permutation`. The sample ids are
+        put in emission order first and read in one pass (:class:`BatchReader`); when a shard does not
+        allow that, domain by domain (same samples, same order).
+        """
+        ks = np.flatnonzero(plan.quota)
+        quota = plan.quota[ks]
+        pieces = [self.orders[k].window_ids(s, q)
+                  for k, s, q in zip(ks.tolist(), plan.start[ks].tolist(), quota.tolist())]
+        ids = np.concatenate([p[0] for p in pieces])
+        n = len(ids)
+        perm = slot_permutation(self.seed, plan.batch, self.rank, n)
+        dom = np.repeat(ks, quota)[perm]
+        ids_e = ids[perm]
+        cols = batch_reader.read(dom, ids_e) if batch_reader is not None else None
+        out: dict[str, Any] = self._gather_by_domain(ks, pieces, readers, perm) if cols is None else cols
+        out["domain"] = dom
+        out["sample_index"] = ids_e
+        out["epoch"] = np.concatenate([p[1] for p in pieces])[perm]
+        out["weights_version"] = np.full(n, plan.version, np.int64)
+        out["batch_index"] = np.full(n, plan.batch, np.int64)
+        return out
+
+    def _gather_by_domain(self, ks: np.ndarray, pieces: list[tuple[np.ndarray, np.ndarray]],
+                          readers: list[DomainReader], perm: np.ndarray) -> dict[str, Any]:
+        """The data columns read domain by domain (any shard format), in emission order."""
         parts: list[dict[str, Any]] = []
-        meta: dict[str, list[np.ndarray]] = {"domain": [], "sample_index": [], "epoch": []}
-        for k in np.flatnonzero(plan.quota):
-            k = int(k)
-            ids, epochs = self.orders[k].sample_ids(int(plan.start[k]), int(plan.quota[k]))
+        for k, (ids, _) in zip(ks.tolist(), pieces):
             cols: dict[str, Any] | None = readers[k].read_batch(ids)
             if cols is None:
                 rows = readers[k].read(ids)
                 cols = {key: [r[key] for r in rows] for key in rows[0]}
             parts.append(cols)
-            meta["domain"].append(np.full(len(ids), k, np.int64))
-            meta["sample_index"].append(ids)
-            meta["epoch"].append(epochs)
         keys = list(parts[0])
-        for p, k in zip(parts[1:], np.flatnonzero(plan.quota)[1:]):
+        for p, k in zip(parts[1:], ks[1:]):
             if list(p) != keys:
                 raise ValueError(
                     f"domain {self.domain_names[int(k)]!r} has columns {list(p)} but "
-                    f"{self.domain_names[int(np.flatnonzero(plan.quota)[0])]!r} has {keys}: all domains must "
-                    "have the same columns"
+                    f"{self.domain_names[int(ks[0])]!r} has {keys}: all domains must have the same columns"
                 )
-        n = int(plan.quota.sum())
-        perm = slot_permutation(self.seed, plan.batch, self.rank, n)
         out: dict[str, Any] = {}
         for key in keys:
             vals = [p[key] for p in parts]
@@ -100,10 +118,6 @@ class BatchComposer:
             else:
                 flat = [x for v in vals for x in (list(v) if isinstance(v, np.ndarray) else v)]
                 out[key] = [flat[j] for j in perm]
-        for key, arrs in meta.items():
-            out[key] = np.concatenate(arrs)[perm]
-        out["weights_version"] = np.full(n, plan.version, np.int64)
-        out["batch_index"] = np.full(n, plan.batch, np.int64)
         return out
 
     def prefetch_ahead(self, plan: BatchPlan, prefetcher: Prefetcher, readers: list[DomainReader],
@@ -113,14 +127,12 @@ class BatchComposer:
         ``horizon[k]`` is how far domain k has been looked ahead already; the look-ahead is renewed
         (twice as far) only when the read position comes within half of it, so this costs little per batch.
         """
-        for k in np.flatnonzero(plan.alpha > 0):
-            k = int(k)
-            if not self.needs_prefetch[k]:
-                continue
-            ahead = int(math.ceil(self.predownload * float(plan.alpha[k]))) + 1
-            pos = int(plan.start[k] + plan.quota[k])
-            if pos + ahead // 2 < horizon[k]:
-                continue
+        ahead_all = np.ceil(self.predownload * plan.alpha).astype(np.int64) + 1
+        pos_all = plan.start + plan.quota
+        due = (plan.alpha > 0) & np.asarray(self.needs_prefetch, bool) & (pos_all + ahead_all // 2 >= horizon)
+        for k in np.flatnonzero(due).tolist():
+            ahead = int(ahead_all[k])
+            pos = int(pos_all[k])
             begin = max(pos, int(horizon[k]))
             ids, _ = self.orders[k].sample_ids(begin, pos + 2 * ahead - begin)
             horizon[k] = pos + 2 * ahead
@@ -129,9 +141,10 @@ class BatchComposer:
                     prefetcher.request(k, sid)
 
     # -- the loop ----------------------------------------------------------------------------------
-    def batches(self, schedule: WeightSchedule, *, slot: int, num_workers: int, worker: int, batched: bool,
+    def batches(self, schedule: WeightSchedule, *, slot: int, num_workers: int, worker: int, batched: bool | str,
                 main: MainProcess | None) -> Iterator[Any]:
-        """This process's batches from the shared cursor on (``slot`` 0 = main process, 1 + w = worker w)."""
+        """This process's batches from the shared cursor on (``slot`` 0 = main process, 1 + w = worker w):
+        single samples (``batched=False``), collated batches (True) or :class:`PackedBatch` ("packed")."""
         table = schedule.table
         start, counts, _ = table.read_anchor()
         prev = table.claim(slot, start - 1)
@@ -154,6 +167,7 @@ class BatchComposer:
             ) from None
         planner = self.planner(start, counts, default_on_spent(self.domain_names) if worker == 0 else None)
         readers = self.readers()
+        batch_reader = BatchReader(readers)
         prefetcher = Prefetcher(readers) if any(self.needs_prefetch) else None
         if main is not None and prefetcher is not None:
             main.prefetchers.add(prefetcher)
@@ -168,12 +182,12 @@ class BatchComposer:
                 plan = planner.plan(batch, sched.segments)
                 if plan is None:
                     return
-                cols = self.gather(plan, readers)
+                cols = self.gather(plan, readers, batch_reader)
                 if prefetcher is not None:
                     self.prefetch_ahead(plan, prefetcher, readers, horizon)
                 sched.prune_before(batch)
                 if batched:
-                    out = batch_tensors(cols)
+                    out = packed_batch(cols) if batched == "packed" else batch_tensors(cols)
                     if main is not None:
                         schedule.advance_cursor(batch + 1, plan.start + plan.quota)
                     yield out
@@ -194,22 +208,18 @@ class BatchComposer:
                 r.close()
 
 
-def batch_tensors(cols: dict[str, Any]) -> dict[str, Any]:
-    """A collated batch (what ``collate_samples`` makes of the per-sample form)."""
-    out: dict[str, Any] = {}
-    for key, val in cols.items():
-        if key in RESERVED_KEYS:
-            continue
-        if isinstance(val, np.ndarray):
-            out[key] = to_tensor(val)
-        else:
-            out[key] = collate_samples([{key: v} for v in val])[key]
-    # The per-sample metadata as rows of one tensor: one shared-memory block to pass between
-    # processes instead of five.
-    meta = torch.from_numpy(np.stack([cols[key] for key in RESERVED_KEYS]).astype(np.int64))
+def packed_batch(cols: dict[str, Any]) -> PackedBatch:
+    """The batch as numpy arrays (what a DataLoader worker sends; ``.tensors()`` collates it)."""
+    meta = np.empty((len(RESERVED_KEYS), len(cols["batch_index"])), np.int64)
     for i, key in enumerate(RESERVED_KEYS):
-        out[key] = meta[i]
-    return out
+        meta[i] = cols[key]
+    return PackedBatch({key: val for key, val in cols.items() if key not in RESERVED_KEYS}, meta, RESERVED_KEYS)
+
+
+def batch_tensors(cols: dict[str, Any]) -> dict[str, Any]:
+    """A collated batch (what ``collate_samples`` makes of the per-sample form); the per-sample metadata
+    as rows of one tensor: one shared-memory block to pass between processes instead of five."""
+    return packed_batch(cols).tensors()
 
 
 def samples_of(cols: dict[str, Any]) -> list[dict[str, Any]]:

@@ -65,6 +65,9 @@ class DomainOrder:
         self._layouts: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._blocks: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
         self._cache_blocks = max(2, int(cache_blocks))
+        self.window = 4096
+        self._win_start = 0
+        self._win_ids = self._win_epochs = np.empty(0, np.int64)
 
     # ------------------------------------------------------------------------------------------------
     def _rng(self, *coords: int) -> np.random.Generator:
@@ -129,6 +132,22 @@ class DomainOrder:
             sel = epochs == e
             ids[sel] = self.epoch_map(e, g[sel])
         return ids, epochs
+
+    def window_ids(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`sample_ids` for a reader that walks forward: computed ``window`` positions at a time.
+
+        The mixer reads each domain in small consecutive steps (``quota[k]`` samples a batch); computing
+        the order for thousands of positions at once makes the per-batch cost a slice. The returned arrays
+        are read-only views of the cached window.
+        """
+        i = start - self._win_start
+        if not (0 <= i and i + count <= len(self._win_ids)):
+            self._win_ids, self._win_epochs = self.sample_ids(start, max(count, self.window))
+            self._win_ids.flags.writeable = False
+            self._win_epochs.flags.writeable = False
+            self._win_start = start
+            i = 0
+        return self._win_ids[i:i + count], self._win_epochs[i:i + count]
 
     def shard_of(self, sample_ids: np.ndarray) -> np.ndarray:
         return np.searchsorted(self.shard_offsets, np.asarray(sample_ids, dtype=np.int64), side="right") - 1

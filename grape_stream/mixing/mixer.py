@@ -252,11 +252,11 @@ class WeightedStreamingMixer(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return self._iter(batched=False)
 
-    def iter_batches(self) -> Iterator[dict[str, Any]]:
-        """Whole collated batches (what :class:`MixerDataLoader`'s workers yield)."""
-        return self._iter(batched=True)
+    def iter_batches(self, packed: bool = False) -> Iterator[Any]:
+        """Whole collated batches; ``packed``: as ``PackedBatch`` arrays (what a MixerDataLoader worker sends)."""
+        return self._iter(batched="packed" if packed else True)
 
-    def _iter(self, batched: bool) -> Iterator[Any]:
+    def _iter(self, batched: bool | str) -> Iterator[Any]:
         if self._closed:
             raise RuntimeError("the mixer is closed")
         info = dataloader_worker()  # the main process (slot 0: it moves the cursor) or a worker

@@ -67,11 +67,38 @@ def _mix(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
+_MASK = (1 << 64) - 1
+_GOLDEN_I, _M1_I, _M2_I = int(_GOLDEN), int(_M1), int(_M2)
+
+
+def _mix_int(z: int) -> int:
+    """:func:`_mix` on one Python int (the same uint64 arithmetic, without numpy's per-call cost)."""
+    z = (z + _GOLDEN_I) & _MASK
+    z = ((z ^ (z >> 30)) * _M1_I) & _MASK
+    z = ((z ^ (z >> 27)) * _M2_I) & _MASK
+    return z ^ (z >> 31)
+
+
 def hash64(*keys: int | np.integer | np.ndarray) -> np.ndarray:
-    """A uint64 hash of integer coordinates (arrays broadcast), e.g. ``hash64(seed, batch, rank, TAG)``."""
+    """A uint64 hash of integer coordinates (arrays broadcast), e.g. ``hash64(seed, batch, rank, TAG)``.
+
+    Leading scalar keys are mixed with Python ints (bit-identical: the same operations modulo 2**64, a
+    negative key taken as its int64 two's complement, as ``astype(uint64)`` does); numpy takes over at the
+    first array key. That keeps a per-batch hash of a few coordinates at a few microseconds.
+    """
+    h_int = 0
+    i = 0
+    for k in keys:
+        if not isinstance(k, (int, np.integer)) or isinstance(k, np.uint64):
+            break
+        v = int(k)
+        if not -(1 << 63) <= v < (1 << 63):
+            raise OverflowError(f"hash key {v} does not fit in int64")
+        h_int = _mix_int(h_int ^ (v & _MASK))
+        i += 1
     with np.errstate(over="ignore"):
-        h = np.zeros((), dtype=np.uint64)
-        for k in keys:
+        h = np.asarray(h_int, dtype=np.uint64)
+        for k in keys[i:]:
             arr = np.asarray(k)
             if arr.dtype != np.uint64:
                 arr = np.asarray(arr, dtype=np.int64).astype(np.uint64)
@@ -212,6 +239,10 @@ class QuotaPlanner:
         self._spent_reported = self.counts >= self.budgets
         self._u_start = 0
         self._u = np.empty(0)
+        self._budgeted = bool((self.budgets != _NO_BUDGET).any())
+        self._all_available = np.ones(self.K, bool)
+        self._weights_key: tuple | None = None
+        self._weights: tuple[np.ndarray, np.ndarray] = (np.empty(0), np.empty(0))
 
     # -- public ------------------------------------------------------------------------------------
     def plan(self, batch: int, segments: Callable[[int, int], list[Segment]]) -> BatchPlan | None:
@@ -301,14 +332,27 @@ class QuotaPlanner:
         self._report_spent()
 
     def _one_batch(self, b: int, alpha_sched: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        avail = self.available
+        avail = self.available if self._budgeted else self._all_available
         if not avail.any():
             raise StreamExhausted(b)
-        alpha = effective_weights(alpha_sched, avail)
+        key = (id(alpha_sched), avail.tobytes())
+        if self._weights_key is not None and self._weights_key[:2] == key and self._weights_key[2] is alpha_sched:
+            alpha, scaled = self._weights
+        else:  # new weights or a newly spent domain: computed once per segment, not per batch
+            alpha = effective_weights(alpha_sched, avail)
+            scaled = self.B * _cumulative(alpha)
+            self._weights_key, self._weights = (*key, alpha_sched), (alpha, scaled)
         if self.composition == "systematic":
-            q = systematic_counts(alpha, self.B, self._offset(b))[0]
+            # systematic_counts(alpha, B, u)[0] with B * cum computed once (the same floating-point ops).
+            # (np.minimum/np.maximum: np.clip's Python wrapper costs more than the arithmetic; no NaN here.)
+            edges = np.minimum(np.maximum(np.ceil(scaled - self._offset(b)[0]), 0), self.B).astype(np.int64)
+            edges[-1] = self.B
+            q = edges.copy()
+            q[1:] -= edges[:-1]
         else:
             q = batch_quota(self.composition, alpha, self.B, self.seed, b, self.rank)
+        if not self._budgeted:
+            return q, alpha  # no max_epochs: nothing can be spent (the clipping below would change nothing)
         remaining = self.budgets - self.counts
         excess = int(np.maximum(q - remaining, 0).sum())
         q = np.minimum(q, remaining)
@@ -335,6 +379,8 @@ class QuotaPlanner:
         return self._u[i:i + 1]
 
     def _report_spent(self) -> None:
+        if not self._budgeted:
+            return
         spent = self.counts >= self.budgets
         new = np.flatnonzero(spent & ~self._spent_reported)
         self._spent_reported = spent

@@ -4,12 +4,15 @@ Streaming's ``dataset[i]`` opens, seeks and closes the shard file for every samp
 reads many samples of a few shards at once, so this reader groups the requested ids by shard, makes
 sure the shard is local through streaming's own ``prepare_shard`` (download, decompression, cache
 accounting and LRU eviction stay streaming's), memory-maps the raw MDS file once and slices samples out
-of it. Shards of other formats fall back to ``dataset.get_item``.
+of it: a shard of fixed-length array samples (packed token sequences) is one strided array per column,
+read with one numpy fancy index per shard and batch (:mod:`grape_stream.mixing.shard_view`). Shards of
+other formats fall back to ``dataset.get_item``.
 
 A mapped shard that streaming evicts (deletes) stays readable until it is unmapped (shards are
 immutable), but the reader drops its mapping as soon as the shard is no longer LOCAL, so evicted files
-do not keep disk space beyond ``cache_limit``. The shard's access time is refreshed on every read, as
-``get_item`` does, so eviction picks the coldest shard.
+do not keep disk space beyond ``cache_limit``. Under a ``cache_limit`` the shard's access time is refreshed
+on every read, as ``get_item`` does, so eviction picks the coldest shard (without one streaming never
+evicts and nobody reads the access times).
 
 A background thread per process downloads upcoming shards ahead of use (``Prefetcher``).
 
@@ -19,7 +22,6 @@ Streaming's private per-shard bookkeeping (shard states, access times) is reache
 
 from __future__ import annotations
 
-import mmap
 import os
 import queue
 import threading
@@ -29,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from grape_stream.errors import StorageError
+from grape_stream.mixing.shard_view import MappedShard, uniform_layout
 from grape_stream.retry import DEFAULT_RETRY, RetryError, RetryPolicy, call_with_retry, endpoint_note, is_transient
 from grape_stream.streaming_compat.shard_state import (
     is_mds_shard,
@@ -53,40 +56,21 @@ def _is_transient(exc: BaseException) -> bool:
     return isinstance(exc, _NotYet) or is_transient(exc)
 
 
-class _Mapped:
-    __slots__ = ("mm", "offsets", "fd")
-
-    def __init__(self, path: str) -> None:
-        self.fd = os.open(path, os.O_RDONLY)
-        try:
-            self.mm = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
-        except BaseException:
-            os.close(self.fd)
-            raise
-        n = int(np.frombuffer(self.mm, np.uint32, count=1, offset=0)[0])
-        self.offsets = np.frombuffer(self.mm, np.uint32, count=n + 1, offset=4).astype(np.int64)
-
-    def close(self) -> None:
-        try:
-            self.mm.close()
-        finally:
-            os.close(self.fd)
-
-
 class DomainReader:
     """Reads samples of one domain by id, a batch at a time."""
 
-    def __init__(self, name: str, dataset: Any, max_mapped: int = 8, retry: RetryPolicy = DEFAULT_RETRY,
+    def __init__(self, name: str, dataset: Any, max_mapped: int = 32, retry: RetryPolicy = DEFAULT_RETRY,
                  max_vanished: int = 8) -> None:
         self.name = name
         self.dataset = dataset
         self.max_mapped = max(1, int(max_mapped))
         self.retry = retry
         self.max_vanished = int(max_vanished)
-        self._mapped: OrderedDict[int, _Mapped] = OrderedDict()
+        self._mapped: OrderedDict[int, MappedShard] = OrderedDict()
         self._is_mds = [is_mds_shard(s) for s in dataset.shards]
         self._stream = dataset.streams[0]
-        self._layouts: dict[tuple[int, int], Any] = {}
+        self._layouts: dict[int, Any] = {}
+        self._ready: set[int] = set()  # shard id -> its uniform layout (shard_view.Column tuple) or None
 
     # ------------------------------------------------------------------------------------------------
     def _where(self) -> str:
@@ -97,7 +81,7 @@ class DomainReader:
         shard = self.dataset.shards[shard_id]
         return os.path.join(shard.dirname, shard.split or "", shard.raw_data.basename)
 
-    def _map(self, shard_id: int) -> _Mapped:
+    def _map(self, shard_id: int) -> MappedShard:
         ds = self.dataset
         m = self._mapped.get(shard_id)
         if m is not None:
@@ -112,7 +96,7 @@ class DomainReader:
             self._mapped.popitem(last=False)[1].close()
         return m
 
-    def _fetch_and_map(self, shard_id: int) -> _Mapped:
+    def _fetch_and_map(self, shard_id: int) -> MappedShard:
         """Map the shard, downloading it first if needed, under the domain's retry policy.
 
         A failed download is retried with backoff until the policy's deadline (an outage of a minute is
@@ -124,14 +108,14 @@ class DomainReader:
         basename = ds.shards[shard_id].raw_data.basename
         vanished: list[str] = []
 
-        def attempt() -> _Mapped:
+        def attempt() -> MappedShard:
             try:
-                return _Mapped(self._raw_path(shard_id))
+                return MappedShard(self._raw_path(shard_id))
             except FileNotFoundError:
                 pass
             prepare_shard(ds, shard_id)  # waits while another process of the node downloads it
             try:
-                return _Mapped(self._raw_path(shard_id))
+                return MappedShard(self._raw_path(shard_id))
             except FileNotFoundError as exc:
                 if shard_is_preparing(ds, shard_id) or not shard_is_local(ds, shard_id):
                     raise _NotYet(f"shard {basename} is not local yet") from exc  # another process's failed download
@@ -181,85 +165,63 @@ class DomainReader:
         return out  # type: ignore[return-value]
 
     # -- fast path ------------------------------------------------------------------------------------
-    def _layout(self, shard_id: int, m: _Mapped, begin: int, length: int) -> list[tuple] | None:
-        """Byte layout of a sample whose columns are all numpy arrays (e.g. ``tokens``, ``loss_mask``).
+    def uniform(self, shard_id: int) -> MappedShard | None:
+        """The shard mapped with its columns as strided views, or None when its samples do not allow it.
 
-        Returns ``[(column, value_offset, count, dtype, shape, [(header_begin, header_end, bytes)])]``
-        or None when a column is not an array. In every MDS encoding of an array the values are the last
-        bytes of the column; everything before them (the per-column sizes and the dtype/shape headers)
-        must be byte-identical in every sample read through this layout, which :meth:`read_batch` checks.
+        Whether a shard qualifies is decided once per shard (shards are immutable) and remembered across
+        re-mappings.
         """
-        key = (shard_id, length)
-        if key in self._layouts:
-            return self._layouts[key]
-        sample = m.mm[begin:begin + length]
-        shard = self.dataset.shards[shard_id]
-        decoded = shard.decode_sample(sample)
-        sizes = []
-        idx = 0
-        for size in shard.column_sizes:
-            if size:
-                sizes.append(int(size))
-            else:
-                sizes.append(int(np.frombuffer(sample[idx:idx + 4], np.uint32)[0]))
-                idx += 4
-        columns: list[tuple] = []
-        layout: list[tuple] | None = columns
-        prefix = idx  # the per-column sizes: part of the first column's header
-        for name, size in zip(shard.column_names, sizes):
-            value = decoded[name]
-            end = idx + size
-            if not isinstance(value, np.ndarray) or value.dtype.hasobject:
-                layout = None
-                break
-            begin_values = end - value.nbytes
-            hs = 0 if not columns else idx
-            header = [(hs, begin_values, sample[hs:begin_values])] if begin_values > hs else []
-            columns.append((name, begin_values, value.size, value.dtype, value.shape, header))
-            idx = end
-        if layout is not None and (idx != len(sample) or (not layout and prefix)):
-            layout = None
-        self._layouts[key] = layout
-        return layout
+        if not self._is_mds[shard_id]:
+            return None
+        m = self._map(shard_id)
+        if self.dataset.cache_limit:
+            touch_shard(self.dataset, shard_id)  # only eviction reads access times
+        if m.columns is None:
+            if shard_id not in self._layouts:
+                self._layouts[shard_id] = uniform_layout(self.dataset.shards[shard_id], m)
+            layout = self._layouts[shard_id]
+            if layout is None:
+                return None
+            m.set_uniform(layout)
+        return m
 
     def read_batch(self, sample_ids: np.ndarray) -> dict[str, np.ndarray] | None:
         """Columns of ``sample_ids`` as stacked arrays ``(n, ...)``, sliced straight out of the mapped shards.
 
-        None when the fast path does not apply (a non-array column, a sample whose headers differ from the
-        others', a non-MDS shard); the caller then uses :meth:`read`.
+        One numpy fancy index per shard touched (see :mod:`grape_stream.mixing.shard_view`). None when the
+        fast path does not apply (a non-array column, samples of unequal byte lengths, a non-MDS shard,
+        shards whose columns differ); the caller then uses :meth:`read`.
         """
         ds = self.dataset
         sample_ids = np.asarray(sample_ids, dtype=np.int64)
         n = len(sample_ids)
         if n == 0:
             return None
-        shard_ids = np.searchsorted(ds.sample_offset_per_shard, sample_ids, side="right") - 1
-        groups = [int(shard_ids[0])] if (shard_ids == shard_ids[0]).all() else np.unique(shard_ids).tolist()
+        offsets = ds.sample_offset_per_shard
+        shard_ids = np.searchsorted(offsets, sample_ids, side="right") - 1
+        local = sample_ids - offsets[shard_ids]
+        first = int(shard_ids[0])
+        if (shard_ids == first).all():
+            m = self.uniform(first)
+            return None if m is None else m.take(local)
+        order = np.argsort(shard_ids, kind="stable")
+        sorted_ids = shard_ids[order]
+        bounds = [0, *(np.flatnonzero(sorted_ids[1:] != sorted_ids[:-1]) + 1).tolist(), n]
         out: dict[str, np.ndarray] | None = None
-        for sid in groups:
-            if not self._is_mds[sid]:
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            m = self.uniform(int(sorted_ids[a]))
+            if m is None:
                 return None
-            where = np.arange(n) if len(groups) == 1 else np.flatnonzero(shard_ids == sid)
-            local = sample_ids[where] - int(ds.sample_offset_per_shard[sid])
-            m = self._map(sid)
-            touch_shard(ds, sid)
-            begins = m.offsets[local].tolist()
-            ends = m.offsets[local + 1].tolist()
-            mm = m.mm
-            for w, b, e in zip(where.tolist(), begins, ends):
-                layout = self._layout(sid, m, b, e - b)
-                if layout is None:
-                    return None
-                if out is None:
-                    out = {col[0]: np.empty((n, *col[4]), col[3]) for col in layout}
-                for name, off, count, dtype, shape, header in layout:
-                    for hs, he, ref in header:
-                        if mm[b + hs:b + he] != ref:
-                            return None
-                    target = out.get(name)
-                    if target is None or target.dtype != dtype or target.shape[1:] != shape:
-                        return None
-                    target[w] = np.frombuffer(mm, dtype, count, b + off).reshape(shape)
+            where = order[a:b]
+            part = m.take(local[where])
+            assert part is not None
+            if out is None:
+                out = {k: np.empty((n, *v.shape[1:]), v.dtype) for k, v in part.items()}
+            elif part.keys() != out.keys() or any(v.dtype != out[k].dtype or v.shape[1:] != out[k].shape[1:]
+                                                  for k, v in part.items()):
+                return None
+            for k, v in part.items():
+                out[k][where] = v
         return out
 
     def _get_item(self, sample_id: int) -> dict[str, Any]:
@@ -274,7 +236,14 @@ class DomainReader:
         return np.searchsorted(self.dataset.sample_offset_per_shard, np.asarray(sample_ids), side="right") - 1
 
     def needs_prepare(self, shard_id: int) -> bool:
-        return not shard_is_local(self.dataset, shard_id) or not os.path.isfile(self._raw_path(shard_id))
+        """Whether the shard must still be downloaded / decompressed (remembered once ready: without a
+        ``cache_limit`` streaming never evicts, so a ready shard stays ready)."""
+        if shard_id in self._ready:
+            return False
+        needed = not shard_is_local(self.dataset, shard_id) or not os.path.isfile(self._raw_path(shard_id))
+        if not needed and not self.dataset.cache_limit:
+            self._ready.add(shard_id)
+        return needed
 
     def close(self) -> None:
         while self._mapped:
