@@ -47,7 +47,25 @@ def test_unsupported_streaming_version_is_one_clear_error(monkeypatch):
     finally:
         shard_state.require_supported_streaming.cache_clear()
     monkeypatch.undo()
-    assert shard_state.require_supported_streaming() == 3  # _ShardState.LOCAL of 0.13
+    assert shard_state.require_supported_streaming() == 3  # _ShardState.LOCAL of 0.12 and 0.13
+
+
+@pytest.mark.parametrize("version,ok", [("0.12.0", True), ("0.12.3", True), ("0.13.0", True), ("0.11.0", False),
+                                        ("0.14.0", False), ("1.0.0", False)])
+def test_streaming_versions_the_guard_names(monkeypatch, version, ok):
+    """0.12.x (llm-foundry 0.22) and 0.13.x pass; any other release fails with one line naming the pin."""
+    shard_state.require_supported_streaming.cache_clear()
+    monkeypatch.setattr(streaming, "__version__", version)
+    try:
+        if ok:
+            assert shard_state.require_supported_streaming() == 3
+        else:
+            with pytest.raises(shard_state.UnsupportedStreamingVersion) as err:
+                shard_state.require_supported_streaming()
+            assert "\n" not in str(err.value) and version in str(err.value)
+            assert shard_state.REQUIREMENT in str(err.value) and "0.12.x, 0.13.x" in str(err.value)
+    finally:
+        shard_state.require_supported_streaming.cache_clear()
 
 
 def test_loader_refuses_an_object_without_the_loader_protocol():

@@ -1,4 +1,4 @@
-"""Workarounds for mosaicml-streaming 0.13 (>=0.13,<0.14) traps, kept in one guarded place.
+"""Workarounds for mosaicml-streaming 0.12 / 0.13 (>=0.12,<0.14) traps, kept in one guarded place.
 
 ``shm`` (shared memory and file locks: safe registration, release on close, cleanup after crashes, with
 the liveness facts in ``processes``), ``local_index`` (a stale local ``index.json``, S3 without

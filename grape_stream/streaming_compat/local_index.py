@@ -1,7 +1,7 @@
-"""Workarounds for mosaicml-streaming 0.13 traps that bite a long-running, crash-prone training job.
+"""Workarounds for mosaicml-streaming 0.12 / 0.13 traps that bite a long-running, crash-prone training job.
 
-Written for mosaicml-streaming >=0.13,<0.14 (the pinned range); each function handles one trap that
-was seen with that release on a real machine, and docs/mixer.md lists them.
+Written for mosaicml-streaming >=0.12,<0.14 (the supported range; 0.12.0 and 0.13.0 share this code);
+each function handles one trap that was seen with that release on a real machine, and docs/mixer.md lists them.
 
 (Shared-memory traps are handled in :mod:`grape_stream.streaming_compat.shm`.)
 

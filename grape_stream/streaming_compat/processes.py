@@ -1,6 +1,6 @@
 """Which processes are alive and which /dev/shm segments they map: the liveness facts of shm cleanup.
 
-Streaming 0.13 (>=0.13,<0.14) judges nothing about liveness itself (its ``clean_stale_shared_memory``
+Streaming 0.12 / 0.13 (>=0.12,<0.14) judges nothing about liveness itself (its ``clean_stale_shared_memory``
 unlinks whatever it finds), so :mod:`grape_stream.streaming_compat.shm` decides from these facts, read
 from ``/proc`` (Linux): a process is identified by pid *and* start time, so a reused pid is not taken
 for the process that wrote an owner record.

@@ -1,6 +1,11 @@
-"""The few mosaicml-streaming 0.13 internals the mixer's shard reader relies on, behind one version guard.
+"""The few mosaicml-streaming internals the mixer's shard reader relies on, behind one version guard.
 
-For streaming ``>=0.13,<0.14``. The mixer reads samples by random access straight out of memory-mapped
+Written for mosaicml-streaming 0.12.x and 0.13.x (``>=0.12,<0.14``; llm-foundry 0.22 needs ``<0.13``).
+``streaming/base/dataset.py`` (where every attribute below lives) and ``streaming/base/shared/`` are
+byte-identical in 0.12.0 and 0.13.0, and ``tests/test_mixer_*`` pass on both
+(``scripts/test_streaming_versions.sh`` runs them against 0.12.0). The public API covers downloading
+(``prepare_shard``) and reading one sample (``get_item``), not the per-shard cache state, so that part
+stays private and version-checked here. The mixer reads samples by random access straight out of memory-mapped
 MDS shards (see :mod:`grape_stream.mixing.shard_reader`) while streaming keeps the node-wide shard cache.
 To stay consistent with that cache it must see and update streaming's per-shard bookkeeping, which
 streaming exposes only as private attributes of ``StreamingDataset``:
@@ -30,6 +35,7 @@ from grape_stream.errors import UserFacingError
 
 __all__ = [
     "SUPPORTED",
+    "REQUIREMENT",
     "UnsupportedStreamingVersion",
     "check_dataset",
     "require_supported_streaming",
@@ -44,7 +50,9 @@ __all__ = [
 ]
 
 #: The streaming releases whose internals this module was written against: (major, minor).
-SUPPORTED = ((0, 13),)
+SUPPORTED = ((0, 12), (0, 13))
+#: The pip requirement matching SUPPORTED (said in the error).
+REQUIREMENT = "mosaicml-streaming>=0.12,<0.14"
 _REQUIRED_ATTRS = ("_shard_states", "_shard_access_times", "_shm_prefix_int")
 
 
@@ -72,13 +80,13 @@ def require_supported_streaming() -> int:
         raise UnsupportedStreamingVersion(
             f"grape_stream's mixer needs mosaicml-streaming {wanted} (it relies on internals of that release: "
             f"{', '.join(_REQUIRED_ATTRS)}, _ShardState.LOCAL); installed: {version}. "
-            "Install mosaicml-streaming>=0.13,<0.14."
+            f"Install {REQUIREMENT}."
         )
     try:
         from streaming.base.dataset import _ShardState
 
         return int(_ShardState.LOCAL)
-    except (ImportError, AttributeError) as exc:  # pragma: no cover - a patched 0.13
+    except (ImportError, AttributeError) as exc:  # pragma: no cover - a patched release
         raise UnsupportedStreamingVersion(
             f"mosaicml-streaming {version} has no streaming.base.dataset._ShardState.LOCAL: {exc}"
         ) from exc
@@ -89,7 +97,7 @@ def _check_dataset(dataset: Any) -> None:
     if missing:
         raise UnsupportedStreamingVersion(
             f"this StreamingDataset (mosaicml-streaming {getattr(streaming, '__version__', 'unknown')}) lacks "
-            f"{missing}, which the mixer's shard reader uses; install mosaicml-streaming>=0.13,<0.14"
+            f"{missing}, which the mixer's shard reader uses; install {REQUIREMENT}"
         )
 
 
@@ -126,7 +134,7 @@ def touch_shard(dataset: Any, shard_id: int) -> None:
 def prepare_shard(dataset: Any, shard_id: int, *, blocking: bool = True) -> None:
     """Download / decompress a shard through streaming's cache (evicting cold shards under cache_limit).
 
-    Streaming 0.13 marks the shard PREPARING, downloads, and marks it LOCAL; when the download raises
+    Streaming 0.12 / 0.13 marks the shard PREPARING, downloads, and marks it LOCAL; when the download raises
     (an outage, a reset, a throttled request) it leaves the shard PREPARING for good, and every later
     ``prepare_shard`` of it, in any worker of the node, waits for it forever. So a failed attempt puts
     the shard back to REMOTE (under streaming's cache lock), and the caller's retry can download it again.

@@ -2,8 +2,9 @@
 
 Every mosaicml-streaming ``StreamingDataset`` registers machine-global POSIX shared memory named
 ``/dev/shm/<prefix:06>_<name>`` (the prefix is the first free number) and file locks
-``/tmp/<prefix:06>_*_filelock``. Written for mosaicml-streaming >=0.13,<0.14 (the names below are
-that release's); traps seen with streaming 0.13, and what this module does:
+``/tmp/<prefix:06>_*_filelock``. Written for mosaicml-streaming >=0.12,<0.14 (the names below are
+those releases'; 0.12.0 and 0.13.0 have the same shared-memory code); traps seen with streaming 0.13,
+and what this module does:
 
 * **Leaks after a crash.** A SIGKILL of the process group (Python's resource tracker included) leaves
   the segments; the next run fails with "Reused local directory" (same ``local`` and a remote) or walks
