@@ -30,11 +30,13 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "bench", "results", "install_extras.json")
 
-#: what each extra is installed together with (the issue's check: [foundry] beside llm-foundry 0.22.0)
+#: what each extra is installed together with (the issue's check: [foundry] beside llm-foundry 0.22.0);
+#: "a+b" installs the extras a and b together
 EXTRAS: dict[str, list[str]] = {"composer": [], "foundry": ["llm-foundry==0.22.0"], "hf": [], "lightning": [],
-                                "tracking": []}
+                                "tracking": [], "foundry+tracking": ["llm-foundry==0.22.0"]}
 #: constraints that steer pip's backtracking to the solution it finds anyway (see the module docstring)
-HINTS: dict[str, list[str]] = {"foundry": ["wandb==0.18.7", "protobuf==5.29.6", "google-api-core==2.33.0"]}
+_FOUNDRY_HINTS = ["wandb==0.18.7", "protobuf==5.29.6", "google-api-core==2.33.0"]
+HINTS: dict[str, list[str]] = {"foundry": _FOUNDRY_HINTS, "foundry+tracking": _FOUNDRY_HINTS}
 SHOWN = ("torch", "torchvision", "mosaicml", "mosaicml-streaming", "llm-foundry", "transformers", "accelerate",
          "lightning", "tensorboard", "mlflow", "mlflow-skinny", "wandb", "protobuf", "numpy")
 
@@ -64,6 +66,10 @@ def build_wheel(out: str) -> tuple[str, float]:
     return wheels[0], sec
 
 
+def _req(wheel: str, extra: str) -> str:
+    return f"{wheel}[{extra.replace('+', ',')}]"
+
+
 def _hint_args(extra: str, hints: bool, tmp: str) -> list[str]:
     if not hints or extra not in HINTS:
         return []
@@ -77,7 +83,7 @@ def resolve(wheel: str, extra: str, hints: bool, tmp: str, timeout: float) -> di
     """``pip install --dry-run --ignore-installed`` of ``wheel[extra]`` (+ its companions) against the registry."""
     report = os.path.join(tmp, f"report-{extra}.json")
     cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--prefer-binary",
-           "--report", report, *_hint_args(extra, hints, tmp), f"{wheel}[{extra}]", *EXTRAS[extra]]
+           "--report", report, *_hint_args(extra, hints, tmp), _req(wheel, extra), *EXTRAS[extra]]
     rc, sec, out = _run(cmd, timeout)
     row: dict[str, Any] = {"resolves": rc == 0, "resolve_s": round(sec, 1),
                            "hints": HINTS.get(extra) if hints else None}
@@ -167,7 +173,7 @@ def install_and_run(wheel: str, extra: str, hints: bool, root: str, timeout: flo
     rc, sec, out = _run([sys.executable, "-m", "venv", venv], 300)
     py = os.path.join(venv, "bin", "python")
     cmd = [py, "-m", "pip", "install", "-q", "--prefer-binary", *_hint_args(extra, hints, root),
-           f"{wheel}[{extra}]", *EXTRAS[extra]]
+           _req(wheel, extra), *EXTRAS[extra]]
     rc, sec2, out = _run(cmd, timeout) if rc == 0 else (rc, 0.0, out)
     row.update(installs=rc == 0, install_s=round(sec + sec2, 1))
     if rc != 0:
@@ -203,7 +209,8 @@ def _cell(row: dict[str, Any], ok: str, sec: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="wheel + resolution only; bench/results left alone")
+    ap.add_argument("--quick", action="store_true", help="wheel + resolution only; nothing written without --out")
+    ap.add_argument("--out", default=None, help=f"JSON results (default, full runs: {RESULTS})")
     ap.add_argument("--extras", default=",".join(EXTRAS), help="extras to resolve (comma-separated)")
     ap.add_argument("--install", default="foundry", help="extras to install in a fresh venv and run ('' for none)")
     ap.add_argument("--no-hints", action="store_true", help="plain pip resolution (13+ minutes for foundry)")
@@ -230,12 +237,13 @@ def main(argv: list[str] | None = None) -> int:
                                                   "tensorboard") if k in v)
         print(f"{extra:<10} {_cell(row, 'resolves', 'resolve_s'):<12} {_cell(row, 'installs', 'install_s'):<12} "
               f"{_cell(row, 'runs', 'run_s'):<12} {shown or row.get('error', '')}")
-    if not args.quick:
-        os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-        with open(RESULTS, "w", encoding="utf-8") as f:
+    out = args.out or (None if args.quick else RESULTS)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w", encoding="utf-8") as f:
             json.dump({"python": sys.version.split()[0], "wheel_s": round(wheel_s, 1), "hints": hints,
                        "extras": rows, "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, f, indent=2)
-        print(f"wrote {RESULTS}")
+        print(f"wrote {out}")
     return 0 if all(r["resolves"] and r.get("runs", True) for r in rows.values()) else 1
 
 
