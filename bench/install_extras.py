@@ -194,8 +194,10 @@ def install_and_run(wheel: str, extra: str, hints: bool, root: str, timeout: flo
     updates = sum(1 for _ in open(traj, encoding="utf-8")) - 1 if os.path.exists(traj) else 0
     row.update(runs=rc == 0 and updates > 0, run_s=round(sec, 1), run_what="llm-foundry train_from_yaml, 6 batches",
                trajectory_lines=updates, summary_printed="GRAPE run summary" in out)
-    with open(os.path.join(root, "foundry-run.log"), "w", encoding="utf-8") as f:
-        f.write(out)
+    lines = out.splitlines()
+    row["update_lines"] = [ln for ln in lines if ln.startswith("GRAPE update") and " done in " in ln]
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("GRAPE run summary")), None)
+    row["summary"] = lines[start:start + 14] if start is not None else []
     if not row["runs"]:
         row["error"] = _last_error(out)
     return row
