@@ -134,6 +134,9 @@ algorithms:
       - {{name: t0, local: {data}/tasks/t0}}
 callbacks:
   grape_trajectory: {{folder: {out}}}
+loggers:
+  wandb: {{project: grape-bench}}
+  mlflow: {{tracking_uri: "file://{out}/mlruns", experiment_name: grape-bench}}
 optimizer: {{name: decoupled_adamw, lr: 1.0e-3, betas: [0.9, 0.95], eps: 1.0e-8, weight_decay: 0.0}}
 scheduler: {{name: cosine_with_warmup, t_warmup: 1ba, alpha_f: 0.1}}
 max_duration: 6ba
@@ -188,16 +191,21 @@ def install_and_run(wheel: str, extra: str, hints: bool, root: str, timeout: flo
     os.makedirs(work, exist_ok=True)
     script = RUN_SCRIPT.format(tests=os.path.join(REPO, "tests"), data=os.path.join(work, "data"), out=work,
                                tok=os.path.join(work, "tokenizer"), yaml=FOUNDRY_YAML)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", PYTHONPATH="")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", WANDB_DIR=work, PYTHONPATH="")
     rc, sec, out = _run([py, "-c", script], timeout, env=env, cwd=work)
     traj = os.path.join(work, "grape_trajectory.jsonl")
     updates = sum(1 for _ in open(traj, encoding="utf-8")) - 1 if os.path.exists(traj) else 0
-    row.update(runs=rc == 0 and updates > 0, run_s=round(sec, 1), run_what="llm-foundry train_from_yaml, 6 batches",
-               trajectory_lines=updates, summary_printed="GRAPE run summary" in out)
+    row.update(runs=rc == 0 and updates > 0, run_s=round(sec, 1),
+               run_what="llm-foundry train_from_yaml, 6 batches, loggers wandb (offline) + mlflow (file store)",
+               trajectory_lines=updates, summary_printed="GRAPE run summary" in out,
+               artifacts={"mlflow": glob.glob(os.path.join(work, "mlruns", "*", "*", "artifacts", "grape", "*")),
+                          "wandb": glob.glob(os.path.join(work, "wandb", "offline-run-*", "files", "grape_*"))})
+    row["artifacts"] = {k: sorted(os.path.basename(p) for p in v) for k, v in row["artifacts"].items()}
     lines = out.splitlines()
     row["update_lines"] = [ln for ln in lines if ln.startswith("GRAPE update") and " done in " in ln]
     start = next((i for i, ln in enumerate(lines) if ln.startswith("GRAPE run summary")), None)
-    row["summary"] = lines[start:start + 14] if start is not None else []
+    end = next((i for i, ln in enumerate(lines) if start is not None and i > start and ln.startswith("plots:")), None)
+    row["summary"] = lines[start:end + 1] if start is not None and end is not None else []
     if not row["runs"]:
         row["error"] = _last_error(out)
     return row
