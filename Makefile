@@ -5,7 +5,7 @@ VENV := .venv
 STAMP := $(VENV)/.requirements.stamp
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test test-fast lint bench clean-venv
+.PHONY: venv demo test test-fast lint bench extras clean-venv
 
 venv: $(STAMP)
 
@@ -35,6 +35,11 @@ lint: $(STAMP)
 # Every bench script in turn (ARGS=--quick for a smoke run that leaves bench/results/ alone).
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py $(ARGS)
+
+# Each pip extra resolved against the registry; [foundry] installed in a fresh venv and trained with llm-foundry
+# (network, a few GB; ARGS=--quick resolves only). Writes bench/results/install_extras.json.
+extras: $(STAMP)
+	$(BIN)/python bench/install_extras.py $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

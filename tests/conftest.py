@@ -55,6 +55,8 @@ INTEGRATION_MODULES = frozenset({
     "test_mixer_workers",
     "test_plain_loop",
     "test_recipe_cli",
+    "test_run_ux",
+    "test_packaging",
     "test_s3_fixture",
 })
 _INTEGRATION_FIXTURES = frozenset({"s3_server", "s3_bucket", "fault_proxy"})

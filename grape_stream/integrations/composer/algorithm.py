@@ -16,6 +16,7 @@ weights are saved by Composer itself through the train dataset's ``state_dict(nu
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -28,6 +29,7 @@ from grape_stream.config import AlgorithmConfig
 from grape_stream.grape.controller import REPLAY_METHOD, GrapeController
 from grape_stream.integrations.common import as_task, find_mixer, split_algorithm_options
 from grape_stream.integrations.composer.model import composer_per_sample_loss
+from grape_stream.integrations.progress import UpdateProgress
 
 __all__ = ["GrapeAlgorithm"]
 
@@ -43,6 +45,7 @@ class GrapeAlgorithm(Algorithm):
     an llm-foundry YAML gives). ``mu_alpha`` / ``mu_z`` are passed only to methods that take them, so
     ``method="uniform"`` works with the same arguments. Other keyword options go to the reweighter
     (see ``grape_stream.grape.reweighting``) or the controller (``probe_mode``, ``schedule_path``, ...).
+    ``progress`` prints a progress line during each update and its timing after it (global rank 0, stderr).
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class GrapeAlgorithm(Algorithm):
         per_sample_loss: Callable[[nn.Module, Mapping[str, torch.Tensor]], torch.Tensor] | None = None,
         seed: int = _DEFAULTS.seed,
         log_alignment: bool = True,
+        progress: bool = True,
         **options: Any,
     ) -> None:
         self.method = method
@@ -69,6 +73,7 @@ class GrapeAlgorithm(Algorithm):
         self.per_sample_loss = per_sample_loss or composer_per_sample_loss
         self.seed = seed
         self.log_alignment = log_alignment
+        self.progress = UpdateProgress(enabled=progress)
         self.controller_options, self.reweighter_options = split_algorithm_options(method, options, mu_alpha, mu_z)
         self.controller: GrapeController | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -91,11 +96,25 @@ class GrapeAlgorithm(Algorithm):
             return None
         lr = float(state.optimizers[0].param_groups[0]["lr"]) if state.optimizers else 0.0
         autocast = self._autocast(state)
-        rec = self.controller.maybe_update(state.model, step, lr, autocast=autocast,
-                                           consumed_batches=int(state.timestamp.batch_in_epoch))
+        ctl = self.controller
+        index = ctl.num_updates + 1
+        with self._progress(index, step):
+            rec = ctl.maybe_update(state.model, step, lr, autocast=autocast,
+                                   consumed_batches=int(state.timestamp.batch_in_epoch))
         if rec is not None:
+            if ctl.needs_probe:
+                self.progress.finished(index, step, rec)
             logger.log_metrics(self._metrics(rec))
         return None
+
+    def _progress(self, index: int, step: int) -> Any:
+        """The progress context of the update at ``step`` (nothing for methods that do not probe)."""
+        ctl = self.controller
+        assert ctl is not None
+        if not ctl.needs_probe or not any(ctl.due(step)):
+            return contextlib.nullcontext()
+        K, N = len(ctl.domain_names), len(ctl.task_names)
+        return self.progress.update(index, step, K, N, K * ctl.probe_domain_batch + N * ctl.probe_task_batch)
 
     def _fit_start(self, state: State) -> None:
         if getattr(state, "fsdp_enabled", False):
@@ -113,7 +132,7 @@ class GrapeAlgorithm(Algorithm):
                 z_every=self.z_every,
                 probe_domain_batch=self.probe_domain_batch,
                 probe_task_batch=self.probe_task_batch,
-                per_sample_loss=self.per_sample_loss,
+                per_sample_loss=self.progress.wrap_loss(self.per_sample_loss),
                 seed=self.seed,
                 **self.controller_options,
                 **self.reweighter_options,

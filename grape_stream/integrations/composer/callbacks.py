@@ -1,5 +1,6 @@
-"""Composer callbacks and a logger for GRAPE runs: the trajectory JSONL (+ PNG at fit end), the task
-evaluation summary (the paper's average and worst log-perplexity), and every metric as JSON lines.
+"""Composer callbacks and a logger for GRAPE runs: the trajectory JSONL (+ PNG, the console summary and
+the tracker artifacts at fit end), the task evaluation summary (the paper's average and worst
+log-perplexity), and every metric as JSON lines.
 
 Only global rank 0 writes files (:func:`grape_stream.world.process_world`).
 """
@@ -15,7 +16,10 @@ import torch
 from composer.core import Callback, State
 from composer.loggers import Logger, LoggerDestination
 
+from grape_stream.atomic import atomic_write_text
 from grape_stream.integrations.composer.algorithm import GrapeAlgorithm
+from grape_stream.integrations.composer.artifacts import log_trajectory_artifacts
+from grape_stream.integrations.summary import format_summary, summarize_controller
 from grape_stream.integrations.trajectory_plot import plot_trajectory
 from grape_stream.world import process_world
 
@@ -33,17 +37,23 @@ def grape_algorithm_of(state: State) -> GrapeAlgorithm | None:
 
 
 class GrapeTrajectoryCallback(Callback):
-    """Writes the GRAPE trajectory as JSONL after every update (atomic rewrite: survives a kill) and the
-    PNG plots (stacked areas of alpha and z, the domain-task alignment heatmap, per-task losses) at fit end.
+    """Writes the GRAPE trajectory as JSONL after every update (atomic rewrite: survives a kill); at fit end
+    the PNG plots (stacked areas of alpha and z, the domain-task alignment heatmap, per-task losses), the
+    run summary (printed, and written as ``grape_summary.txt``: per-target log-ppl, avg, worst, final
+    alpha, where the files are) and the files as tracker artifacts (see
+    :mod:`grape_stream.integrations.composer.artifacts`).
 
-    ``folder`` may contain ``{run_name}``. Only global rank 0 writes.
+    ``folder`` may contain ``{run_name}``. Only global rank 0 writes and prints.
     """
 
     def __init__(self, folder: str = "{run_name}", filename: str = "grape_trajectory.jsonl",
-                 plots: bool = True) -> None:
+                 plots: bool = True, summary: bool = True, artifacts: bool = True) -> None:
         self.folder = folder
         self.filename = filename
         self.plots = plots
+        self.summary = summary
+        self.artifacts = artifacts
+        self.summary_text: str | None = None
         self._written_updates = -1
         self.path: str | None = None
 
@@ -71,12 +81,30 @@ class GrapeTrajectoryCallback(Callback):
 
     def fit_end(self, state: State, logger: Logger) -> None:
         path = self._write(state)
-        if path is None or not self.plots or not process_world().is_leader:
+        if path is None or not process_world().is_leader:
             return
-        try:
-            plot_trajectory(path, os.path.splitext(path)[0] + ".png")
-        except Exception as exc:  # a plotting problem must not fail a finished training run
-            log.warning("could not plot the GRAPE trajectory %s: %s", path, exc)
+        png: str | None = None
+        if self.plots:
+            try:
+                png = plot_trajectory(path, os.path.splitext(path)[0] + ".png")
+            except Exception as exc:  # a plotting problem must not fail a finished training run
+                log.warning("could not plot the GRAPE trajectory %s: %s", path, exc)
+        files = [path] + ([png] if png else [])
+        if self.summary:
+            files.append(self._summary(state, path, png))
+        if self.artifacts:
+            log_trajectory_artifacts(logger, files, png, int(state.timestamp.batch))
+
+    def _summary(self, state: State, path: str, png: str | None) -> str:
+        """Print the end-of-run table and write it next to the trajectory; returns the file's path."""
+        algo = grape_algorithm_of(state)
+        assert algo is not None and algo.controller is not None
+        evals = next((cb.last for cb in state.callbacks if isinstance(cb, TaskEvalSummary) and cb.last), {})
+        self.summary_text = format_summary(summarize_controller(algo.controller, evals, trajectory=path, plot=png))
+        print(self.summary_text, flush=True)
+        out = os.path.join(os.path.dirname(path), "grape_summary.txt")
+        atomic_write_text(out, self.summary_text + "\n")
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {}

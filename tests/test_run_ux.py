@@ -1,0 +1,190 @@
+"""Run UX of a GRAPE run in a real Composer Trainer with real trackers (TensorBoard, MLflow file store, W&B
+offline): a progress line for every update, the end-of-run summary table, and the trajectory JSONL, the
+summary and the plot logged as tracker artifacts. Plus the framework-free parts (summary table, progress)
+on hand-built inputs."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import io
+import json
+import os
+import re
+
+import pytest
+
+from _grape_data import write_dataset
+from grape_stream.integrations.progress import UpdateProgress
+from grape_stream.integrations.summary import RunSummary, format_summary
+from test_composer import tiny_recipe
+
+_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true",
+        "MLFLOW_ALLOW_FILE_STORE": "true"}  # mlflow 3.x refuses a file store unless told
+
+
+@pytest.fixture(scope="module")
+def ux_run(tmp_path_factory):
+    """One tiny GRAPE fit with all three trackers; its console output captured."""
+    from grape_stream.integrations.composer.callbacks import GrapeTrajectoryCallback, TaskEvalSummary
+    from grape_stream.integrations.composer.trainer import build
+    from grape_stream.recipe import load_recipe
+
+    root = tmp_path_factory.mktemp("run_ux")
+    data, out = str(root / "data"), str(root / "out")
+    write_dataset(data, domains=3, tasks=(0, 2), n_domain=96, n_val=16, n_test=16)
+    loggers = {"tensorboard": {"log_dir": os.path.join(out, "tb")},
+               "mlflow": {"tracking_uri": "file://" + os.path.join(out, "mlruns"), "experiment_name": "ux",
+                          "log_system_metrics": False},
+               "wandb": {"project": "ux"}}
+    cfg = load_recipe(tiny_recipe(data, out, trainer={"max_duration": "8ba", "eval_interval": "8ba",
+                                                      "loggers": loggers}))
+    saved = {k: os.environ.get(k) for k in [*_ENV, "WANDB_DIR"]}
+    os.environ.update(_ENV, WANDB_DIR=out)
+    stdout, stderr = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            built = build(cfg)
+            try:
+                built.trainer.fit()
+            finally:
+                built.close()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    traj = next(cb for cb in built.callbacks if isinstance(cb, GrapeTrajectoryCallback))
+    evals = next(cb for cb in built.callbacks if isinstance(cb, TaskEvalSummary))
+    return {"out": out, "run": os.path.join(out, "tiny"), "stdout": stdout.getvalue(), "stderr": stderr.getvalue(),
+            "traj": traj, "evals": evals, "controller": built.algorithm.controller}
+
+
+def test_progress_line_for_every_update(ux_run):
+    err = ux_run["stderr"]
+    for i, step in ((1, 4), (2, 8)):
+        assert f"GRAPE update {i} (step {step}): probing 5 groups (3 domains + 2 tasks), 20 samples ..." in err
+        assert re.search(rf"GRAPE update {i} \(step {step}\) done in [0-9.]+s \(probe data [0-9.]+s, gram", err), err
+
+
+def test_end_of_run_summary_table(ux_run):
+    out, evals, ctl = ux_run["stdout"], ux_run["evals"].last, ux_run["controller"]
+    assert "GRAPE run summary: method grape, 2 updates, last at step 8" in out
+    assert set(evals) == {"t0", "t1"}
+    for t, v in evals.items():
+        assert re.search(rf"^{t}\s+{v:.4f}\s", out, re.M), out
+    worst = max(evals, key=evals.get)
+    assert re.search(rf"^avg \(eval log-ppl\)\s+{sum(evals.values()) / 2:.4f}$", out, re.M), out
+    assert f"{evals[worst]:.4f} ({worst})" in out
+    for d, a in zip(ctl.domain_names, ctl.alpha):
+        assert re.search(rf"^{d}\s+0\.3333\s+{a:.4f}$", out, re.M), out
+    traj = os.path.join(ux_run["run"], "grape_trajectory.jsonl")
+    assert f"trajectory: {traj}" in out and f"plots:      {traj[:-6]}.png" in out
+    with open(os.path.join(ux_run["run"], "grape_summary.txt"), encoding="utf-8") as f:
+        assert f.read().strip() == ux_run["traj"].summary_text.strip()
+    assert ux_run["traj"].summary_text in out
+
+
+def test_mlflow_gets_the_files_and_the_image(ux_run):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient("file://" + os.path.join(ux_run["out"], "mlruns"))
+    (exp,) = [e for e in client.search_experiments() if e.name == "ux"]
+    (run,) = client.search_runs([exp.experiment_id])
+    names = {os.path.basename(a.path) for a in client.list_artifacts(run.info.run_id, "grape")}
+    assert names == {"grape_trajectory.jsonl", "grape_trajectory.png", "grape_summary.txt"}
+    got = client.download_artifacts(run.info.run_id, "grape/grape_trajectory.jsonl", ux_run["out"])
+    with open(got, encoding="utf-8") as a, open(os.path.join(ux_run["run"], "grape_trajectory.jsonl")) as b:
+        assert a.read() == b.read()
+    images = [a.path for a in client.list_artifacts(run.info.run_id, "images")]
+    assert any("grape~trajectory" in p and p.endswith(".png") for p in images), images
+    assert "grape/alpha/d0" in client.get_run(run.info.run_id).data.metrics
+
+
+def test_tensorboard_gets_the_plot_as_an_image(ux_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    images = []
+    for events in glob.glob(os.path.join(ux_run["out"], "tb", "**", "events.out.tfevents.*"), recursive=True):
+        acc = EventAccumulator(events, size_guidance={"images": 0})
+        acc.Reload()
+        if "grape/trajectory" in acc.Tags()["images"]:
+            images += acc.Images("grape/trajectory")
+    assert len(images) == 1 and images[0].step == 8
+    assert images[0].encoded_image_string[:8] == b"\x89PNG\r\n\x1a\n" and images[0].width > 200
+
+
+def test_wandb_offline_run_keeps_the_files_and_the_image(ux_run):
+    (run_dir,) = glob.glob(os.path.join(ux_run["out"], "wandb", "offline-run-*"))
+    files = os.path.join(run_dir, "files")
+    with open(os.path.join(files, "grape_trajectory.jsonl"), encoding="utf-8") as a, \
+            open(os.path.join(ux_run["run"], "grape_trajectory.jsonl"), encoding="utf-8") as b:
+        assert a.read() == b.read()
+    assert os.path.getsize(os.path.join(files, "grape_summary.txt")) > 100
+    media = glob.glob(os.path.join(files, "media", "**", "*.png"), recursive=True)
+    assert media, os.listdir(files)
+    assert os.path.getsize(glob.glob(os.path.join(run_dir, "*.wandb"))[0]) > 0
+
+
+# -- the framework-free parts, on hand-built inputs ------------------------------------------------------------
+def _summary(**kw) -> RunSummary:
+    base = dict(method="grape", domains=["web", "code"], alpha=[0.7, 0.3], alpha_start=[0.5, 0.5],
+                tasks=["qa", "math"], z=[0.25, 0.75], num_updates=3, last_step=30,
+                trajectory="/r/grape_trajectory.jsonl", plot=None)
+    base.update(kw)
+    return RunSummary(**base)  # type: ignore[arg-type]
+
+
+def test_summary_uses_evaluation_then_falls_back_to_the_probe_loss():
+    s = _summary(eval_log_ppl={"qa": 2.0, "math": 3.5}, probe_loss={"qa": 9.0, "math": 1.0})
+    assert s.average() == pytest.approx(2.75) and s.worst() == ("math", 3.5)
+    text = format_summary(s)
+    assert re.search(r"^avg \(eval log-ppl\)\s+2\.7500$", text, re.M), text
+    assert "3.5000 (math)" in text and "plots:      (none)" in text
+    assert re.search(r"^web\s+0\.5000\s+0\.7000$", text, re.M), text
+
+    p = _summary(probe_loss={"qa": 9.0, "math": float("nan")})  # no evaluation: the probe loss, NaN skipped
+    assert p.average() == 9.0 and p.worst() == ("qa", 9.0)
+    assert re.search(r"^worst \(probe loss\)\s+9\.0000 \(qa\)$", format_summary(p), re.M)
+    assert "eval log-ppl" not in format_summary(_summary(tasks=[], z=None)).split("\n")[1]
+
+
+def test_progress_lines_ticks_and_rank_zero_only(monkeypatch):
+    import torch
+
+    buf = io.StringIO()
+    prog = UpdateProgress(stream=buf, bar=False)
+    loss = prog.wrap_loss(lambda model, batch: torch.zeros(len(batch)))
+    loss(None, [0] * 3)  # outside an update: not counted
+    with prog.update(2, 40, domains=3, tasks=10, samples=52):
+        for _ in range(4):
+            loss(None, [0] * 16)  # 64 > 52: capped
+        assert prog._done == 52
+    prog.finished(2, 40, {"seconds": {"probe_data": 0.5, "gram": 2.0, "total": 2.5}, "skipped": "no signal"})
+    assert buf.getvalue().splitlines() == [
+        "GRAPE update 2 (step 40): probing 13 groups (3 domains + 10 tasks), 52 samples ...",
+        "GRAPE update 2 (step 40) done in 2.50s (probe data 0.50s, gram 2.00s); skipped: no signal",
+    ]
+
+    bar = io.StringIO()
+    prog = UpdateProgress(stream=bar, bar=True)
+    loss = prog.wrap_loss(lambda model, batch: torch.zeros(len(batch)))
+    with prog.update(1, 4, domains=2, tasks=1, samples=12):
+        loss(None, [0] * 12)
+    assert "GRAPE update 1 (step 4): probing 3 groups" in bar.getvalue() and "0/12" in bar.getvalue()
+    assert prog._done == 12 and prog.lines == []  # the bar replaces the start line
+
+    monkeypatch.setenv("RANK", "1")
+    quiet = io.StringIO()
+    prog = UpdateProgress(stream=quiet, bar=False)
+    with prog.update(1, 4, domains=2, tasks=1, samples=12):
+        pass
+    prog.finished(1, 4, {"seconds": {"total": 1.0}})
+    assert quiet.getvalue() == ""
+
+
+def test_trajectory_record_count_matches_the_summary(ux_run):
+    with open(os.path.join(ux_run["run"], "grape_trajectory.jsonl"), encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    assert [r.get("step") for r in rows if r.get("type") == "update"] == [0, 4, 8]
