@@ -40,9 +40,10 @@ def test_values_and_gradients_match_cross_entropy(inplace: bool, dtype: torch.dt
         assert torch.equal(logits.detach(), got_in.grad)  # the logits' storage now holds their gradient
 
 
-def test_gpt_probe_with_in_place_loss_gradient_is_exact() -> None:
+@pytest.mark.parametrize("sizes", [[2, 1, 3, 2], [3, 3, 3]])  # equal groups: the batched (bmm) per-group form
+def test_gpt_probe_with_in_place_loss_gradient_is_exact(sizes: list[int]) -> None:
     model = gpt(torch.float64, seed=3)
-    groups = lm_groups([2, 1, 3, 2], seed=3)
+    groups = lm_groups(sizes, seed=3)
     want, want_losses = truth_gram(model, per_sample_lm_loss, groups)
     logits = model(groups[0]["tokens"][:, :-1])
     ref = reference(logits, groups[0])
