@@ -40,7 +40,7 @@ def test_values_and_gradients_match_cross_entropy(inplace: bool, dtype: torch.dt
         assert torch.equal(logits.detach(), got_in.grad)  # the logits' storage now holds their gradient
 
 
-@pytest.mark.parametrize("sizes", [[2, 1, 3, 2], [3, 3, 3]])  # equal groups: the batched (bmm) per-group form
+@pytest.mark.parametrize("sizes", [[2, 1, 3, 2], [3, 3, 3]])  # unequal and equal group sizes
 def test_gpt_probe_with_in_place_loss_gradient_is_exact(sizes: list[int]) -> None:
     model = gpt(torch.float64, seed=3)
     groups = lm_groups(sizes, seed=3)

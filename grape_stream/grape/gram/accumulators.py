@@ -92,14 +92,8 @@ class MatmulContribution(DenseContribution):
         out = torch.empty(
             (len(self.segments), left.shape[1], self.right.shape[1]), dtype=self.dtype, device=left.device
         )
-        lengths = {b - a for a, b in self.segments}
-        if len(lengths) == 1 and self.segments[0][0] == 0 and self.segments[-1][1] == left.shape[0]:
-            m = lengths.pop()  # equal groups (the usual probe): one batched product, no per-group Python
-            g = len(self.segments)
-            torch.bmm(left.reshape(g, m, -1).transpose(1, 2), self.right.reshape(g, m, -1), out=out)
-        else:
-            for i, (a, b) in enumerate(self.segments):
-                torch.mm(left[a:b].t(), self.right[a:b], out=out[i])
+        for i, (a, b) in enumerate(self.segments):  # (a batched bmm here made results alignment-dependent)
+            torch.mm(left[a:b].t(), self.right[a:b], out=out[i])
         if self.scale is not None:
             out *= self.scale[rows]
         return out

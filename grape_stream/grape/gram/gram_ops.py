@@ -23,16 +23,11 @@ def as_range(idx: Tensor) -> Union[slice, Tensor]:
 def block_inner(a: Tensor, b: Tensor) -> Tensor:
     """(ga, gb) inner products of per-group row blocks a (ga, k, ...) and b (gb, k, ...).
 
-    A (G x huge) @ (huge x G) product runs at a fraction of BLAS speed (the output is tiny, the reduction
-    dimension enormous); batching over the k rows, (k, ga, r) @ (k, r, gb) then a sum over k, keeps the
-    kernels busy: ~4x faster for the LM head's blocks. Small rows fall back to one flat product.
+    One flat product. A batched form over the k rows ((k, ga, r) @ (k, r, gb), then a sum over k) ran ~4x
+    faster for the LM head's blocks, but its last bits then depended on memory alignment (small-matrix
+    BLAS kernels), which broke bitwise-identical resumes (tests/test_plain_loop.py): determinism first.
     """
-    ga, gb, k = a.shape[0], b.shape[0], a.shape[1] if a.dim() > 1 else 1
-    if a.dim() < 2 or k < 2 or a[0, 0].numel() < 32:
-        return a.reshape(ga, -1) @ b.reshape(gb, -1).t()
-    av = a.reshape(ga, k, -1).transpose(0, 1)  # (k, ga, r) strided views: no copy
-    bv = b.reshape(gb, k, -1).transpose(0, 1)
-    return torch.bmm(av, bv.transpose(1, 2)).sum(0)
+    return a.reshape(a.shape[0], -1) @ b.reshape(b.shape[0], -1).t()
 
 
 def scatter_gram(gram: Tensor, rows_idx: Tensor, cols_idx: Tensor, block: Tensor) -> None:
