@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from grape_stream.config import ModelConfig
 
@@ -121,19 +122,68 @@ def lm_targets(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.T
     return tokens[:, 1:], None if mask is None else mask[:, 1:]
 
 
-def per_sample_lm_loss_from_logits(logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+#: token rows per chunk of the cross-entropy: about 2^22 logits (16 MiB in fp32) at a time, so the
+#: softmax passes run in cache instead of streaming (tokens x vocab) arrays through memory several times
+_CE_CHUNK_ELEMENTS = 1 << 22
+
+
+class _LeanCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy that never materialises more than the logits and one chunk.
+
+    F.cross_entropy keeps the log-softmax (tokens x vocab) for its backward, which then allocates the
+    gradient of the log-probabilities and of the logits: 3-4 (tokens x vocab) arrays at the peak, the bulk
+    of an LM step's memory at a 50k vocabulary. Here the forward keeps the logits and one logsumexp per
+    token; the backward forms softmax - onehot chunk by chunk, either into a new tensor or, with
+    `inplace=True` (the caller owns the logits and nothing else reads them), into the logits' own storage:
+    one (tokens x vocab) array in all. Same arithmetic as log_softmax + nll, to rounding.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, inplace: bool) -> torch.Tensor:
+        n, v = logits.shape
+        step = max(1, _CE_CHUNK_ELEMENTS // max(1, v))
+        lse = torch.empty(n, dtype=logits.dtype, device=logits.device)
+        for a in range(0, n, step):
+            lse[a : a + step] = torch.logsumexp(logits[a : a + step], dim=1)
+        ce = lse - logits.gather(1, targets.unsqueeze(1)).squeeze(1)
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.inplace, ctx.step = inplace, step
+        return ce
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_ce: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        logits, targets, lse = ctx.saved_tensors
+        out = logits if ctx.inplace else torch.empty_like(logits)
+        step, n = ctx.step, logits.shape[0]
+        minus_one = torch.full((min(step, n), 1), -1.0, dtype=logits.dtype, device=logits.device)
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            z = out[a:b]
+            torch.sub(logits[a:b], lse[a:b].unsqueeze(1), out=z)
+            z.exp_()
+            z.scatter_add_(1, targets[a:b].unsqueeze(1), minus_one[: b - a])
+            z.mul_(grad_ce[a:b].unsqueeze(1))
+        return out, None, None
+
+
+def per_sample_lm_loss_from_logits(
+    logits: torch.Tensor, batch: Mapping[str, torch.Tensor], *, inplace_grad: bool = False
+) -> torch.Tensor:
     """Mean next-token cross-entropy of each sample, Tensor[B], from logits (B, T-1, V) of ``tokens[:, :-1]``.
 
     The optional ``batch["loss_mask"]`` (B, T) marks which tokens count as prediction targets (task samples
     are padded; padding must never count). A sample with no counted target contributes 0 rather than NaN.
     Shared by the plain model, the Composer wrapper and the GRAPE probe so all three score the same loss.
+    The cross-entropy keeps only the logits for its backward (`_LeanCrossEntropy`); `inplace_grad=True`
+    lets the backward overwrite them with their gradient (only when the caller never reads them again).
     """
     targets, mask = lm_targets(batch)
+    owned = inplace_grad
     if logits.dtype in (torch.float16, torch.bfloat16):  # half-precision logits: softmax in float32
-        logits = logits.float()
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none").view(
-        targets.shape
-    )
+        logits, owned = logits.float(), True  # a private copy: its storage can take the gradient
+    flat = logits.reshape(-1, logits.shape[-1])
+    ce = _LeanCrossEntropy.apply(flat, targets.reshape(-1), owned and flat.is_contiguous()).view(targets.shape)
     if mask is None:
         return ce.mean(dim=1)
     m = mask.to(ce.dtype)
@@ -144,5 +194,8 @@ def per_sample_lm_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> t
     """Mean next-token cross-entropy of each sample: Tensor[B] (see per_sample_lm_loss_from_logits).
 
     `batch["tokens"]` is (B, T) integer ids; the optional `batch["loss_mask"]` (B, T) marks counted targets.
+    For our `GPT` the logits are the head's fresh output, read by nothing else, so the loss's backward
+    writes their gradient into them (one tokens x vocab array at the peak instead of 3-4).
     """
-    return per_sample_lm_loss_from_logits(model(batch["tokens"].long()[:, :-1]), batch)
+    logits = model(batch["tokens"].long()[:, :-1])
+    return per_sample_lm_loss_from_logits(logits, batch, inplace_grad=isinstance(model, GPT))

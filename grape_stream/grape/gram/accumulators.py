@@ -26,43 +26,12 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
+from grape_stream.grape.gram.gram_ops import add_cross, as_range, block_inner, scatter_gram
+
 Rows = Optional[Tensor]  # sorted unique int64 row ids; None means "every row"
 RowSel = Union[slice, Tensor]
 
 DEFAULT_BUDGET = 1 << 24  # elements of per-group gradient materialised at once (64 MiB in fp32)
-
-
-def as_range(idx: Tensor) -> Union[slice, Tensor]:
-    """Group ids of a micro-batch are consecutive (groups are concatenated in order): use a slice, so
-    updates are plain strided adds instead of scatters."""
-    n = idx.numel()
-    if n and int(idx[-1]) - int(idx[0]) == n - 1:
-        return slice(int(idx[0]), int(idx[0]) + n)
-    return idx
-
-
-def scatter_gram(gram: Tensor, rows_idx: Tensor, cols_idx: Tensor, block: Tensor) -> None:
-    """gram[rows_idx[i], cols_idx[j]] += block[i, j] (indices unique within each list)."""
-    r, c = as_range(rows_idx), as_range(cols_idx)
-    if isinstance(r, slice) and isinstance(c, slice):
-        gram[r, c] += block.to(gram.dtype)
-    else:
-        gram[rows_idx.unsqueeze(1), cols_idx.unsqueeze(0)] += block.to(gram.dtype)
-
-
-def add_cross(gram: Tensor, idx: Tensor, cross: Tensor) -> None:
-    """Add a (G_m x G) cross block and its transpose: the two mixed terms <C, H> + <H, C>."""
-    r = as_range(idx)
-    cross = cross.to(gram.dtype)
-    if isinstance(r, slice):
-        gram[r, :] += cross
-        gram[:, r] += cross.t()
-    else:
-        g = gram.shape[0]
-        all_idx = torch.arange(g, device=gram.device)
-        scatter_gram(gram, idx, all_idx, cross)
-        scatter_gram(gram, all_idx, idx, cross.t())
-
 
 class DenseContribution:
     """Per-group gradient of one parameter that can be produced row-block by row-block."""
@@ -106,23 +75,27 @@ class MatmulContribution(DenseContribution):
     """
 
     def __init__(
-        self, left: Tensor, right: Tensor, segments: list[tuple[int, int]], groups: Tensor, allow_ghost: bool
+        self, left: Tensor, right: Tensor, segments: list[tuple[int, int]], groups: Tensor, allow_ghost: bool,
+        scale: Optional[Tensor] = None,
     ) -> None:
         self.left, self.right = left, right  # (n, R), (n, C)
+        self.scale = scale  # (R, C) sqrt of a preconditioner weight, or None
         self.segments = segments  # per local group: [start, end) token rows
         self.groups = groups
         self.num_rows = left.shape[1]
         self.row_shape = (right.shape[1],)
         self.dtype = left.dtype
-        self.allow_ghost = allow_ghost
+        self.allow_ghost = allow_ghost and scale is None  # token pairs cannot carry an elementwise weight
 
     def materialize(self, rows: RowSel) -> Tensor:
         left = self.left[:, rows]
         out = torch.empty(
             (len(self.segments), left.shape[1], self.right.shape[1]), dtype=self.dtype, device=left.device
         )
-        for i, (a, b) in enumerate(self.segments):
+        for i, (a, b) in enumerate(self.segments):  # (a batched bmm here made results alignment-dependent)
             torch.mm(left[a:b].t(), self.right[a:b], out=out[i])
+        if self.scale is not None:
+            out *= self.scale[rows]
         return out
 
     def ghost_cost(self) -> float:
@@ -186,8 +159,7 @@ class SparseRowContribution:
             sel = order[lo:hi]
             dense = torch.zeros((gm, c1 - c0, *self.row_shape), dtype=self.dtype, device=out.device)
             dense[self.pair_local[sel], pos[sel] - c0] = self.pair_vec[sel]
-            flat = dense.reshape(gm, -1)
-            out += flat @ flat.t()
+            out += block_inner(dense, dense)
         return out
 
 
@@ -318,13 +290,11 @@ class RowAccumulator:
     ) -> None:
         """One materialised row block (G_m, k, ...) of rows `rows`: self, cross and held-sum updates."""
         idx = c.groups
-        gm = idx.numel()
         if self_term:
-            flat = block.reshape(gm, -1)
-            scatter_gram(gram, idx, idx, flat @ flat.t())
+            scatter_gram(gram, idx, idx, block_inner(block, block))
         if held is not None and held_rows is None and span is not None:
             hsub = held[:, span[0] : span[1]]
-            add_cross(gram, idx, block.reshape(gm, -1) @ hsub.reshape(self.num_groups, -1).t())
+            add_cross(gram, idx, block_inner(block, hsub))
         elif held is not None:
             pos, present = _positions(held_rows, rows)
             if bool(present.all()):
@@ -334,7 +304,7 @@ class RowAccumulator:
             else:
                 hsub = None
             if hsub is not None:
-                add_cross(gram, idx, bsub.reshape(gm, -1) @ hsub.reshape(self.num_groups, -1).t())
+                add_cross(gram, idx, block_inner(bsub, hsub))
         if new_data is not None and new_rows is None and span is not None:
             r = as_range(idx)
             if isinstance(r, slice):

@@ -1,0 +1,52 @@
+"""The LM loss's lean cross-entropy (one tokens x vocab array at the peak) against F.cross_entropy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _alignment_helpers import gpt, lm_groups, rel_err, truth_gram
+from grape_stream.grape.gram.group_gram import group_gram
+from grape_stream.models import per_sample_lm_loss, per_sample_lm_loss_from_logits
+
+
+def reference(logits: torch.Tensor, batch: dict) -> torch.Tensor:
+    targets, mask = batch["tokens"][:, 1:].long(), batch["loss_mask"][:, 1:]
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    ce = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+    m = mask.to(ce.dtype)
+    return (ce * m).sum(1) / m.sum(1).clamp_min(1.0)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_values_and_gradients_match_cross_entropy(inplace: bool, dtype: torch.dtype, monkeypatch) -> None:
+    monkeypatch.setattr("grape_stream.models._CE_CHUNK_ELEMENTS", 7 * 300)  # several chunks, a ragged last one
+    batch = lm_groups([3], seed=4, seq=12)[0]
+    base = torch.randn(3, 11, 300, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 3
+    weights = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float32 if dtype != torch.float64 else dtype)
+    want_in = base.clone().to(dtype).requires_grad_(True)
+    want = reference(want_in, batch)
+    (want * weights).sum().backward()
+    got_in = base.clone().to(dtype).requires_grad_(True)
+    logits = got_in * 1  # a fresh non-leaf the loss may overwrite
+    got = per_sample_lm_loss_from_logits(logits, batch, inplace_grad=inplace)
+    (got * weights).sum().backward()
+    tol = 1e-12 if dtype == torch.float64 else 1e-2
+    assert got.dtype == want.dtype and rel_err(got.detach(), want.detach()) <= tol
+    assert rel_err(got_in.grad, want_in.grad) <= tol
+    if inplace and dtype == torch.float64:
+        assert torch.equal(logits.detach(), got_in.grad)  # the logits' storage now holds their gradient
+
+
+@pytest.mark.parametrize("sizes", [[2, 1, 3, 2], [3, 3, 3]])  # unequal and equal group sizes
+def test_gpt_probe_with_in_place_loss_gradient_is_exact(sizes: list[int]) -> None:
+    model = gpt(torch.float64, seed=3)
+    groups = lm_groups(sizes, seed=3)
+    want, want_losses = truth_gram(model, per_sample_lm_loss, groups)
+    logits = model(groups[0]["tokens"][:, :-1])
+    ref = reference(logits, groups[0])
+    assert rel_err(per_sample_lm_loss(model, groups[0]).detach(), ref.detach()) <= 1e-12
+    gram, losses = group_gram(model, per_sample_lm_loss, groups)
+    assert rel_err(gram, want) <= 1e-8 and rel_err(losses, want_losses) <= 1e-12
