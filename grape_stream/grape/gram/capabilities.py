@@ -65,7 +65,7 @@ def _detached(obj: Any) -> Any:
 
 def unit_output(module: nn.Module, args: tuple, kwargs: dict) -> Tensor:
     """The module's own output with weight 1 and bias 0: n(x) of an element-wise affine call."""
-    saved = {k: module._parameters[k] for k in _PARAM_NAMES if module._parameters.get(k) is not None}
+    saved: dict[str, Any] = {k: p for k in _PARAM_NAMES if (p := module._parameters.get(k)) is not None}
     try:
         for k, p in saved.items():
             fill = torch.ones_like if k == "weight" else torch.zeros_like
