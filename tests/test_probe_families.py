@@ -85,6 +85,23 @@ def test_family_micro_batches_and_float32(case: str) -> None:
     assert rel_err(gram32, want32) <= 1e-4
 
 
+@pytest.mark.parametrize("case", ["hf-llama", "mpt"])
+def test_family_under_bf16_autocast_keeps_the_fast_path(case: str) -> None:
+    """The probe runs in the training precision context: bf16 rounding inside the module is not mistaken
+    for a different function (the capability check's tolerance follows the call's dtype)."""
+    family, kw = CASES[case]
+    model, loss, _ = build_family(family, SIZE, torch.float32, seed=8, **kw)
+
+    def bf16_loss(m, b):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return loss(m, b).float()
+
+    groups = lm_groups(SIZES, seed=8)
+    want, _ = truth_gram(model, bf16_loss, groups)
+    gram, info = _fused(model, bf16_loss, groups)
+    assert rel_err(gram, want) <= 1e-2 and info.fallback_params == []
+
+
 def test_single_sample_probe_still_verifies_capabilities() -> None:
     """One group of one sample: no layout probe is needed, the capability check still runs."""
     model, loss, _ = build_family("mpt", SIZE, torch.float64, seed=5, real_mpt=False)

@@ -106,7 +106,8 @@ class TitanLlama(nn.Module):
 
 # ---------------------------------------------------------------------------------- MPT-style copy
 def _cast_if_autocast_enabled(t: Tensor) -> Tensor:
-    if torch.is_autocast_enabled(t.device.type):
+    """As llm-foundry's: ``torch.is_autocast_enabled()`` without a device is CUDA autocast only."""
+    if torch.is_autocast_enabled():
         return t.to(dtype=torch.get_autocast_dtype(t.device.type))
     return t
 
