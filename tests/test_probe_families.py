@@ -222,3 +222,31 @@ def test_one_unproven_call_demotes_the_whole_module() -> None:
         gram, _, info = group_gram(model, loss, groups, return_info=True)
     assert rel_err(gram, want) <= 1e-8
     assert info.fallback_params == ["two.weight"] and "TwoFaced" in info.fallback_reasons["two.weight"]
+
+
+class TransposedLinear(nn.Module):
+    """A Conv1D-like layer (weight in x out) that is not HF's class; symmetric at first, so the linear
+    and transposed forms give the same output and only the VJP check tells them apart."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        a = torch.randn(d, d)
+        self.weight = nn.Parameter((a + a.t()) / (2 * d))
+        self.bias = nn.Parameter(torch.randn(d) / d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+
+
+def test_transposed_linear_by_capability_even_when_symmetric() -> None:
+    torch.manual_seed(9)
+    model = nn.Sequential(TransposedLinear(), nn.Tanh(), nn.Linear(8, 3)).double()
+    groups = [{"x": torch.randn(s, 4, 8, dtype=torch.float64), "y": torch.randint(0, 3, (s,))} for s in (2, 1, 3)]
+
+    def loss(m, b):
+        return F.cross_entropy(m(b["x"]).mean(1), b["y"], reduction="none")
+
+    want, _ = truth_gram(model, loss, groups)
+    gram, info = _fused(model, loss, groups)
+    assert rel_err(gram, want) <= 1e-8 and info.fallback_params == []
+    assert set(info.fast_path) == {"0.weight", "0.bias", "2.weight", "2.bias"}
