@@ -10,6 +10,9 @@ For our GPT, HF GPT-2, HF Llama, a torchtitan-style Llama and llm-foundry's MPT 
 * exact:   every parameter on the exact path (one forward, then one backward per group, G gradient copies);
 * step:    one training step (forward + backward + AdamW) on --train-batch sequences.
 
+On CPU the seconds are the process's CPU time with one torch thread (other jobs on a shared machine
+barely move it; wall times are in the JSON too); on CUDA, wall time.
+
 The overhead ratio is update seconds / step seconds (the update's cost in training steps; at one update
 every 100 steps, ratio / 100 is the fractional overhead). MPT is llm-foundry's MPTForCausalLM when
 ``llmfoundry`` is importable, else the faithful copy in grape_stream.testing.families (the table says
@@ -70,14 +73,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn: Callable[[], Any], repeats: int, device: torch.device) -> list[float]:
-    out = []
+WALL: dict[str, list[float]] = {}  # label -> wall seconds, kept beside the CPU seconds in the JSON
+
+
+def timed(fn: Callable[[], Any], repeats: int, device: torch.device, label: str = "") -> list[float]:
+    """Seconds per call: the process's CPU time on CPU (robust when other jobs share the cores; one
+    torch thread), wall time on CUDA. Wall seconds go to WALL[label]."""
+    out, wall = [], []
     for _ in range(repeats):
         _sync(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
         _sync(device)
-        out.append(time.perf_counter() - t0)
+        wall.append(time.perf_counter() - t0)
+        out.append(wall[-1] if device.type == "cuda" else time.process_time() - c0)
+    WALL[label] = wall
     return out
 
 
@@ -109,6 +119,7 @@ def train_step_fn(model: nn.Module, loss_fn: Callable, batch: dict) -> Callable[
 
 
 def bench_family(name: str, size: FamilySize, args: argparse.Namespace, device: torch.device) -> dict:
+    WALL.clear()
     model, loss_fn, source = build_family(name, size, torch.float32, seed=0)
     model.to(device)
     groups = probe_groups(size, args.per_group, device)
@@ -116,8 +127,8 @@ def bench_family(name: str, size: FamilySize, args: argparse.Namespace, device: 
     t0 = time.perf_counter()
     gram, _, info = group_gram(model, loss_fn, groups, return_info=True)  # warm-up + layout/capability probe
     first = time.perf_counter() - t0
-    fused = timed(lambda: group_gram(model, loss_fn, groups), args.repeats, device)
-    exact = timed(lambda: exact_gram(model, loss_fn, groups), max(1, args.repeats - 1), device)
+    fused = timed(lambda: group_gram(model, loss_fn, groups), args.repeats, device, "fused")
+    exact = timed(lambda: exact_gram(model, loss_fn, groups), max(1, args.repeats - 1), device, "exact")
     err = float((exact_gram(model, loss_fn, groups) - gram).abs().max() / gram.abs().max())
     before: list[float] = []
     if capability_modules:  # the exact-class matching of the previous release, reproduced by demotion
@@ -127,19 +138,20 @@ def bench_family(name: str, size: FamilySize, args: argparse.Namespace, device: 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             group_gram(model, loss_fn, groups)
-            before = timed(lambda: group_gram(model, loss_fn, groups), max(1, args.repeats - 1), device)
+            before = timed(lambda: group_gram(model, loss_fn, groups), max(1, args.repeats - 1), device, "before")
     model.train()
     gen = torch.Generator().manual_seed(1)
     train_batch = {"tokens": torch.randint(0, size.vocab, (args.train_batch, size.seq), generator=gen).to(device)}
     step = train_step_fn(model, loss_fn, train_batch)
     step()  # warm-up (optimizer state)
-    steps = timed(step, args.repeats, device)
+    steps = timed(step, args.repeats, device, "step")
     med = {k: statistics.median(v) if v else None
            for k, v in (("fused", fused), ("before", before), ("exact", exact), ("step", steps))}
+    clock = "wall" if device.type == "cuda" else "process CPU"
+    runs = {"fused": fused, "before": before, "exact": exact, "step": steps}
     return {
         "family": name, "source": source, "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
-        "seconds": med, "first_call_seconds": first, "runs": {"fused": fused, "before": before, "exact": exact,
-                                                             "step": steps},
+        "seconds": med, "clock": clock, "first_call_seconds": first, "runs": runs, "wall_runs": dict(WALL),
         "ratio_fused": med["fused"] / med["step"], "ratio_exact": med["exact"] / med["step"],
         "ratio_before": None if med["before"] is None else med["before"] / med["step"],
         "fused_vs_exact_max_rel_diff_fp32": err, "fallback_params": info.fallback_params,
