@@ -196,5 +196,5 @@ def verify_call(
                 return kind, ""
         except Exception:  # a form that cannot even be evaluated is simply not this call's form
             continue
-    forms = "/".join(tried) or "no form fits its shapes"
-    return None, f"forward of {name} does not compute a supported function of its weight/bias ({forms} checked)"
+    forms = f"checked: {'/'.join(tried)}" if tried else "no supported form fits its shapes"
+    return None, f"forward of {name} does not compute a supported function of its weight/bias ({forms})"
