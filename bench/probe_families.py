@@ -193,20 +193,20 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     size = FamilySize(d_model=args.d_model, n_layer=args.layers, n_head=args.heads, vocab=args.vocab, seq=args.seq)
+    config = {**vars(args), "K": K, "N": N, "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "cpu": platform.processor() or platform.machine(), "load_avg": os.getloadavg(),
+              "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
     rows = []
     for name in args.families.split(","):
         rows.append(bench_family(name, size, args, device))
-        print(f"  {name}: fused {rows[-1]['seconds']['fused']:.3f} s", flush=True)
+        print_table(rows[-1:])
+        if not args.quick:  # written after every family: a long run interrupted keeps what it measured
+            os.makedirs(os.path.dirname(args.out), exist_ok=True)
+            with open(args.out, "w") as fh:
+                json.dump({"config": config, "families": rows}, fh, indent=2)
     print()
     print_table(rows)
-    result = {"config": {**vars(args), "K": K, "N": N, "torch": torch.__version__, "threads": torch.get_num_threads(),
-                         "cpu": platform.processor() or platform.machine(), "load_avg": os.getloadavg(),
-                         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
-              "families": rows}
     if not args.quick:
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=2)
         print(f"\nwrote {args.out}")
     return 0
 
