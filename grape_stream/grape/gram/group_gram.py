@@ -35,7 +35,7 @@ from grape_stream.grape.gram.batches import (
 )
 from grape_stream.grape.gram.graph import fallback_backward, scan_graph
 from grape_stream.grape.gram.hooks import FusedGramEngine
-from grape_stream.grape.gram.layouts import FAST_PARAM_NAMES, fast_kind, probe_layouts
+from grape_stream.grape.gram.layouts import FAST_PARAM_NAMES, fallback_reason, fast_kind, probe_layouts
 from grape_stream.grape.gram.precondition import Precondition, resolve_precondition
 from grape_stream.grape.probes import unwrap_for_probe
 from grape_stream.world import dist_active
@@ -242,7 +242,7 @@ def _classify(
             if id(p) in forced:
                 fallback.setdefault(id(p), (mname, forced[id(p)]))
             elif kind is None:
-                fallback.setdefault(id(p), (mname, f"no fast path for {type(module).__name__}"))
+                fallback.setdefault(id(p), (mname, fallback_reason(module)))
             elif pname not in FAST_PARAM_NAMES[kind]:
                 fallback.setdefault(id(p), (mname, f"parameter {pname!r} of {type(module).__name__}"))
             else:
@@ -325,7 +325,7 @@ def _run(
             ckey = (batch_signature(batch), frozenset(id(m) for _, m, _, _ in fast_modules))
             if ckey not in cache:
                 cache[ckey] = probe_layouts(engine, model, per_sample_loss, batch, sum(sizes))
-            engine.layouts = cache[ckey]
+            engine.layouts, engine.call_kinds = cache[ckey]
             for m_idx, (a, b) in enumerate(spans):
                 micro = MicroBatch(sample_groups[a:b], is_last=m_idx == len(spans) - 1)
                 mb = map_tensors(batch, operator.itemgetter(slice(a, b)))  # t -> t[a:b]

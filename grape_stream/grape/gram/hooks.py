@@ -35,6 +35,7 @@ from grape_stream.grape.gram.accumulators import (
     TensorContribution,
 )
 from grape_stream.grape.gram.batches import MicroBatch
+from grape_stream.grape.gram.capabilities import AUTO, demote, demoted_reason, unit_output, verify_call
 from grape_stream.grape.gram.layouts import (
     expand_shared,
     is_sample_major_view,
@@ -97,6 +98,9 @@ class FusedGramEngine:
         self.expand_keys: dict[tuple[int, int], str] = {}
         self.layouts: dict[tuple[int, int], tuple[str, Optional[tuple[int, ...]]]] = {}
         self.probe_batch = 0
+        # capability kinds (capabilities.py): verified per call of an AUTO module on the one-sample probe
+        self.verifying = False
+        self.call_kinds: dict[tuple[int, int], Optional[str]] = {}
 
     # ------------------------------------------------------------------ install / remove
     def install(self) -> None:
@@ -150,16 +154,44 @@ class FusedGramEngine:
             key = (id(mod), self.call_counts.get(id(mod), 0))
             self.call_counts[key[0]] = key[1] + 1
             inp = args[0] if args else next(iter(kwargs.values()), None)
-            lead = lead_shape(kind, mod, inp) if isinstance(output, Tensor) and isinstance(inp, Tensor) else None
+            ckind: Optional[str] = kind
+            if kind == AUTO:  # capability module: this call's verified kind (capabilities.py)
+                ckind = self._auto_kind(name, mod, key, args, kwargs, output, params)
+                if ckind == "affine" and self.mode is None:  # keep its basis n(x), not x
+                    inp = self._quietly(unit_output, mod, args, kwargs)
+            lead = None if ckind is None else (
+                lead_shape(ckind, mod, inp) if isinstance(output, Tensor) and isinstance(inp, Tensor) else None)
             if self.mode == "probe":
                 self.recorded[key] = lead
                 return None
             if self.mode == "verify":
                 layout = self.expand_keys.get(key)
                 return expand_shared(output, layout, self.probe_batch) if layout else None
-            return self._capture(name, mod, kind, params, key, inp, output, lead)
+            if ckind is None:
+                return None  # an unverified AUTO call: _auto_kind recorded the layout error
+            return self._capture(name, mod, ckind, params, key, inp, output, lead)
 
         return post_hook
+
+    def _quietly(self, fn: Callable, *args: Any) -> Any:
+        """Run `fn` (which re-runs a module's forward) with every hook of this engine silent."""
+        self.capturing = False
+        try:
+            return fn(*args)
+        finally:
+            self.capturing = True
+
+    def _auto_kind(self, name, mod, key, args, kwargs, output, params) -> Optional[str]:
+        """The verified kind of this call of an AUTO module; None (and the module demoted) when it has none."""
+        if self.verifying and key not in self.call_kinds:
+            kind, why = self._quietly(verify_call, mod, args, kwargs, output, params)
+            self.call_kinds[key] = kind
+            if kind is None:
+                demote(mod, f"{name}: {why}")
+        kind = self.call_kinds.get(key)
+        if kind is None and self.mode is None:
+            self._layout_error(params, demoted_reason(mod) or f"{name}: call {key[1]} was not verified on the probe")
+        return kind
 
     def _capture(self, name, mod, kind, params, key, inp, output, lead) -> Any:
         """Run mode: record the use and hook its output gradient."""
@@ -197,8 +229,9 @@ class FusedGramEngine:
         use = Use(name=name, kind=kind, module=mod, params=params, inp=inp, rows_per_sample=rows)
         if kind == "embedding":
             ids = inp.reshape(-1)
-            if mod.padding_idx is not None:
-                ids = ids[ids != mod.padding_idx]
+            pad = getattr(mod, "padding_idx", None)  # verified embeddings need not be nn.Embedding
+            if pad is not None:
+                ids = ids[ids != pad]
             use.keep_ids = torch.unique(ids)
         if not output.requires_grad:
             output = output.detach().requires_grad_(True)
@@ -343,20 +376,25 @@ class FusedGramEngine:
             ids = inp.reshape(-1)
             vecs = grad.reshape(ids.numel(), -1).to(dtype)
             tok_groups = groups[self._token_local(rows)]
-            if mod.padding_idx is not None:  # the padding row never receives gradient
-                keep = ids != mod.padding_idx
+            pad = getattr(mod, "padding_idx", None)
+            if pad is not None:  # the padding row never receives gradient
+                keep = ids != pad
                 ids, vecs, tok_groups = ids[keep], vecs[keep], tok_groups[keep]
             s = self._scale(use, "weight")
             if s is not None:
                 vecs = vecs * s[ids.long()].reshape(vecs.shape)
-            out["weight"] = SparseRowContribution(tok_groups, ids.long(), vecs, mod.num_embeddings)
-        elif use.kind in ("layernorm", "rmsnorm"):
+            out["weight"] = SparseRowContribution(tok_groups, ids.long(), vecs, use.params["weight"].shape[0])
+        elif use.kind in ("layernorm", "rmsnorm", "affine"):
             dtype = self.compute_dtype(grad.dtype)
-            ns = tuple(mod.normalized_shape)
             x = inp.to(dtype)
-            if use.kind == "layernorm":
+            if use.kind == "affine":  # inp is already the module's own n(x) (capabilities.unit_output)
+                ns = tuple(mod._parameters["weight"].shape)
+                xhat = x
+            elif use.kind == "layernorm":
+                ns = tuple(mod.normalized_shape)
                 xhat = F.layer_norm(x, ns, None, None, mod.eps)
             else:
+                ns = tuple(mod.normalized_shape)
                 eps = mod.eps if mod.eps is not None else torch.finfo(x.dtype).eps
                 xhat = F.rms_norm(x, ns, None, eps)
             feat = math.prod(ns)

@@ -1,9 +1,10 @@
 """Which modules have a fast path, and how each module call's rows map to samples.
 
 The fused Gram attributes every row of a hooked module's input to one sample. That is only known for
-some forward functions (``fast_kind``) and some layouts of the call's leading dimensions, found once
-per model and batch signature by running the loss on one and on two samples (``probe_layouts``).
-Anything else goes to the exact fallback rather than being guessed.
+some functions of a module's weight / bias (``fast_kind``: known forwards, or any module whose calls are
+verified to compute one of them, see ``capabilities``) and some layouts of the call's leading
+dimensions, found once per model and batch signature by running the loss on one and on two samples
+(``probe_layouts``). Anything else goes to the exact fallback rather than being guessed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from grape_stream.grape.gram.batches import map_tensors
+from grape_stream.grape.gram.capabilities import AUTO, demoted_reason, is_candidate
 
 if TYPE_CHECKING:
     from grape_stream.grape.gram.hooks import FusedGramEngine
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
 __all__ = [
     "FAST_PARAM_NAMES",
     "classify_layout",
+    "fallback_reason",
     "expand_shared",
     "fast_kind",
     "is_sample_major_view",
@@ -45,13 +48,15 @@ _RMSNORM_FORWARD = getattr(getattr(nn, "RMSNorm", None), "forward", None)
 
 
 def fast_kind(module: nn.Module) -> Optional[str]:
-    """The fast path that handles this module's direct parameters exactly, or None.
+    """The fast path that handles this module's direct parameters exactly, ``AUTO``, or None.
 
-    Matching is on the *forward function*, not the class: a subclass that overrides forward computes
-    something we cannot know, so it goes through the exact fallback instead.
+    A known *forward function* is trusted (not the class: a subclass that overrides forward computes
+    something else). Any other module whose direct parameters are a weight and an optional bias is
+    ``AUTO``: each of its calls is verified on the probe batch (``capabilities.verify_call``) and the
+    module is demoted to the exact fallback if one call matches no supported function.
     """
     if "forward" in vars(module):  # forward patched on the instance (e.g. by an accelerator hook)
-        return None
+        return AUTO if is_candidate(module) else None
     fwd = type(module).forward
     if fwd is nn.Linear.forward:
         return "linear"
@@ -64,7 +69,16 @@ def fast_kind(module: nn.Module) -> Optional[str]:
     conv = _hf_conv1d_forward()
     if conv is not None and fwd is conv:
         return "conv1d"
-    return None
+    return AUTO if is_candidate(module) else None
+
+
+def fallback_reason(module: nn.Module) -> str:
+    """Why `module`'s parameters take the exact fallback (for GramInfo.fallback_reasons and the warning)."""
+    why = demoted_reason(module)
+    if why is not None:
+        return why
+    names = sorted(k for k, p in module._parameters.items() if p is not None)
+    return f"no fast path for {type(module).__name__} (parameters {names}; a fast path needs weight[, bias])"
 
 
 FAST_PARAM_NAMES = {
@@ -73,6 +87,7 @@ FAST_PARAM_NAMES = {
     "embedding": ("weight",),
     "layernorm": ("weight", "bias"),
     "rmsnorm": ("weight",),
+    AUTO: ("weight", "bias"),  # per call one of linear / conv1d / embedding / affine (capabilities.py)
 }
 
 
@@ -83,6 +98,8 @@ def lead_shape(kind: str, module: nn.Module, inp: Tensor) -> tuple[int, ...]:
     if kind in ("layernorm", "rmsnorm"):
         norm: Any = module  # nn.LayerNorm or RMSNorm (matched on forward by fast_kind)
         return tuple(inp.shape[: inp.dim() - len(norm.normalized_shape)])
+    if kind == "affine":  # verified: the weight's shape is the trailing shape of input and output
+        return tuple(inp.shape[: inp.dim() - module._parameters["weight"].dim()])  # type: ignore[union-attr]
     return tuple(inp.shape[:-1])
 
 
@@ -124,18 +141,25 @@ def expand_shared(t: Tensor, layout: str, batch: int) -> Tensor:
     return t.unsqueeze(0).expand(batch, *t.shape)
 
 
+CallKey = tuple[int, int]  # (id(module), call ordinal within one forward)
+Layouts = dict[CallKey, tuple[str, Optional[tuple[int, ...]]]]
+
+
 def probe_layouts(
     engine: FusedGramEngine, model: nn.Module, per_sample_loss: PerSampleLoss, batch: Any, total: int
-) -> dict[tuple[int, int], tuple[str, Optional[tuple[int, ...]]]]:
-    """Which leading dimension of each hooked module call is the batch (see `classify_layout`).
+) -> tuple[Layouts, dict[CallKey, Optional[str]]]:
+    """Which leading dimension of each hooked module call is the batch (see `classify_layout`), and the
+    verified kind of each call of an ``AUTO`` module (None: no supported function; the module is demoted).
 
-    Runs the loss under no_grad on the first sample and on the first two samples and compares each
-    call's leading shape; a call computed once for the whole batch (positional embeddings of arange(T))
-    is then re-run expanded per sample and kept on the fast path only if the losses are unchanged.
-    Cached per model and batch signature: a few no-grad forwards of <= 2 samples, once.
+    Runs the loss under no_grad on the first sample (where ``AUTO`` calls are verified) and on the first
+    two samples and compares each call's leading shape; a call computed once for the whole batch
+    (positional embeddings of arange(T)) is then re-run expanded per sample and kept on the fast path
+    only if the losses are unchanged. Cached per model and batch signature: a few no-grad forwards of
+    <= 2 samples, once.
     """
-    if total < 2:
-        return {}
+    needs_kinds = any(kind == AUTO for _, _, kind, _ in engine.modules)
+    if total < 2 and not needs_kinds:
+        return {}, {}
     one = map_tensors(batch, lambda t: t[:1])
     two = map_tensors(batch, lambda t: t[:2])
     rng = torch.get_rng_state()
@@ -148,36 +172,50 @@ def probe_layouts(
             torch.cuda.set_rng_state(cuda_rng, cuda_dev)
 
     engine.capturing = True
+    engine.call_kinds = {}
     try:
         with torch.no_grad():
             engine.begin(None, "probe")
-            per_sample_loss(model, one)
+            engine.verifying = True  # AUTO calls are checked on this one-sample forward
+            try:
+                per_sample_loss(model, one)
+            finally:
+                engine.verifying = False
             rec1, engine.recorded = engine.recorded, {}
+            kinds = dict(engine.call_kinds)
+            if total < 2:
+                return {k: ("unsupported", v) for k, v in rec1.items()}, kinds
             reset_rng()
             engine.begin(None, "probe")
             ref = per_sample_loss(model, two)
             rec2, engine.recorded = engine.recorded, {}
             layouts = {k: (classify_layout(rec1.get(k), rec2.get(k)), rec1.get(k)) for k in set(rec1) | set(rec2)}
-            ref = ref.detach()
-            tol = math.sqrt(torch.finfo(ref.dtype).eps) if ref.is_floating_point() else 0.0
-            for key, (layout, lead1) in sorted(layouts.items()):
-                if layout not in ("shared", "shared1"):
-                    continue
-                reset_rng()
-                engine.begin(None, "verify")
-                engine.expand_keys, engine.probe_batch = {key: layout}, 2
-                try:
-                    out = per_sample_loss(model, two)
-                    same = isinstance(out, Tensor) and out.shape == ref.shape and bool(
-                        torch.allclose(out.detach(), ref, rtol=tol, atol=tol, equal_nan=True)
-                    )
-                except Exception:
-                    same = False
-                if not same:
-                    layouts[key] = ("unsupported", lead1)
+            _verify_shared(engine, model, per_sample_loss, two, ref.detach(), layouts, reset_rng)
     finally:
         engine.capturing = False
         engine.mode = None
         engine.expand_keys = {}
         engine.recorded = {}
-    return layouts
+    return layouts, kinds
+
+
+def _verify_shared(engine: FusedGramEngine, model: nn.Module, per_sample_loss: PerSampleLoss, two: Any,
+                   ref: Tensor, layouts: Layouts, reset_rng: Callable[[], None]) -> None:
+    """Keep a broadcast ("shared") call on the fast path only if expanding it per sample leaves the
+    two-sample losses unchanged."""
+    tol = math.sqrt(torch.finfo(ref.dtype).eps) if ref.is_floating_point() else 0.0
+    for key, (layout, lead1) in sorted(layouts.items()):
+        if layout not in ("shared", "shared1"):
+            continue
+        reset_rng()
+        engine.begin(None, "verify")
+        engine.expand_keys, engine.probe_batch = {key: layout}, 2
+        try:
+            out = per_sample_loss(model, two)
+            same = isinstance(out, Tensor) and out.shape == ref.shape and bool(
+                torch.allclose(out.detach(), ref, rtol=tol, atol=tol, equal_nan=True)
+            )
+        except Exception:
+            same = False
+        if not same:
+            layouts[key] = ("unsupported", lead1)
