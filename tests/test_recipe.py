@@ -88,8 +88,8 @@ def test_overrides_parse_yaml_values_and_reach_free_maps():
     assert cfg["data"]["domains"] == ["en", "fr"] and cfg["algorithm"]["options"] == {"clip_norm": 1.0}
     assert cfg["model"]["hf_overrides"] == {"n_layer": 1} and cfg["data"]["mixer"] == {"cache_limit": "1gb"}
     assert cfg["trainer"]["save_folder"] is None
-    again = apply_overrides(cfg, ["algorithm={method: uniform}"])
-    assert again["algorithm"]["method"] == "uniform" and again["algorithm"]["alpha_every"] == 100
+    again = apply_overrides(cfg, ["algorithm={method: uniform}"])  # omegaconf: merged with what is there
+    assert again["algorithm"]["method"] == "uniform" and again["algorithm"]["alpha_every"] == 25  # demo-cpu's
 
 
 def test_huggingface_config_model_without_download():
