@@ -100,7 +100,8 @@ def check_manifest(shape: LoaderShape, tokenizer: Any) -> dict[str, Any] | None:
     if not manifest:
         return None
     where = join_location(shape.remote or shape.local, "manifest.json")
-    tok = manifest.get("tokenizer") if isinstance(manifest.get("tokenizer"), Mapping) else {}
+    tok_entry = manifest.get("tokenizer")
+    tok: Mapping[str, Any] = tok_entry if isinstance(tok_entry, Mapping) else {}
     data_vocab, data_seq = manifest_vocab_size(manifest), manifest.get("seq_len")
     size = _tokenizer_size(tokenizer) if tokenizer is not None else None
     if data_vocab and size and data_vocab != size:
