@@ -194,3 +194,17 @@ def test_llm_foundry_loader_checks_the_manifest_and_refuses_unknown_keys(byte_da
         with pytest.raises(ConfigError, match=needle) as info:
             build(tokenizer=None, device_batch_size=4, **cfg)
         assert "\n" not in str(info.value)
+
+
+def test_task_eval_loader_for_llm_foundry_evaluators(data_dir):
+    from grape_stream.integrations.composer import build_grape_task_eval_dataloader
+    from grape_stream.integrations.composer.foundry_dataset import IGNORE_INDEX
+
+    spec = build_grape_task_eval_dataloader(tokenizer=None, device_batch_size=3, task="t0",
+                                            local=f"{data_dir}/tasks/t0", drop_last=False)
+    batches = [spec.batch_transforms(b) for b in spec.dataloader]
+    assert sum(b["tokens"].shape[0] for b in batches) == 8  # the whole test split, once (finite)
+    for b in batches:
+        mask = b["loss_mask"].bool()
+        assert torch.equal(b["labels"][mask], b["tokens"][mask]) and bool((b["labels"][~mask] == IGNORE_INDEX).all())
+    assert any(bool((~b["loss_mask"].bool()).any()) for b in batches)  # the padding is masked out

@@ -11,6 +11,7 @@ from typing import Any, Mapping, Sequence
 from composer.core import DataSpec
 
 from grape_stream.errors import ConfigError
+from grape_stream.grape.tasks import TaskStream
 from grape_stream.integrations.common import find_mixer
 from grape_stream.integrations.composer.foundry_dataset import (
     LoaderShape,
@@ -21,7 +22,7 @@ from grape_stream.integrations.composer.foundry_dataset import (
 from grape_stream.mixing.mixer import DomainStream, WeightedStreamingMixer
 from grape_stream.recipe.data import join_location
 
-__all__ = ["build_grape_mixture_dataloader", "find_mixer"]
+__all__ = ["build_grape_mixture_dataloader", "build_grape_task_eval_dataloader", "find_mixer"]
 
 
 def _streams(shape: LoaderShape) -> list[DomainStream]:
@@ -100,5 +101,31 @@ def build_grape_mixture_dataloader(
         if prefetch_factor is not None:
             kwargs["prefetch_factor"] = prefetch_factor
     loader = mixer.dataloader(num_workers=num_workers, **kwargs)
+    return DataSpec(loader, batch_transforms=labels_from_loss_mask,
+                    get_num_tokens_in_batch=lambda b: int(b["tokens"].numel()))
+
+
+def build_grape_task_eval_dataloader(
+    tokenizer: Any = None,
+    device_batch_size: int | float = 8,
+    *,
+    task: str,
+    remote: str | None = None,
+    local: str | None = None,
+    split: str = "test",
+    num_workers: int = 0,
+    drop_last: bool = False,
+    **streaming_kwargs: Any,
+) -> Any:
+    """A target task's test split as an llm-foundry eval loader (``eval_loader: [{label: <task>, name:
+    grape_task_eval, task: <task>, remote/local}]``): finite, each rank reads its own part, ``labels`` are
+    -100 where the task's ``loss_mask`` is 0 (the prompt and the padding), so the evaluator's
+    cross-entropy is the task's answer log-perplexity that ``grape_eval_summary`` averages. ``drop_last``
+    is accepted and ignored (an evaluation reads every sample)."""
+    if int(device_batch_size) != device_batch_size or device_batch_size < 1:
+        raise ConfigError(f"grape_task_eval needs a whole device_batch_size >= 1, got {device_batch_size!r}")
+    t = TaskStream(name=task, remote=remote, local=local, split=None, test_split=split,
+                   streaming_kwargs=dict(streaming_kwargs))
+    loader = t.eval_dataloader(int(device_batch_size), num_workers=num_workers)
     return DataSpec(loader, batch_transforms=labels_from_loss_mask,
                     get_num_tokens_in_batch=lambda b: int(b["tokens"].numel()))
