@@ -140,13 +140,14 @@ def _demo_overrides(data_dir: str, out: str) -> list[str]:
 
 
 def test_cli_train_runs_a_recipe_end_to_end(data_dir, tmp_path, capsys):
-    assert main(["demo-cpu", *_demo_overrides(data_dir, str(tmp_path))]) == 0
+    assert main(["demo-cpu", *_demo_overrides(data_dir, str(tmp_path)), "callbacks={lr_monitor: {}}"]) == 0
     summary = json.loads(capsys.readouterr().out.split("\n}\n")[0] + "\n}")
     assert summary["domains"] == ["d0", "d1", "d2"] and summary["method"] == "grape"
     run = tmp_path / "demo-cpu"
     lines = (run / "grape_trajectory.jsonl").read_text().splitlines()
     assert [json.loads(x).get("step") for x in lines[1:]] == [0, 3, 6]
     assert (run / "grape_trajectory.png").exists() and (run / "metrics.jsonl").exists()
+    assert "lr-AdamW/group0" in (run / "metrics.jsonl").read_text()  # the recipe's callbacks: section ran
     assert any(n.endswith(".pt") for n in os.listdir(tmp_path / "ckpt"))
 
 

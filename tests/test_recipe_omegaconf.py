@@ -84,6 +84,8 @@ def test_errors_are_one_line_naming_key_and_closest(foundry_yaml):
         load_recipe(foundry_yaml, ["model.n_layerz=2"])
     with pytest.raises(ConfigKeyError, match=r"^unknown recipe key 'model\.expansion_ratio'"):
         load_recipe({"model": {"expansion_ratio": 4}, "data": {"domains": ["a"]}})  # MPT's: not the same meaning
+    with pytest.raises(ConfigKeyError, match=r"^unknown recipe key 'fsdp_config'; it is llm-foundry's: .*grape_mix"):
+        load_recipe({"fsdp_config": {"sharding_strategy": "FULL_SHARD"}, "data": {"domains": ["a"]}})
     with pytest.raises(ConfigTypeError, match=r"^recipe key 'model\.n_layer' must be an int, got 'four'"):
         load_recipe(foundry_yaml, ["model.n_layers=four"])
     with pytest.raises(ConfigTypeError, match=r"^recipe key 'trainer' must be a mapping, got 'x'$"):

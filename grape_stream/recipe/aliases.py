@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from grape_stream.errors import ConfigError, ConfigTypeError
 
-__all__ = ["ALIASES", "VALUE_ALIASES", "canonical_key", "canonical_recipe"]
+__all__ = ["ALIASES", "FOUNDRY_ONLY", "VALUE_ALIASES", "canonical_key", "canonical_recipe"]
 
 #: llm-foundry's dotted key -> ours.
 ALIASES: dict[str, str] = {
@@ -32,6 +32,12 @@ ALIASES: dict[str, str] = {
         "eval_subset_num_batches", "precision", "save_folder", "save_interval", "save_num_checkpoints_to_keep",
         "save_overwrite", "autoresume", "load_path", "log_to_console", "progress_bar")},
 }
+
+#: Top-level keys of an llm-foundry YAML with no recipe equivalent: such a YAML is run by llm-foundry itself,
+#: with grape_stream's loader and algorithm in it (docs/composer.md, "llm-foundry").
+FOUNDRY_ONLY = frozenset({"train_loader", "eval_loader", "tokenizer", "algorithms", "fsdp_config",
+                          "parallelism_config", "icl_tasks", "eval_gauntlet", "dist_timeout",
+                          "device_train_batch_size"})
 
 #: key -> {llm-foundry's value -> ours}: Composer's schedulers under llm-foundry's registry names.
 VALUE_ALIASES: dict[str, dict[str, str]] = {

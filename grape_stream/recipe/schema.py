@@ -20,6 +20,7 @@ from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseExceptio
 
 from grape_stream.config import RecipeConfig, is_free
 from grape_stream.errors import ConfigError, ConfigKeyError, ConfigTypeError
+from grape_stream.recipe.aliases import ALIASES, FOUNDRY_ONLY
 
 __all__ = ["base_config", "dotted_keys", "field_type", "merge_checked", "one_line_error", "section_classes",
            "resolved", "type_name", "unknown_key"]
@@ -64,10 +65,11 @@ def field_type(path: str) -> Any:
 
 
 def unknown_key(path: str, where: str = "") -> ConfigKeyError:
-    from grape_stream.recipe.aliases import ALIASES
-
     close = difflib.get_close_matches(path, dotted_keys() + sorted(ALIASES), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
+    if path.split(".")[0] in FOUNDRY_ONLY:
+        hint = ("; it is llm-foundry's: run such a YAML with llm-foundry's train script and "
+                "train_loader: {name: grape_mixture} (docs/composer.md)")
     return ConfigKeyError(f"unknown recipe key {path!r}{where}{hint}")
 
 
