@@ -1,10 +1,10 @@
 """Typed defaults: every default of a recipe, of GRAPE and of the mixer is stated here, once.
 
-The recipe schema (:data:`grape_stream.recipe.schema.SCHEMA`), :class:`GrapeAlgorithm`'s constructor and
-the docs all read these dataclasses, so a default changes in one place. They are plain dataclasses of
-plain types on purpose: a later issue turns them into omegaconf structured configs, which accept exactly
-this shape (``Optional[...]``, ``Any``, ``list``/``dict`` fields built with ``default_factory``, nested
-dataclasses, and :data:`MISSING` as omegaconf spells a required value).
+Recipes (:mod:`grape_stream.recipe` loads them as omegaconf structured configs of :class:`RecipeConfig`),
+:class:`GrapeAlgorithm`'s constructor and the docs all read these dataclasses, so a default changes in one
+place. They are plain dataclasses of the types omegaconf's structured configs accept (``Optional[...]``,
+``Any``, ``list``/``dict`` fields built with ``default_factory``, nested dataclasses, and :data:`MISSING`
+as omegaconf spells a required value); no Union other than Optional.
 
 Two field markers carry the recipe's rules (read by :func:`is_free` / :func:`is_required`):
 
@@ -176,6 +176,10 @@ class RecipeConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # Composer callbacks by name -> keyword arguments (lr_monitor, speed_monitor, ..., or "module:Class")
+    callbacks: dict[str, Any] = _free()
+    # free values for ${variables.x} interpolation elsewhere in the recipe (llm-foundry's `variables:`)
+    variables: dict[str, Any] = _free()
 
 
 @dataclass

@@ -103,3 +103,108 @@ def test_probe_loss_for_a_huggingface_style_composer_model():
     ce = ce.view(3, SEQ - 1)
     m = mask[:, 1:].float()
     assert torch.allclose(got, (ce * m).sum(1) / m.sum(1), atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# llm-foundry's loader shape: dataset: {...}, drop_last, num_workers; manifest vs tokenizer; loss_mask
+# ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def byte_data(tmp_path_factory) -> str:
+    """A real conversion (byte tokenizer, one padded sample per record: every sample carries a loss_mask)."""
+    import json
+
+    from grape_stream.convert import convert
+
+    root = tmp_path_factory.mktemp("foundry_bytes")
+    src = root / "in"
+    src.mkdir()
+    with open(src / "docs.jsonl", "w", encoding="utf-8") as f:
+        for i in range(40):
+            for lang in ("en", "fr"):
+                f.write(json.dumps({"text": f"{lang} doc {i} " * (1 + i % 4), "lang": lang}) + "\n")
+    out = str(root / "mds")
+    convert("jsonl", [str(src)], out, tokenizer="bytes", seq_len=64, domain_field="lang", per_example=True,
+            progress=False)
+    return out
+
+
+def _gpt2_hf_tokenizer():
+    from transformers import PreTrainedTokenizerFast
+
+    from grape_stream.convert.tokenization import load_tokenizer
+
+    return PreTrainedTokenizerFast(tokenizer_object=load_tokenizer("gpt2")._tok)
+
+
+def _foundry_loader(byte_data: str, **dataset):
+    import yaml
+
+    cfg = yaml.safe_load(f"""
+train_loader:
+  name: grape_mixture
+  dataset:
+    local: {byte_data}
+    split: null
+    max_seq_len: 64
+    shuffle: true
+    shuffle_seed: 5
+    eos_token_id: 256
+    predownload: 8
+  drop_last: true
+  num_workers: 0
+""")["train_loader"]
+    cfg["dataset"].update(dataset)
+    return cfg
+
+
+def test_llm_foundry_dataset_block_and_loss_mask_labels(byte_data):
+    from grape_stream.integrations.composer import find_mixer
+    from grape_stream.integrations.composer.foundry_dataset import IGNORE_INDEX
+
+    cfg = _foundry_loader(byte_data)
+    spec = _ep("llmfoundry_dataloaders", cfg.pop("name"))(tokenizer=None, device_batch_size=4, **cfg)
+    mixer = find_mixer(spec.dataloader)
+    assert mixer.domain_names == ["en", "fr"] and mixer.seed == 5  # domains from the manifest, shuffle_seed
+    masked = 0
+    for _, raw in zip(range(10), spec.dataloader):
+        batch = spec.batch_transforms(raw)
+        tokens, mask, labels = batch["tokens"], batch["loss_mask"].bool(), batch["labels"]
+        assert torch.equal(batch["input_ids"], tokens) and tokens.shape == (4, 64)
+        assert torch.equal(labels[mask], tokens[mask]) and bool((labels[~mask] == IGNORE_INDEX).all())
+        masked += int((~mask).sum())
+    assert masked > 0  # the padded tail of every short record is ignored, not trained on as token 0
+    mixer.close()
+
+
+def test_llm_foundry_loader_checks_the_manifest_and_refuses_unknown_keys(byte_data):
+    from grape_stream.errors import ConfigError
+
+    build = _ep("llmfoundry_dataloaders", "grape_mixture")
+    cfg = _foundry_loader(byte_data)
+    cfg.pop("name")
+    with pytest.raises(ConfigError, match=r"tokenized with 'bytes' \(vocab_size=257\) but the run's tokenizer .* "
+                                          r"has 50257 tokens"):
+        build(tokenizer=_gpt2_hf_tokenizer(), device_batch_size=4, **cfg)
+    for bad, needle in (({"max_seq_len": 32}, r"seq_len=64 but dataset.max_seq_len is 32"),
+                        ({"eos_token_id": 0}, r"eos_token_id is 0 but .* eos_id=256"),
+                        ({"shuffle_algo": "py1e"}, r"dataset.shuffle_algo is not supported: the mixer shuffles"),
+                        ({"hf_name": "x"}, r"dataset.hf_name is not supported")):
+        cfg = _foundry_loader(byte_data, **bad)
+        cfg.pop("name")
+        with pytest.raises(ConfigError, match=needle) as info:
+            build(tokenizer=None, device_batch_size=4, **cfg)
+        assert "\n" not in str(info.value)
+
+
+def test_task_eval_loader_for_llm_foundry_evaluators(data_dir):
+    from grape_stream.integrations.composer import build_grape_task_eval_dataloader
+    from grape_stream.integrations.composer.foundry_dataset import IGNORE_INDEX
+
+    spec = build_grape_task_eval_dataloader(tokenizer=None, device_batch_size=3, task="t0",
+                                            local=f"{data_dir}/tasks/t0", drop_last=False)
+    batches = [spec.batch_transforms(b) for b in spec.dataloader]
+    assert sum(b["tokens"].shape[0] for b in batches) == 8  # the whole test split, once (finite)
+    for b in batches:
+        mask = b["loss_mask"].bool()
+        assert torch.equal(b["labels"][mask], b["tokens"][mask]) and bool((b["labels"][~mask] == IGNORE_INDEX).all())
+    assert any(bool((~b["loss_mask"].bool()).any()) for b in batches)  # the padding is masked out

@@ -88,8 +88,8 @@ def test_overrides_parse_yaml_values_and_reach_free_maps():
     assert cfg["data"]["domains"] == ["en", "fr"] and cfg["algorithm"]["options"] == {"clip_norm": 1.0}
     assert cfg["model"]["hf_overrides"] == {"n_layer": 1} and cfg["data"]["mixer"] == {"cache_limit": "1gb"}
     assert cfg["trainer"]["save_folder"] is None
-    again = apply_overrides(cfg, ["algorithm={method: uniform}"])
-    assert again["algorithm"]["method"] == "uniform" and again["algorithm"]["alpha_every"] == 100
+    again = apply_overrides(cfg, ["algorithm={method: uniform}"])  # omegaconf: merged with what is there
+    assert again["algorithm"]["method"] == "uniform" and again["algorithm"]["alpha_every"] == 25  # demo-cpu's
 
 
 def test_huggingface_config_model_without_download():
@@ -140,13 +140,14 @@ def _demo_overrides(data_dir: str, out: str) -> list[str]:
 
 
 def test_cli_train_runs_a_recipe_end_to_end(data_dir, tmp_path, capsys):
-    assert main(["demo-cpu", *_demo_overrides(data_dir, str(tmp_path))]) == 0
+    assert main(["demo-cpu", *_demo_overrides(data_dir, str(tmp_path)), "callbacks={lr_monitor: {}}"]) == 0
     summary = json.loads(capsys.readouterr().out.split("\n}\n")[0] + "\n}")
     assert summary["domains"] == ["d0", "d1", "d2"] and summary["method"] == "grape"
     run = tmp_path / "demo-cpu"
     lines = (run / "grape_trajectory.jsonl").read_text().splitlines()
     assert [json.loads(x).get("step") for x in lines[1:]] == [0, 3, 6]
     assert (run / "grape_trajectory.png").exists() and (run / "metrics.jsonl").exists()
+    assert "lr-AdamW/group0" in (run / "metrics.jsonl").read_text()  # the recipe's callbacks: section ran
     assert any(n.endswith(".pt") for n in os.listdir(tmp_path / "ckpt"))
 
 

@@ -1,4 +1,5 @@
-"""Recipes without a trainer: load (YAML, bundled names), overrides (``key=value``), validation, and the
+"""Recipes without a trainer: load (YAML via omegaconf, bundled names), overrides (``key=value`` dotlist),
+llm-foundry's key names (:mod:`~grape_stream.recipe.aliases`), validation, and the
 parts a run is built from (data streams, mixer, model, GRAPE's arguments). No Composer import here: each
 trainer integration (``grape_stream.integrations.<trainer>``) builds its Trainer from these.
 """
@@ -17,13 +18,13 @@ from grape_stream.recipe.grape import algorithm_kwargs
 from grape_stream.recipe.load import bundled_recipes, load_recipe, resolve_recipe_path
 from grape_stream.recipe.model import build_model
 from grape_stream.recipe.overrides import apply_overrides
-from grape_stream.recipe.schema import SCHEMA
+from grape_stream.recipe.schema import base_config
 from grape_stream.recipe.validate import validate
 
 __all__ = [
-    "SCHEMA",
     "algorithm_kwargs",
     "apply_overrides",
+    "base_config",
     "build_mixer",
     "build_model",
     "check_local_data",

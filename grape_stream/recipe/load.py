@@ -1,23 +1,29 @@
 """Reading a recipe: a YAML path, the name of a bundled recipe, or a mapping -> a validated, complete dict.
 
-A recipe is a nested mapping with a fixed schema (:data:`grape_stream.recipe.schema.SCHEMA`): every key
-has a default, an unknown key is an error that names it (with the closest valid key), and ``key=value``
-overrides address keys by their dotted path.
+The YAML is read by omegaconf (``1e-4`` is a float, ``${model.d_model}`` and ``${variables.x}`` are
+interpolations) and merged onto the structured config of :class:`grape_stream.config.RecipeConfig`: every
+key has a default, an unknown key is an error that names it (with the closest valid key), a wrong type
+is an error that says what the key takes, llm-foundry's key names are accepted
+(:mod:`grape_stream.recipe.aliases`), and ``key=value`` overrides are omegaconf's dotlist.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.resources
 import os
+import typing
 from typing import Any, Mapping, Sequence
 
 import yaml
+from omegaconf import OmegaConf
 
-from grape_stream.errors import ConfigError
-from grape_stream.recipe.overrides import apply_overrides
-from grape_stream.recipe.schema import SCHEMA, merge
+from grape_stream.config import RecipeConfig, is_free
+from grape_stream.errors import ConfigError, ConfigTypeError
+from grape_stream.recipe.aliases import canonical_recipe
+from grape_stream.recipe.overrides import merge_overrides
+from grape_stream.recipe.schema import base_config, merge_checked, resolved
 from grape_stream.recipe.validate import validate
-from grape_stream.recipe.yaml_values import yaml_load
 
 __all__ = ["RecipeNotFoundError", "bundled_recipes", "load_recipe", "resolve_recipe_path"]
 
@@ -45,22 +51,49 @@ def resolve_recipe_path(name_or_path: str) -> str:
                               f"{sorted(bundled)}")
 
 
+def _read_yaml(path: str) -> dict[str, Any]:
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigTypeError(f"{path}: a recipe is a mapping of keys, got a {type(data).__name__}")
+    return {str(k): v for k, v in data.items()}
+
+
+def _sections_as_mappings(given: dict[str, Any], cls: type, prefix: str, where: str) -> None:
+    """An empty section (``model:`` with nothing under it) is ``{}``; a section that is not a mapping is
+    one line naming it (omegaconf would report the dataclass, not the key)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        section = isinstance(tp, type) and dataclasses.is_dataclass(tp)
+        if f.name not in given or not (section or is_free(f)):
+            continue
+        if given[f.name] is None:
+            given[f.name] = {}
+        elif not isinstance(given[f.name], Mapping):
+            raise ConfigTypeError(f"recipe key {prefix + f.name!r}{where} must be a mapping, got {given[f.name]!r}")
+        elif section:
+            given[f.name] = dict(given[f.name])
+            _sections_as_mappings(given[f.name], tp, f"{prefix}{f.name}.", where)
+
+
 def load_recipe(source: str | os.PathLike[str] | Mapping[str, Any], overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """Read (path, bundled name or mapping), validate against the schema, fill defaults, apply overrides."""
+    """Read (path, bundled name or mapping), merge onto the schema's defaults, apply overrides, resolve
+    ``${}``, validate; a plain dict."""
     if isinstance(source, Mapping):
-        given, where, stem = dict(source), "", None
+        raw, where, stem = dict(source), "", None
     else:
         path = resolve_recipe_path(os.fspath(source))
-        with open(path, encoding="utf-8") as f:
-            try:
-                given = yaml_load(f) or {}
-            except yaml.YAMLError as exc:
-                first = " ".join(str(exc).split())
-                raise ConfigError(f"{path}: not valid YAML: {first}") from None
-        where, stem = f" in {path}", os.path.splitext(os.path.basename(path))[0]
-    cfg = merge(SCHEMA, given, "", where)
-    cfg = apply_overrides(cfg, overrides)
-    if cfg["run_name"] is None:
-        cfg["run_name"] = stem or "grape-run"
-    validate(cfg)
-    return cfg
+        raw, where, stem = _read_yaml(path), f" in {path}", os.path.splitext(os.path.basename(path))[0]
+    given = canonical_recipe(raw, where)
+    _sections_as_mappings(given, RecipeConfig, "", where)
+    cfg = merge_overrides(merge_checked(base_config(), given, where), overrides)
+    if cfg.run_name is None:
+        cfg.run_name = stem or "grape-run"
+    out = resolved(cfg, where)
+    validate(out)
+    return out

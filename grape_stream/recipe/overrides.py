@@ -1,74 +1,52 @@
-"""``key=value`` overrides: dotted paths into a validated recipe, values parsed as YAML.
+"""``key=value`` overrides: omegaconf's dotlist (values are YAML, ``${}`` interpolation allowed).
 
-``algorithm.method=uniform``, ``trainer.max_duration=200ba``, ``data.domains=[en, fr]``; keys inside
-free-form mappings (``algorithm.options.clip_norm``, ``model.hf_overrides.n_layer``) are accepted, any
-other unknown key is an error that names it. The format is omegaconf's dotlist, so a later move onto
-omegaconf keeps command lines working.
+``algorithm.method=uniform``, ``trainer.max_duration=200ba``, ``data.domains=[en, fr]``,
+``model.n_layers=4`` (llm-foundry's name, :mod:`grape_stream.recipe.aliases`), ``max_duration=200ba``
+(llm-foundry's top-level trainer key); keys inside free-form mappings (``algorithm.options.clip_norm``,
+``model.hf_overrides.n_layer``) are accepted, any other unknown key is an error that names it. A whole
+section (``algorithm={method: uniform}``) is merged with what is there.
 """
 
 from __future__ import annotations
 
-import copy
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
-import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from grape_stream.errors import ConfigError
-from grape_stream.recipe.schema import SCHEMA, Free, merge, unknown_key
-from grape_stream.recipe.yaml_values import yaml_load
+from grape_stream.recipe.aliases import canonical_recipe
+from grape_stream.recipe.schema import base_config, merge_checked, resolved
 
-__all__ = ["apply_overrides", "parse_override"]
+__all__ = ["apply_overrides", "merge_overrides", "parse_override"]
 
 _WHERE = " (command-line override)"
 
 
-def parse_override(item: str) -> tuple[str, Any]:
-    """``"a.b=value"`` -> ``("a.b", parsed value)``; an empty value is None."""
+def parse_override(item: str) -> dict[str, Any]:
+    """``"a.b=value"`` -> ``{"a": {"b": value}}`` (value parsed as YAML, llm-foundry's names renamed to ours);
+    an empty value is None."""
+    key = item.split("=", 1)[0].strip()
     if "=" not in item:
         raise ConfigError(f"override {item!r} is not key=value (e.g. algorithm.method=uniform)")
-    key, raw = item.split("=", 1)
-    key = key.strip()
     if not key:
         raise ConfigError(f"override {item!r} has an empty key")
     try:
-        value = yaml_load(raw) if raw.strip() else None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"override {item!r}: the value is not valid YAML ({' '.join(str(exc).split())})") from None
-    return key, value
+        parsed = OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"override {item!r}: the value is not valid YAML ({str(exc).splitlines()[0]})") from None
+    assert isinstance(parsed, dict)
+    return canonical_recipe({str(k): v for k, v in parsed.items()}, _WHERE)
 
 
-def _set(cfg: dict[str, Any], key: str, value: Any) -> None:
-    parts = key.split(".")
-    node: Any = cfg
-    schema: Any = SCHEMA
-    for i, part in enumerate(parts):
-        last = i == len(parts) - 1
-        if isinstance(schema, Free):
-            if last:
-                node[part] = value
-            else:
-                node = node.setdefault(part, {})
-                schema = Free()
-            continue
-        if not isinstance(schema, dict) or part not in schema:
-            raise unknown_key(key, _WHERE)
-        if last:
-            sub = schema[part]
-            if isinstance(sub, dict) and not isinstance(sub, Free):
-                node[part] = merge(sub, value or {}, ".".join(parts) + ".", _WHERE)
-            else:
-                node[part] = value
-        else:
-            schema = schema[part]
-            node = node[part]
-
-
-def apply_overrides(cfg: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """Set dotted keys in a *validated* recipe (a copy is returned). Unknown keys are errors that name
-    the key; keys inside free-form mappings are accepted; a whole section (``algorithm={...}``) is merged
-    with its defaults."""
-    cfg = copy.deepcopy(cfg)
+def merge_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
+    """``cfg`` (a structured recipe) with each override merged in, in order."""
     for item in overrides:
-        key, value = parse_override(item)
-        _set(cfg, key, value)
+        cfg = merge_checked(cfg, parse_override(item), _WHERE)
     return cfg
+
+
+def apply_overrides(cfg: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Overrides applied to a loaded (plain, resolved) recipe; a new dict is returned."""
+    base = merge_checked(base_config(), dict(cfg), "")
+    return resolved(merge_overrides(base, overrides))

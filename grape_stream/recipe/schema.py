@@ -1,92 +1,126 @@
-"""The recipe schema: a nested mapping of every key a recipe may hold, derived from :mod:`grape_stream.config`.
+"""The recipe schema: omegaconf's structured config of :class:`grape_stream.config.RecipeConfig`.
 
-The dataclasses state the defaults; this module turns them into the dict form that loading, merging and
-overrides walk (:data:`SCHEMA`), and holds the two rules shared by them: unknown keys are errors that name
-the key (with the closest valid one), and free-form mappings (:class:`Free`) are passed through unchecked.
+omegaconf does the merging, typing, ``${}`` interpolation and dotlist parsing; this module only keeps
+the rule that every error is one line naming the recipe key: an unknown key becomes a
+:class:`~grape_stream.errors.ConfigKeyError` with the closest valid key, a value of the wrong type a
+:class:`~grape_stream.errors.ConfigTypeError` saying what the key takes (omegaconf's own messages span
+four lines and name dataclasses, not keys).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import difflib
+import typing
 from typing import Any, Mapping
 
-from grape_stream.config import RecipeConfig, is_free, is_required
-from grape_stream.errors import ConfigKeyError, ConfigTypeError
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError as OmegaKeyError
+from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
-__all__ = ["REQUIRED", "SCHEMA", "Free", "Required", "dotted_keys", "merge", "schema_of", "unknown_key"]
+from grape_stream.config import RecipeConfig, is_free
+from grape_stream.errors import ConfigError, ConfigKeyError, ConfigTypeError
+from grape_stream.recipe.aliases import ALIASES, FOUNDRY_ONLY
 
-
-class Free(dict):
-    """Marks a mapping whose keys are free-form (passed through to a library as keyword arguments)."""
-
-
-class Required:
-    def __repr__(self) -> str:
-        return "<required>"
+__all__ = ["base_config", "dotted_keys", "field_type", "merge_checked", "one_line_error", "section_classes",
+           "resolved", "type_name", "unknown_key"]
 
 
-REQUIRED = Required()
+def base_config() -> DictConfig:
+    """Every key a recipe may hold, with its default (the dataclasses of :mod:`grape_stream.config`)."""
+    return OmegaConf.structured(RecipeConfig)
 
 
-def schema_of(cls: type) -> dict[str, Any]:
-    """The nested default mapping of a config dataclass: sections become dicts, free maps :class:`Free`,
-    required keys :data:`REQUIRED`; field order is the dataclass's (``--print-config`` keeps it)."""
-    out: dict[str, Any] = {}
+def section_classes(cls: type = RecipeConfig, prefix: str = "") -> dict[str, type]:
+    """Dotted path of each nested section (``""`` for the root) -> its dataclass."""
+    out = {prefix.rstrip("."): cls}
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if is_free(f):
-            out[f.name] = Free()
-        elif is_required(f):
-            out[f.name] = REQUIRED
-        elif f.default_factory is not dataclasses.MISSING:
-            value = f.default_factory()
-            out[f.name] = schema_of(type(value)) if dataclasses.is_dataclass(value) else value
-        else:
-            out[f.name] = f.default
+        tp = hints[f.name]
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            out.update(section_classes(tp, f"{prefix}{f.name}."))
     return out
 
 
-#: Every key a recipe may hold, with its default. docs/recipes.md documents each one.
-SCHEMA: dict[str, Any] = schema_of(RecipeConfig)
-
-
-def dotted_keys(schema: Mapping[str, Any], prefix: str = "") -> list[str]:
+def dotted_keys(cls: type = RecipeConfig, prefix: str = "") -> list[str]:
+    """Every schema key as a dotted path, sections included (free-form maps: only their own key)."""
     out = []
-    for k, v in schema.items():
-        path = f"{prefix}{k}"
-        out.append(path)
-        if isinstance(v, dict) and not isinstance(v, Free):
-            out.extend(dotted_keys(v, path + "."))
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        out.append(f"{prefix}{f.name}")
+        tp = hints[f.name]
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp) and not is_free(f):
+            out.extend(dotted_keys(tp, f"{prefix}{f.name}."))
     return out
 
 
-def unknown_key(path: str, where: str) -> ConfigKeyError:
-    close = difflib.get_close_matches(path, dotted_keys(SCHEMA), n=1)
+def field_type(path: str) -> Any:
+    """The annotated type of a schema key (``model.n_layer`` -> int), or None for a key outside the schema."""
+    section, _, name = path.rpartition(".")
+    name = name.split("[")[0]
+    cls = section_classes().get(section.split("[")[0])
+    if cls is None:
+        return None
+    return typing.get_type_hints(cls).get(name)
+
+
+def unknown_key(path: str, where: str = "") -> ConfigKeyError:
+    close = difflib.get_close_matches(path, dotted_keys() + sorted(ALIASES), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
+    if path.split(".")[0] in FOUNDRY_ONLY:
+        hint = ("; it is llm-foundry's: run such a YAML with llm-foundry's train script and "
+                "train_loader: {name: grape_mixture} (docs/composer.md)")
     return ConfigKeyError(f"unknown recipe key {path!r}{where}{hint}")
 
 
-def merge(schema: Mapping[str, Any], given: Mapping[str, Any], prefix: str, where: str) -> dict[str, Any]:
-    """``given`` checked against ``schema`` with every missing key filled by its default (deep copies)."""
-    if not isinstance(given, Mapping):
-        raise ConfigTypeError(f"recipe key {prefix.rstrip('.') or '<root>'!r}{where} must be a mapping, "
-                              f"got {type(given).__name__}")
-    out: dict[str, Any] = {}
-    for key in given:
-        if key not in schema:
-            raise unknown_key(f"{prefix}{key}", where)
-    for key, default in schema.items():
-        path = f"{prefix}{key}"
-        if isinstance(default, Free):
-            value = given.get(key) or {}
-            if not isinstance(value, Mapping):
-                raise ConfigTypeError(f"recipe key {path!r}{where} must be a mapping, got {type(value).__name__}")
-            out[key] = dict(value)
-        elif isinstance(default, dict):
-            out[key] = merge(default, given.get(key) or {}, path + ".", where)
-        elif key in given:
-            out[key] = copy.deepcopy(given[key])
-        else:
-            out[key] = copy.deepcopy(default)
-    return out
+_TYPE_NAMES = {int: "an int", float: "a number", bool: "true or false", str: "a string", list: "a list",
+               dict: "a mapping"}
+
+
+def type_name(tp: Any) -> str:
+    """``int`` -> "an int", ``Optional[float]`` -> "a number (or null)", ``list[float]`` -> "a list of numbers"."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        names = [type_name(a) for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(names) + " (or null)"
+    if origin is list:
+        args = typing.get_args(tp)
+        return f"a list of {type_name(args[0]).removeprefix('a ').removeprefix('an ')}s" if args else "a list"
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return _TYPE_NAMES.get(origin or tp, getattr(tp, "__name__", str(tp)))
+
+
+def one_line_error(exc: OmegaConfBaseException, where: str = "") -> ConfigError:
+    """omegaconf's multi-line error -> one line naming the recipe key (and the closest key, or the type)."""
+    key = getattr(exc, "full_key", None) or ""
+    if isinstance(exc, OmegaKeyError) and not isinstance(exc, InterpolationResolutionError):
+        return unknown_key(key, where)
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if isinstance(exc, InterpolationResolutionError):
+        return ConfigError(f"recipe key {key!r}{where}: {first}")
+    value = getattr(exc, "value", None)
+    base = key.split("[")[0]
+    tp = field_type(base)
+    if tp is not None:
+        at = f" at {key}" if base != key else ""  # an element of a typed list
+        return ConfigTypeError(f"recipe key {base!r} must be {type_name(tp)}, got {value!r}{at}{where}")
+    return ConfigTypeError(f"recipe key {key!r}{where}: {first}")
+
+
+def merge_checked(cfg: DictConfig, given: Mapping[str, Any] | DictConfig, where: str) -> DictConfig:
+    """``cfg`` merged with ``given`` (omegaconf's merge), every failure one line naming the key."""
+    try:
+        return typing.cast(DictConfig, OmegaConf.merge(cfg, given))
+    except OmegaConfBaseException as exc:
+        raise one_line_error(exc, where) from None
+
+
+def resolved(cfg: DictConfig, where: str = "") -> dict[str, Any]:
+    """The recipe as a plain dict with every ``${}`` resolved (a required key left unset stays ``"???"``)."""
+    try:
+        out = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    except OmegaConfBaseException as exc:
+        raise one_line_error(exc, where) from None
+    assert isinstance(out, dict)
+    return typing.cast(dict[str, Any], out)

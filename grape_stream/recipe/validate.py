@@ -1,9 +1,8 @@
 """Checks on a merged recipe, each failing with a :class:`~grape_stream.errors.ConfigError` that names the key
 (one line on the command line), before any model, data or trainer is built.
 
-* **Types per key**, read from the dataclasses of :mod:`grape_stream.config`: ``model.n_layer=two`` ->
-  "recipe key 'model.n_layer' must be an int, got 'two'". An int is accepted for a float, a bool is not an
-  int, ``Optional[...]`` accepts null, ``Any`` and free-form mappings are not checked.
+* **Types per key** are omegaconf's (the structured config of :mod:`grape_stream.config`, turned into one
+  line by :mod:`grape_stream.recipe.schema`) before this module runs.
 * **Time strings** (:data:`TIME_KEYS`): Composer time strings in the units the mixer supports, ``<int>ba``,
   ``<int>sp``, ``<int>tok``, and ``<float>dur`` (a fraction of max_duration) for intervals. A bare number
   gets "add a unit"; epochs are refused (the mixer's stream is endless, so an epoch never ends and Composer
@@ -16,18 +15,15 @@ The data itself (directories, the manifest's vocab_size and seq_len) is checked 
 
 from __future__ import annotations
 
-import dataclasses
 import re
-import typing
 from typing import Any, Mapping
 
-from grape_stream.config import RecipeConfig, is_free
+from grape_stream.config import MISSING
 from grape_stream.errors import ConfigError, ConfigKeyError, ConfigTypeError
 from grape_stream.grape.controller import REPLAY_METHOD, controller_methods
 from grape_stream.grape.reweighting import method_needs_probe
-from grape_stream.recipe.schema import Required
 
-__all__ = ["ENTRY_KEYS", "MODEL_KINDS", "SCHEDULERS", "TIME_KEYS", "check_time", "check_types", "validate"]
+__all__ = ["ENTRY_KEYS", "MODEL_KINDS", "OPTIMIZERS", "SCHEDULERS", "TIME_KEYS", "check_time", "validate"]
 
 #: Composer time strings of a recipe -> whether a fraction of the run (``dur``) is allowed.
 TIME_KEYS = {
@@ -71,59 +67,6 @@ def check_time(key: str, value: Any, *, allow_dur: bool = True) -> None:
         raise ConfigError(f"recipe key {key!r} is {value!r}: it must be positive")
 
 
-_TYPE_NAMES = {int: "an int", float: "a number", bool: "true or false", str: "a string", list: "a list",
-               dict: "a mapping"}
-
-
-def _type_ok(tp: Any, value: Any) -> bool:
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return True
-    if origin is typing.Union:
-        return any(_type_ok(a, value) for a in typing.get_args(tp))
-    if tp is type(None):
-        return value is None
-    if tp is bool:
-        return isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if tp is str:
-        return isinstance(value, str)
-    if origin is list or tp is list:
-        args = typing.get_args(tp)
-        return isinstance(value, list) and all(_type_ok(args[0], v) for v in value) if args else isinstance(value, list)
-    if origin is dict or tp is dict:
-        return isinstance(value, Mapping)
-    return True  # a type this checker does not know: accept
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is typing.Union:
-        names = [_type_name(a) for a in typing.get_args(tp) if a is not type(None)]
-        return " or ".join(names) + " (or null)"
-    if origin is list:
-        args = typing.get_args(tp)
-        return f"a list of {_type_name(args[0]).removeprefix('a ').removeprefix('an ')}s" if args else "a list"
-    return _TYPE_NAMES.get(origin or tp, getattr(tp, "__name__", str(tp)))
-
-
-def check_types(cfg: Mapping[str, Any], cls: type = RecipeConfig, prefix: str = "") -> None:
-    """Every key's value against its dataclass field's type (time strings: :func:`check_time`)."""
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        key, value, tp = f"{prefix}{f.name}", cfg.get(f.name), hints[f.name]
-        if key in TIME_KEYS or is_free(f) or isinstance(value, Required):
-            continue
-        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-            if not isinstance(value, Mapping):
-                raise ConfigTypeError(f"recipe key {key!r} must be a mapping, got {value!r}")
-            check_types(value, tp, key + ".")
-        elif not _type_ok(tp, value):
-            raise ConfigTypeError(f"recipe key {key!r} must be {_type_name(tp)}, got {value!r}")
-
 #: The keys a mapping entry of data.domains / data.tasks may hold.
 ENTRY_KEYS = {
     "domains": {"name", "remote", "local", "split"},
@@ -131,10 +74,12 @@ ENTRY_KEYS = {
 }
 MODEL_KINDS = ("gpt", "hf")
 SCHEDULERS = ("cosine", "linear", "constant", "wsd")
+#: torch's AdamW, and Composer's DecoupledAdamW (llm-foundry's usual; weight decay scaled by lr / peak lr)
+OPTIMIZERS = ("adamw", "decoupled_adamw")
 
 
 def _check_entries(data: Mapping[str, Any]) -> None:
-    if isinstance(data["domains"], Required) or not data["domains"]:
+    if data["domains"] == MISSING or not data["domains"]:
         raise ConfigError("recipe key 'data.domains' is required: the list of domain names (or {name, local, remote})")
     for group in ("domains", "tasks"):
         entries = data[group]
@@ -173,7 +118,6 @@ def validate(cfg: Mapping[str, Any]) -> None:
     """Raise a ConfigError (also a KeyError / ValueError / TypeError) naming the offending key; return None
     when the recipe is sound."""
     _check_entries(cfg["data"])
-    check_types(cfg)
     for key, allow_dur in TIME_KEYS.items():
         section, name = key.split(".")
         check_time(key, cfg[section][name], allow_dur=allow_dur)
@@ -184,11 +128,13 @@ def validate(cfg: Mapping[str, Any]) -> None:
     if model["kind"] == "hf" and not model["hf_config"]:
         raise ConfigError(
             "model.kind=hf needs 'model.hf_config' (a model type such as gpt2 or llama, or a local config dir)")
-    if cfg["optimizer"]["name"].lower() != "adamw":
-        raise ConfigError(f"recipe key 'optimizer.name' is {cfg['optimizer']['name']!r}; supported: adamw")
+    if cfg["optimizer"]["name"].lower() not in OPTIMIZERS:
+        raise ConfigError(f"recipe key 'optimizer.name' is {cfg['optimizer']['name']!r}; supported: "
+                          f"{', '.join(OPTIMIZERS)}")
     if cfg["scheduler"]["name"] not in SCHEDULERS:
         raise ConfigError(
-            f"recipe key 'scheduler.name' is {cfg['scheduler']['name']!r}; choose cosine, linear, constant or wsd")
+            f"recipe key 'scheduler.name' is {cfg['scheduler']['name']!r}; choose cosine, linear, constant or wsd "
+            "(or llm-foundry's cosine_with_warmup, linear_decay_with_warmup, constant_with_warmup)")
     if cfg["data"]["task_probe_split"] == cfg["data"]["task_test_split"]:
         raise ConfigError(
             "data.task_probe_split and data.task_test_split must differ: never evaluate on the probe split")

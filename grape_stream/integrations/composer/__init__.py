@@ -19,7 +19,10 @@ if TYPE_CHECKING:
         TaskEvalSummary,
         grape_algorithm_of,
     )
-    from grape_stream.integrations.composer.foundry import build_grape_mixture_dataloader
+    from grape_stream.integrations.composer.foundry import (
+        build_grape_mixture_dataloader,
+        build_grape_task_eval_dataloader,
+    )
     from grape_stream.integrations.composer.model import ComposerGPT, composer_per_sample_loss
     from grape_stream.integrations.composer.schedulers import WarmupStableDecayScheduler
     from grape_stream.integrations.composer.trainer import Built, build, build_algorithm
@@ -33,6 +36,7 @@ _LAZY = {
     "ComposerGPT": "grape_stream.integrations.composer.model",
     "composer_per_sample_loss": "grape_stream.integrations.composer.model",
     "build_grape_mixture_dataloader": "grape_stream.integrations.composer.foundry",
+    "build_grape_task_eval_dataloader": "grape_stream.integrations.composer.foundry",
     "find_mixer": "grape_stream.integrations.common",
     "WarmupStableDecayScheduler": "grape_stream.integrations.composer.schedulers",
     "Built": "grape_stream.integrations.composer.trainer",
@@ -51,6 +55,7 @@ __all__ = [
     "build",
     "build_algorithm",
     "build_grape_mixture_dataloader",
+    "build_grape_task_eval_dataloader",
     "composer_per_sample_loss",
     "find_mixer",
     "grape_algorithm_of",

@@ -9,6 +9,10 @@ accumulation, microbatching and the optimizer state are untouched) and reads the
 next step will use. BATCH_END runs before BATCH_CHECKPOINT, so a checkpoint taken at an update step
 already holds the new weights.
 
+FSDP (``fsdp_config`` / ``parallelism_config``): at INIT, before Composer wraps the model, a meta-device
+skeleton of it is kept; at each update every rank probes an unsharded replica rebuilt from the full
+weights (:mod:`grape_stream.integrations.sharded`), exactly as under DDP.
+
 Algorithm state is keyed by ``type(self).__qualname__`` in Composer checkpoints: keep the class name
 ``GrapeAlgorithm`` stable. The state is plain Python types (weights_only-safe). The mixer's position and
 weights are saved by Composer itself through the train dataset's ``state_dict(num_samples, from_beginning)``.
@@ -30,6 +34,7 @@ from grape_stream.grape.controller import REPLAY_METHOD, GrapeController
 from grape_stream.integrations.common import as_task, find_mixer, split_algorithm_options
 from grape_stream.integrations.composer.model import composer_per_sample_loss
 from grape_stream.integrations.progress import UpdateProgress
+from grape_stream.integrations.sharded import is_sharded, probe_skeleton, unsharded_replica
 
 __all__ = ["GrapeAlgorithm"]
 
@@ -77,6 +82,7 @@ class GrapeAlgorithm(Algorithm):
         self.controller_options, self.reweighter_options = split_algorithm_options(method, options, mu_alpha, mu_z)
         self.controller: GrapeController | None = None
         self._pending_state: dict[str, Any] | None = None
+        self._skeleton: nn.Module | None = None  # FSDP: the model's architecture on meta, taken at INIT
 
     def __repr__(self) -> str:
         return (f"GrapeAlgorithm(method={self.method!r}, tasks={[t.name for t in self.tasks]}, "
@@ -84,9 +90,13 @@ class GrapeAlgorithm(Algorithm):
 
     # -- Composer hooks ------------------------------------------------------------------------------
     def match(self, event: Event, state: State) -> bool:
-        return event in (Event.FIT_START, Event.BATCH_END)
+        return event in (Event.INIT, Event.FIT_START, Event.BATCH_END)
 
     def apply(self, event: Event, state: State, logger: Logger) -> Optional[int]:
+        if event == Event.INIT:
+            if getattr(state, "fsdp_config", None) is not None and not is_sharded(state.model):
+                self._skeleton = probe_skeleton(state.model)
+            return None
         if event == Event.FIT_START:
             self._fit_start(state)
             return None
@@ -98,8 +108,11 @@ class GrapeAlgorithm(Algorithm):
         autocast = self._autocast(state)
         ctl = self.controller
         index = ctl.num_updates + 1
+        model = state.model
+        if self._skeleton is not None and ctl.needs_probe and is_sharded(model):
+            model = unsharded_replica(model, self._skeleton)  # a collective: every rank is here at this step
         with self._progress(index, step):
-            rec = ctl.maybe_update(state.model, step, lr, autocast=autocast,
+            rec = ctl.maybe_update(model, step, lr, autocast=autocast,
                                    consumed_batches=int(state.timestamp.batch_in_epoch))
         if rec is not None:
             if ctl.needs_probe:
@@ -117,10 +130,11 @@ class GrapeAlgorithm(Algorithm):
         return self.progress.update(index, step, K, N, K * ctl.probe_domain_batch + N * ctl.probe_task_batch)
 
     def _fit_start(self, state: State) -> None:
-        if getattr(state, "fsdp_enabled", False):
+        if self._skeleton is None and is_sharded(state.model):
             raise NotImplementedError(
-                "GrapeAlgorithm does not support FSDP yet: its probe needs full (unsharded) gradients. "
-                "Train with DDP (no fsdp_config / parallelism_config) or without GrapeAlgorithm."
+                "GrapeAlgorithm under FSDP must see the model before it is sharded: pass it in the Trainer's "
+                "algorithms= (it keeps the architecture at Event.INIT), not to a Trainer whose model is already "
+                "wrapped."
             )
         mixer = find_mixer(state.train_dataloader)
         if self.controller is None:

@@ -25,6 +25,7 @@ from composer import Trainer
 from composer import loggers as composer_loggers
 from composer.algorithms import GradientClipping
 from composer.core import Evaluator
+from composer.optim import DecoupledAdamW
 from composer.utils import dist, format_name_with_dist, parse_uri, reproducibility
 
 from grape_stream.errors import ConfigError
@@ -32,6 +33,7 @@ from grape_stream.integrations.composer.algorithm import GrapeAlgorithm
 from grape_stream.integrations.composer.callbacks import GrapeTrajectoryCallback, JSONLMetricsLogger, TaskEvalSummary
 from grape_stream.integrations.composer.checkpoints import DISCARDED_DIR, Recovery, recover_checkpoint_folder
 from grape_stream.integrations.composer.model import ComposerGPT
+from grape_stream.integrations.composer.recipe_callbacks import build_callbacks
 from grape_stream.integrations.composer.schedulers import build_scheduler
 from grape_stream.recipe import (
     algorithm_kwargs,
@@ -46,7 +48,7 @@ from grape_stream.recipe import (
 )
 from grape_stream.world import process_world
 
-__all__ = ["Built", "build", "build_algorithm", "main", "recover_before_autoresume"]
+__all__ = ["Built", "build", "build_algorithm", "build_optimizer", "main", "recover_before_autoresume"]
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +148,17 @@ def _evaluators(cfg: Mapping[str, Any], tasks: list[Any]) -> list[Evaluator]:
     ]
 
 
+def build_optimizer(cfg: Mapping[str, Any], model: torch.nn.Module) -> torch.optim.Optimizer:
+    """``adamw``: torch's AdamW; ``decoupled_adamw``: Composer's DecoupledAdamW (llm-foundry's usual optimizer,
+    its weight decay scaled by lr / peak lr rather than by lr)."""
+    o = cfg["optimizer"]
+    kwargs: dict[str, Any] = dict(lr=float(o["lr"]), betas=tuple(o["betas"]), eps=float(o["eps"]),
+                                  weight_decay=float(o["weight_decay"]))
+    if o["name"].lower() == "decoupled_adamw":
+        return DecoupledAdamW(model.parameters(), **kwargs)
+    return torch.optim.AdamW(model.parameters(), **kwargs)
+
+
 def build(cfg: Mapping[str, Any], *, dry_run: bool = False, extra_callbacks: Sequence[Any] = (),
           extra_loggers: Sequence[Any] = ()) -> Built:
     """Build a recipe. ``dry_run``: the model on the meta device and no data opened, no Trainer."""
@@ -169,11 +182,8 @@ def build(cfg: Mapping[str, Any], *, dry_run: bool = False, extra_callbacks: Seq
         reproducibility.seed_all(cfg["seed"])
     model = ComposerGPT(build_model(cfg, vocab_size=vocab, seq_len=seq, device="meta" if dry_run else None))
     algorithm = build_algorithm(cfg, tasks)
-    o = cfg["optimizer"]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=float(o["lr"]), betas=tuple(o["betas"]), eps=float(o["eps"]),
-                                  weight_decay=float(o["weight_decay"]))
     built = Built(cfg=dict(cfg), model=model, algorithm=algorithm, tasks=tasks, domains=domains,
-                  optimizer=optimizer, scheduler=build_scheduler(cfg), per_rank_batch_size=per_rank)
+                  optimizer=build_optimizer(cfg, model), scheduler=build_scheduler(cfg), per_rank_batch_size=per_rank)
     if not dry_run:
         _build_trainer(built, world, extra_callbacks, extra_loggers)
     return built
@@ -235,6 +245,7 @@ def _build_trainer(built: Built, world: int, extra_callbacks: Sequence[Any], ext
         callbacks.append(GrapeTrajectoryCallback(folder=output_dir, plots=cfg["algorithm"]["plots"]))
     if evaluators:
         callbacks.append(TaskEvalSummary([task.name for task in built.tasks]))
+    callbacks.extend(build_callbacks(cfg.get("callbacks") or {}))
     callbacks.extend(extra_callbacks)
     loggers = _loggers(cfg, output_dir) + list(extra_loggers)
     algorithms: list[Any] = [built.algorithm]
@@ -280,7 +291,8 @@ def _build_trainer(built: Built, world: int, extra_callbacks: Sequence[Any], ext
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="grape-stream train",
-        description="Train from a YAML recipe (Composer). Overrides: dotted key=value, e.g. algorithm.method=uniform.",
+        description="Train from a YAML recipe (Composer). Overrides: omegaconf dotlist key=value, e.g. "
+                    "algorithm.method=uniform model.n_layers=4 (llm-foundry key names are accepted).",
     )
     parser.add_argument("recipe", help="a recipe YAML path, or the name of a bundled recipe (e.g. demo-cpu)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides (values are YAML)")

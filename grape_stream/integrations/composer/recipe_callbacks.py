@@ -1,0 +1,68 @@
+"""The recipe's ``callbacks:`` section -> Composer callbacks, named as llm-foundry names them.
+
+``callbacks: {lr_monitor: {}, speed_monitor: {window_size: 10}}`` builds Composer's own callbacks under
+llm-foundry's registry names; ``grape_trajectory`` / ``grape_eval_summary`` are ours; any other callback
+is ``"package.module:ClassName": {kwargs}``. An unknown name is one line with the closest name.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from typing import Any, Mapping
+
+from composer import callbacks as cc
+
+from grape_stream.errors import ConfigError
+from grape_stream.integrations.composer.callbacks import GrapeTrajectoryCallback, TaskEvalSummary
+
+__all__ = ["CALLBACKS", "build_callbacks"]
+
+#: name -> callback class (llm-foundry's registry names for Composer's callbacks)
+CALLBACKS: dict[str, type] = {
+    "lr_monitor": cc.LRMonitor,
+    "speed_monitor": cc.SpeedMonitor,
+    "memory_monitor": cc.MemoryMonitor,
+    "memory_snapshot": cc.MemorySnapshot,
+    "runtime_estimator": cc.RuntimeEstimator,
+    "optimizer_monitor": cc.OptimizerMonitor,
+    "nan_monitor": cc.NaNMonitor,
+    "activation_monitor": cc.ActivationMonitor,
+    "system_metrics_monitor": cc.SystemMetricsMonitor,
+    "early_stopper": cc.EarlyStopper,
+    "threshold_stopper": cc.ThresholdStopper,
+    "oom_observer": cc.OOMObserver,
+    "grape_trajectory": GrapeTrajectoryCallback,
+    "grape_eval_summary": TaskEvalSummary,
+}
+
+
+def _import(name: str) -> type:
+    module, _, attr = name.partition(":")
+    try:
+        cls: type = getattr(importlib.import_module(module), attr)
+        return cls
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"recipe key 'callbacks.{name}': cannot import it ({exc})") from None
+
+
+def build_callbacks(section: Mapping[str, Any]) -> list[Any]:
+    """One callback per entry of the recipe's ``callbacks`` section, in order."""
+    out = []
+    for name, kwargs in section.items():
+        if ":" in name:
+            cls = _import(name)
+        elif name in CALLBACKS:
+            cls = CALLBACKS[name]
+        else:
+            close = difflib.get_close_matches(name, list(CALLBACKS), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"unknown callback 'callbacks.{name}'; {hint}choose from {sorted(CALLBACKS)} "
+                              "or name a class as 'package.module:ClassName'")
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            raise ConfigError(f"recipe key 'callbacks.{name}' must be a mapping of keyword arguments, got {kwargs!r}")
+        try:
+            out.append(cls(**dict(kwargs or {})))
+        except TypeError as exc:
+            raise ConfigError(f"recipe key 'callbacks.{name}': {exc}") from None
+    return out

@@ -1,0 +1,152 @@
+"""GRAPE under FSDP, for real: two gloo processes on CPU shard a GPT with torch's FSDP1 (use_orig_params, the
+wrapping Composer's ``fsdp_config`` applies) and FSDP2 (``fully_shard``), train a step, and probe the unsharded
+replica (grape_stream.integrations.sharded). The alignment Gram equals the single-process one on the same
+weights. (Composer's own FSDP wrapping needs CUDA: composer/distributed/dist_strategy.py passes
+``device_id=torch.cuda.current_device()``; torch's FSDP runs on CPU with ``device_id=cpu``.)"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from _alignment_helpers import gpt, lm_groups
+from grape_stream.grape.gram.group_gram import group_gram
+from grape_stream.integrations.sharded import is_sharded, probe_skeleton, unsharded_replica
+from grape_stream.models import per_sample_lm_loss
+
+GROUPS = [3, 2, 4, 2]  # e.g. two domains and two tasks
+
+
+def _train_step(model: torch.nn.Module) -> None:
+    """One SGD step on the same batch everywhere: every rank (and the single process) ends on equal weights."""
+    batch = lm_groups([4], seed=7)[0]
+    per_sample_lm_loss(model, batch).mean().backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= 0.5 * p.grad
+                p.grad = None
+
+
+def _shard(model: torch.nn.Module, kind: str, world: int) -> torch.nn.Module:
+    block = type(model.blocks[0])
+    if kind == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({block}), use_orig_params=True,
+                                        device_id=torch.device("cpu"), sharding_strategy=ShardingStrategy.FULL_SHARD)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _worker(rank: int, world: int, tmp: str, kind: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous-{kind}", rank=rank, world_size=world)
+    try:
+        model = gpt(torch.float64, seed=0)
+        skeleton = probe_skeleton(model)  # before wrapping (Composer: Event.INIT)
+        sharded = _shard(model, kind, world)
+        _train_step(sharded)
+        assert is_sharded(sharded)
+        with pytest.raises(ValueError, match="before FSDP wraps it"):
+            probe_skeleton(sharded)
+        replica = unsharded_replica(sharded, skeleton)
+        assert not is_sharded(replica)
+        assert replica.head.weight is replica.tok_emb.weight  # tied weights stay one parameter
+        groups = lm_groups(GROUPS, seed=3)  # the same probe on both ranks (probe_mode="replicated")
+        local, _ = group_gram(replica, per_sample_lm_loss, groups, reduce=None)
+        mean, losses = group_gram(replica, per_sample_lm_loss, groups)  # all-reduced as under DDP
+        torch.save({"local": local, "mean": mean, "losses": losses}, os.path.join(tmp, f"{kind}-rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["fsdp1", "fsdp2"])
+def test_fsdp_probe_on_the_unsharded_replica_equals_single_process(tmp_path: Path, kind: str) -> None:
+    mp.spawn(_worker, args=(2, str(tmp_path), kind), nprocs=2, join=True)
+    model = gpt(torch.float64, seed=0)
+    _train_step(model)
+    want, want_losses = group_gram(model, per_sample_lm_loss, lm_groups(GROUPS, seed=3))
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"{kind}-rank{rank}.pt")
+        torch.testing.assert_close(got["local"], want, rtol=1e-10, atol=1e-14)
+        torch.testing.assert_close(got["mean"], want, rtol=1e-10, atol=1e-14)
+        torch.testing.assert_close(got["losses"], want_losses, rtol=1e-12, atol=0)
+
+
+def _algorithm_run(data: str, sharded: bool) -> dict:
+    """GrapeAlgorithm driven through Composer's events on a real State: INIT (skeleton), the model wrapped
+    by torch's FSDP1 as Composer wraps it, FIT_START, then one update at BATCH_END."""
+    from composer.core import Event, State, Time
+    from composer.devices import DeviceCPU
+    from composer.loggers import Logger
+    from composer.utils.parallelism import FSDPConfig, ParallelismConfig
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from _grape_data import SEQ, VOCAB
+    from grape_stream.integrations.composer import ComposerGPT, GrapeAlgorithm
+    from grape_stream.mixing.mixer import DomainStream, WeightedStreamingMixer
+
+    mixer = WeightedStreamingMixer([DomainStream(d, local=f"{data}/{d}", split="train") for d in ("d0", "d1")],
+                                   batch_size=4, seed=0)
+    model = ComposerGPT(gpt(torch.float32, seed=0, vocab_size=VOCAB, seq_len=SEQ).train())
+    algo = GrapeAlgorithm(tasks=[{"name": "t0", "local": f"{data}/tasks/t0"}], alpha_every=1, z_every=1,
+                          probe_domain_batch=4, probe_task_batch=4, probe_mode="replicated")
+    parallel = ParallelismConfig(fsdp=FSDPConfig(use_orig_params=True)) if sharded else None
+    state = State(model=model, rank_zero_seed=0, run_name="fsdp", device=DeviceCPU(), max_duration="4ba",
+                  train_dataloader=mixer.dataloader(), parallelism_config=parallel)
+    logger = Logger(state, [])
+    algo.apply(Event.INIT, state, logger)
+    if sharded:
+        block = type(model.model.blocks[0])
+        model.model = FullyShardedDataParallel(model.model, auto_wrap_policy=ModuleWrapPolicy({block}),
+                                               use_orig_params=True, device_id=torch.device("cpu"))
+        assert state.fsdp_enabled
+    algo.apply(Event.FIT_START, state, logger)
+    state.timestamp = state.timestamp.copy(batch=Time(1, "ba"))
+    algo.apply(Event.BATCH_END, state, logger)
+    rec = algo.controller.history[-1]
+    mixer.close()
+    return {k: rec[k] for k in ("alpha", "z", "alignment", "task_loss")}
+
+
+def _algorithm_worker(rank: int, world: int, tmp: str, data: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous-algo", rank=rank, world_size=world)
+    try:
+        out = {"plain": _algorithm_run(f"{data}/plain", sharded=False)}
+        dist.barrier()
+        out["fsdp"] = _algorithm_run(f"{data}/fsdp", sharded=True)  # the same data, its own streaming dirs
+        torch.save(out, os.path.join(tmp, f"algo-rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_grape_algorithm_under_fsdp_matches_the_unsharded_run(tmp_path: Path) -> None:
+    from _grape_data import write_dataset
+
+    data = str(tmp_path / "data")
+    for copy in ("plain", "fsdp"):
+        write_dataset(f"{data}/{copy}", domains=2, tasks=(1,), n_domain=64, n_val=16, n_test=8)
+    mp.spawn(_algorithm_worker, args=(2, str(tmp_path), data), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"algo-rank{r}.pt", weights_only=False) for r in (0, 1))
+    for got in (r0, r1):
+        for key in ("alignment", "task_loss", "alpha", "z"):
+            np_plain, np_fsdp = (torch.as_tensor(got[m][key], dtype=torch.float64) for m in ("plain", "fsdp"))
+            torch.testing.assert_close(np_fsdp, np_plain, rtol=1e-5, atol=1e-7)
+    assert r0["fsdp"]["alpha"] == r1["fsdp"]["alpha"]  # identical weights on both ranks
+    assert float(torch.as_tensor(r0["fsdp"]["alignment"]).abs().sum()) > 0  # a probe happened
