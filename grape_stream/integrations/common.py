@@ -15,7 +15,8 @@ from grape_stream.mixing.mixer import WeightedStreamingMixer
 __all__ = ["CONTROLLER_OPTIONS", "as_task", "find_mixer", "split_algorithm_options"]
 
 #: Keyword options of an algorithm that go to GrapeController itself (everything else: the reweighter).
-CONTROLLER_OPTIONS = frozenset({"probe_mode", "probe_train_mode", "schedule_path", "schedule_stretch", "gram_options"})
+CONTROLLER_OPTIONS = frozenset({"probe_mode", "probe_train_mode", "schedule_path", "schedule_stretch", "gram_options",
+                                "geometry", "probe_rse", "probe_batch_bounds"})
 
 _DEFAULTS = AlgorithmConfig()
 

@@ -92,7 +92,8 @@ class GrapeAlgorithm(Algorithm):
         lr = float(state.optimizers[0].param_groups[0]["lr"]) if state.optimizers else 0.0
         autocast = self._autocast(state)
         rec = self.controller.maybe_update(state.model, step, lr, autocast=autocast,
-                                           consumed_batches=int(state.timestamp.batch_in_epoch))
+                                           consumed_batches=int(state.timestamp.batch_in_epoch),
+                                           optimizer=state.optimizers[0] if state.optimizers else None)
         if rec is not None:
             logger.log_metrics(self._metrics(rec))
         return None
