@@ -106,15 +106,17 @@ class MatmulContribution(DenseContribution):
     """
 
     def __init__(
-        self, left: Tensor, right: Tensor, segments: list[tuple[int, int]], groups: Tensor, allow_ghost: bool
+        self, left: Tensor, right: Tensor, segments: list[tuple[int, int]], groups: Tensor, allow_ghost: bool,
+        scale: Optional[Tensor] = None,
     ) -> None:
         self.left, self.right = left, right  # (n, R), (n, C)
+        self.scale = scale  # (R, C) sqrt of a preconditioner weight, or None
         self.segments = segments  # per local group: [start, end) token rows
         self.groups = groups
         self.num_rows = left.shape[1]
         self.row_shape = (right.shape[1],)
         self.dtype = left.dtype
-        self.allow_ghost = allow_ghost
+        self.allow_ghost = allow_ghost and scale is None  # token pairs cannot carry an elementwise weight
 
     def materialize(self, rows: RowSel) -> Tensor:
         left = self.left[:, rows]
@@ -123,6 +125,8 @@ class MatmulContribution(DenseContribution):
         )
         for i, (a, b) in enumerate(self.segments):
             torch.mm(left[a:b].t(), self.right[a:b], out=out[i])
+        if self.scale is not None:
+            out *= self.scale[rows]
         return out
 
     def ghost_cost(self) -> float:

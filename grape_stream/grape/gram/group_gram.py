@@ -33,8 +33,10 @@ from grape_stream.grape.gram.batches import (
     concat,
     map_tensors,
 )
+from grape_stream.grape.gram.graph import fallback_backward, scan_graph
 from grape_stream.grape.gram.hooks import FusedGramEngine
 from grape_stream.grape.gram.layouts import FAST_PARAM_NAMES, fast_kind, probe_layouts
+from grape_stream.grape.gram.precondition import Precondition, resolve_precondition
 from grape_stream.grape.probes import unwrap_for_probe
 from grape_stream.world import dist_active
 
@@ -93,41 +95,19 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _scan_graph(root: Tensor) -> tuple[set[int], list[Tensor], list[Any]]:
-    """Node ids reachable from `root`, the leaf tensors at the end of the graph, and the node objects
-    (kept alive so that ids stay unique while they are compared)."""
-    seen: set[int] = set()
-    keep: list[Any] = []
-    leaves: list[Tensor] = []
-    stack = [root.grad_fn] if root.grad_fn is not None else []
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        keep.append(node)
-        var = getattr(node, "variable", None)
-        if isinstance(var, Tensor):
-            leaves.append(var)
-            seen.add(id(var))
-            keep.append(var)
-        for nxt, _ in node.next_functions:
-            if nxt is not None and id(nxt) not in seen:
-                stack.append(nxt)
-    return seen, leaves, keep
-
-
 # ---------------------------------------------------------------------------------------------- main
 @overload
 def group_gram(model: nn.Module, per_sample_loss: PerSampleLoss, groups: Sequence[Any], *,
                params: Optional[Iterable[nn.Parameter]] = ..., micro_batch_size: Optional[int] = ...,
                reduce: Optional[Literal["mean"]] = ..., return_info: Literal[False] = ..., process_group: Any = ...,
-               chunk_elements: int = ..., ghost: bool = ...) -> tuple[Tensor, Tensor]: ...
+               chunk_elements: int = ..., ghost: bool = ...,
+               precondition: Optional[Precondition] = ...) -> tuple[Tensor, Tensor]: ...
 @overload
 def group_gram(model: nn.Module, per_sample_loss: PerSampleLoss, groups: Sequence[Any], *,
                params: Optional[Iterable[nn.Parameter]] = ..., micro_batch_size: Optional[int] = ...,
                reduce: Optional[Literal["mean"]] = ..., return_info: Literal[True], process_group: Any = ...,
-               chunk_elements: int = ..., ghost: bool = ...) -> tuple[Tensor, Tensor, GramInfo]: ...
+               chunk_elements: int = ..., ghost: bool = ...,
+               precondition: Optional[Precondition] = ...) -> tuple[Tensor, Tensor, GramInfo]: ...
 def group_gram(
     model: nn.Module,
     per_sample_loss: PerSampleLoss,
@@ -140,6 +120,7 @@ def group_gram(
     process_group: Any = None,
     chunk_elements: int = DEFAULT_BUDGET,
     ghost: bool = True,
+    precondition: Optional[Precondition] = None,
 ) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, GramInfo]:
     """Gram matrix of the groups' mean-loss gradients and the groups' mean losses.
 
@@ -161,6 +142,9 @@ def group_gram(
         process_group: the process group for `reduce` (default: the world).
         chunk_elements: at most this many per-group gradient elements are materialised at once per layer.
         ghost: allow the token-pair ("ghost") form for matmul layers when it is cheaper than materialising.
+        precondition: {parameter or name: w_p (its shape, >= 0)}: gram[i, j] = sum_p <g_i,p, w_p * g_j,p>,
+            e.g. w_p = 1 / (sqrt(v_p) + eps) from AdamW's second moment (Adam's geometry). Parameters without
+            an entry use w = 1. Preconditioned matmul layers use the per-group weight-gradient form.
 
     Returns:
         gram: (G, G) float64 on CPU, gram[i, j] = <grad L_i, grad L_j> with L_i the mean per-sample loss of
@@ -180,6 +164,7 @@ def group_gram(
     num_groups = len(groups)
 
     scope = _param_scope(model, params)
+    scales = resolve_precondition(model, precondition, _compute_dtype)
     device = scope[0].device
     batch = concat(list(groups))
     batch = map_tensors(batch, lambda t: t.to(device, non_blocking=True) if t.device != device else t)
@@ -193,7 +178,7 @@ def group_gram(
         try:
             gram, loss_sums, info = _run(
                 model, per_sample_loss, batch, sizes, sample_groups, spans, scope, forced, device,
-                chunk_elements, ghost,
+                chunk_elements, ghost, scales,
             )
             break
         except _Retry as retry:
@@ -299,20 +284,6 @@ def _check_losses(losses: Any, n: int) -> None:
         raise ValueError(f"per_sample_loss must return one loss per sample, shape ({n},); got {got}")
 
 
-def _fallback_backward(
-    losses: Tensor, w: Tensor, micro: MicroBatch, fb_params: list[nn.Parameter], fb_acc: list[Tensor]
-) -> None:
-    """Exact per-group gradients of the fallback parameters: one backward per group of the micro-batch."""
-    for li, (sa, sb) in enumerate(micro.sample_segments):
-        mask = torch.zeros_like(w)
-        mask[sa:sb] = w[sa:sb]
-        grads = torch.autograd.grad((losses * mask).sum(), fb_params, retain_graph=True, allow_unused=True)
-        g = int(micro.groups[li])
-        for acc, gr in zip(fb_acc, grads):
-            if gr is not None:
-                acc[g] += gr.reshape(-1).to(acc.dtype)
-
-
 def _run(
     model: nn.Module,
     per_sample_loss: PerSampleLoss,
@@ -325,6 +296,7 @@ def _run(
     device: torch.device,
     chunk_elements: int,
     ghost: bool,
+    scales: dict[int, Tensor],
 ) -> tuple[Tensor, Tensor, GramInfo]:
     """One attempt at the fused pass (the caller retries with more fallback parameters on `_Retry`).
 
@@ -336,7 +308,7 @@ def _run(
     fast_ids = {id(p) for _, _, _, ps in fast_modules for p in ps.values()}
     in_scope = {id(p) for p in scope}
     weights = 1.0 / torch.tensor(sizes, dtype=torch.float64, device=device)
-    engine = FusedGramEngine(fast_modules, num_groups, device, _compute_dtype, chunk_elements, ghost)
+    engine = FusedGramEngine(fast_modules, num_groups, device, _compute_dtype, chunk_elements, ghost, scales)
     fb_acc = [
         torch.zeros((num_groups, p.numel()), dtype=_compute_dtype(p.dtype), device=p.device) for p in fb_params
     ]
@@ -371,7 +343,7 @@ def _run(
                     continue
                 w = weights[micro.sample_groups].to(losses.dtype)
                 total = (losses * w).sum()
-                reachable, leaves, _alive = _scan_graph(total)
+                reachable, leaves, _alive = scan_graph(total)
                 stray = {id(v): "used outside its module's forward (functional use)"
                          for v in leaves if id(v) in fast_ids}
                 if stray:
@@ -380,7 +352,7 @@ def _run(
 
                 t0 = time.perf_counter()
                 if fb_params:
-                    _fallback_backward(losses, w, micro, fb_params, fb_acc)
+                    fallback_backward(losses, w, micro, fb_params, fb_acc, scales)
                 timings["fallback_s"] += time.perf_counter() - t0
 
                 t0 = time.perf_counter()

@@ -68,8 +68,10 @@ class FusedGramEngine:
         compute_dtype: Callable[[torch.dtype], torch.dtype],
         budget: int = DEFAULT_BUDGET,
         allow_ghost: bool = True,
+        scales: Optional[dict[int, Tensor]] = None,
     ) -> None:
         self.modules = modules
+        self.scales = scales or {}  # id(param) -> sqrt of its preconditioner weight (precondition.py)
         self.num_groups = num_groups
         self.device = device
         self.compute_dtype = compute_dtype
@@ -292,9 +294,15 @@ class FusedGramEngine:
             use.inp = None
             self.hook_seconds += time.perf_counter() - t0
 
+    def _scale(self, use: Use, pname: str) -> Optional[Tensor]:
+        return self.scales.get(id(use.params[pname])) if pname in use.params else None
+
     def _absorb_use(self, use: Use, grad: Tensor) -> None:
         for pname, contrib in self._contributions(use, grad).items():
             p = use.params[pname]
+            s = self.scales.get(id(p))
+            if s is not None and isinstance(contrib, TensorContribution):
+                contrib.per_group = contrib.per_group * s
             lst = self.pending.get(id(p), [])
             if use in lst:
                 lst.remove(use)
@@ -326,7 +334,8 @@ class FusedGramEngine:
             segs = self._segments(rows)
             if "weight" in use.params:
                 left, right = (dy, x) if use.kind == "linear" else (x, dy)
-                out["weight"] = MatmulContribution(left, right, segs, groups, self.allow_ghost)
+                out["weight"] = MatmulContribution(left, right, segs, groups, self.allow_ghost,
+                                                   self._scale(use, "weight"))
             if "bias" in use.params:
                 out["bias"] = TensorContribution(self._segsum(dy, rows), groups)
         elif use.kind == "embedding":
@@ -337,6 +346,9 @@ class FusedGramEngine:
             if mod.padding_idx is not None:  # the padding row never receives gradient
                 keep = ids != mod.padding_idx
                 ids, vecs, tok_groups = ids[keep], vecs[keep], tok_groups[keep]
+            s = self._scale(use, "weight")
+            if s is not None:
+                vecs = vecs * s[ids.long()].reshape(vecs.shape)
             out["weight"] = SparseRowContribution(tok_groups, ids.long(), vecs, mod.num_embeddings)
         elif use.kind in ("layernorm", "rmsnorm"):
             dtype = self.compute_dtype(grad.dtype)
