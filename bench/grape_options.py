@@ -10,7 +10,7 @@ variant changes one option (docs/reweighting.md, "Beyond the paper"):
     gram_ema        gram_ema=0.5 (EMA of the Gram across updates)
     alpha_ema       alpha_ema=0.5 (Dynamic Gradient Alignment's damping of alpha)
     adam            geometry=adam (inner products preconditioned by AdamW's 1/(sqrt(v_hat)+eps))
-    probe_rse       probe size from the measured probe variance (target relative standard error 0.5)
+    probe_rse       probe size from the measured probe variance (target relative standard error 0.2, 4..32)
     ...and the combinations listed in VARIANTS.
 
     .venv/bin/python bench/grape_options.py                                  # the default variants x 3 seeds
@@ -46,7 +46,7 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "adam": ("grape", ("algorithm.geometry=adam",)),
     "adam_cosine": ("grape", ("algorithm.geometry=adam", "algorithm.options.alignment=cosine",
                               "algorithm.options.clip_norm=null")),
-    "probe_rse": ("grape", ("algorithm.probe_rse=0.5",)),
+    "probe_rse": ("grape", ("algorithm.probe_rse=0.2", "algorithm.probe_batch_bounds=[4,32]")),
     "cosine_gram_ema": ("grape", ("algorithm.options.alignment=cosine", "algorithm.options.clip_norm=null",
                                   "algorithm.options.gram_ema=0.5")),
 }

@@ -79,9 +79,10 @@ class ProbeOptions:
         _, b = reweighter.preview(gram, losses[k:])
         _, b1 = reweighter.preview(half_gram[0::2, 0::2], half_losses[0::2][k:])
         _, b2 = reweighter.preview(half_gram[1::2, 1::2], half_losses[1::2][k:])
-        rse = relative_standard_error(np.asarray(b), np.asarray(b1), np.asarray(b2))
+        rse, noise, signal = relative_standard_error(np.asarray(b), np.asarray(b1), np.asarray(b2))
         rec["probe_batch"] = [self.sizer.domain_batch, self.sizer.task_batch]
-        rec["probe_rse"] = rse if np.isfinite(rse) else None
+        rec["probe_rse"] = rse if np.isfinite(rse) else None  # None: no signal above the noise
+        rec["probe_noise_var"], rec["probe_signal_var"] = noise, signal
         rec["next_probe_batch"] = list(self.sizer.next_sizes(rse))
         return gram, losses
 

@@ -60,18 +60,21 @@ def combine_halves(half_gram: np.ndarray, half_losses: np.ndarray) -> tuple[np.n
     return gram, half_losses.reshape(g, 2).mean(axis=1)
 
 
-def relative_standard_error(b_full: np.ndarray, b_first: np.ndarray, b_second: np.ndarray) -> float:
-    """sigma / S of the centred domain score (module docstring, step 2); inf when no signal is left."""
+def relative_standard_error(
+    b_full: np.ndarray, b_first: np.ndarray, b_second: np.ndarray
+) -> tuple[float, float, float]:
+    """(sigma / S, sigma^2, S^2) of the centred domain score (module docstring, step 2); sigma / S is inf
+    when no signal is left above the noise."""
     def centred(x: np.ndarray) -> np.ndarray:
         return x - x.mean()
 
     noise = float(np.mean((centred(b_first) - centred(b_second)) ** 2)) / 4.0
     signal = float(np.mean(centred(b_full) ** 2)) - noise
     if not math.isfinite(noise) or not math.isfinite(signal):
-        return math.inf
+        return math.inf, noise, signal
     if signal <= 0.0:
-        return math.inf if noise > 0.0 else 0.0
-    return math.sqrt(noise / signal)
+        return (math.inf if noise > 0.0 else 0.0), noise, max(signal, 0.0)
+    return math.sqrt(noise / signal), noise, signal
 
 
 def _even(x: float, lo: int, hi: int) -> int:
