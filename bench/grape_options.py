@@ -79,7 +79,6 @@ def format_paired(runs: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> str:
     lines = ["paired per-seed difference (variant - reference; negative = better; wins = seeds better):",
              f"{'variant':<16}{'avg - uniform':>24}{'worst - uniform':>24}{'avg - grape':>24}{'worst - grape':>24}"]
     cols = [paired(runs, ref, key) for ref in ("uniform", "grape") for key in ("final_avg", "final_worst")]
-    cols = [cols[0], cols[2], cols[1], cols[3]]  # avg-u, worst-u, avg-g, worst-g
     for v in runs:
         cells = []
         for c in cols:
@@ -117,6 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--data", default=None, help="the demo corpus (default: data/demo)")
     p.add_argument("--results", default=str(RESULTS))
     p.add_argument("--fresh", action="store_true")
+    p.add_argument("--reuse-only", action="store_true",
+                   help="run nothing: tabulate the finished runs (a variant screened on fewer seeds shows fewer runs)")
     p.add_argument("--baselines-from", default=None, help="a mixture_quality JSON to take uniform/grape runs from")
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.quick:
@@ -149,6 +150,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             prev = json.loads(res_path.read_text())
             result = prev if prev.get("overrides") == want else None
         tag = f"[{i}/{len(order)}] {v} seed {seed}"
+        if result is None and args.reuse_only:
+            print(f"{tag}: not run (--reuse-only)", flush=True)
+            continue
         if result is None:
             t0 = time.perf_counter()
             result = run_method(method, mds=mds, out_dir=run_dir, settings=settings, seed=seed, progress=False,

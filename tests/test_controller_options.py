@@ -208,3 +208,20 @@ def test_defaults_record_nothing_new(data_dir):
     rec = ctl.maybe_update(_model(), 1, lr=1e-3)
     assert not {"geometry", "probe_rse", "probe_batch"} & set(rec) and "probe_size" not in ctl.state_dict()
     assert not {"geometry", "probe_rse"} & set(ctl.meta())
+
+
+def test_recipe_fields_reach_the_controller():
+    from grape_stream.integrations.composer.algorithm import GrapeAlgorithm
+    from grape_stream.recipe import load_recipe
+    from grape_stream.recipe.grape import algorithm_kwargs
+
+    cfg = load_recipe("demo-cpu", ["algorithm.geometry=adam", "algorithm.probe_rse=0.3",
+                                   "algorithm.probe_batch_bounds=[2,16]", "algorithm.options.alignment=cosine",
+                                   "algorithm.options.gram_ema=0.5", "algorithm.options.alpha_ema=0.2"])
+    algo = GrapeAlgorithm(**algorithm_kwargs(cfg))
+    assert algo.controller_options == {"probe_mode": "sharded", "geometry": "adam", "probe_rse": 0.3,
+                                       "probe_batch_bounds": [2, 16]}
+    assert {k: algo.reweighter_options[k] for k in ("alignment", "gram_ema", "alpha_ema")} == \
+        {"alignment": "cosine", "gram_ema": 0.5, "alpha_ema": 0.2}
+    plain = algorithm_kwargs(load_recipe("demo-cpu", []))  # defaults = the paper: nothing new is passed
+    assert not {"geometry", "probe_rse", "probe_batch_bounds", "alignment", "gram_ema", "alpha_ema"} & set(plain)
