@@ -49,6 +49,7 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "probe_rse": ("grape", ("algorithm.probe_rse=0.2", "algorithm.probe_batch_bounds=[4,32]")),
     "cosine_gram_ema": ("grape", ("algorithm.options.alignment=cosine", "algorithm.options.clip_norm=null",
                                   "algorithm.options.gram_ema=0.5")),
+    "adam_gram_ema": ("grape", ("algorithm.geometry=adam", "algorithm.options.gram_ema=0.5")),
 }
 DEFAULT_VARIANTS = "uniform,grape,cosine,gram_ema,alpha_ema,adam,probe_rse"
 

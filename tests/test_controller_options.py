@@ -225,3 +225,33 @@ def test_recipe_fields_reach_the_controller():
         {"alignment": "cosine", "gram_ema": 0.5, "alpha_ema": 0.2}
     plain = algorithm_kwargs(load_recipe("demo-cpu", []))  # defaults = the paper: nothing new is passed
     assert not {"geometry", "probe_rse", "probe_batch_bounds", "alignment", "gram_ema", "alpha_ema"} & set(plain)
+
+
+@pytest.mark.integration
+def test_sigkill_then_autoresume_with_every_option_continues_the_same_trajectory(tmp_path):
+    """Composer Trainer, SIGKILL past a checkpoint, autoresume: with Adam geometry, the probe-size rule, cosine
+    alignments and both EMAs on, the resumed run's losses and trajectory equal the uninterrupted run's."""
+    from test_composer import _losses, _run, tiny_recipe
+
+    data = str(tmp_path / "data")
+    write_dataset(data, domains=3, tasks=(0, 2), n_domain=160, n_val=24, n_test=16)
+    trainer = {"max_duration": "16ba", "save_interval": "6ba", "autoresume": True,
+               "save_folder": str(tmp_path / "{run_name}" / "ckpt")}
+    algorithm = {"alpha_every": 3, "z_every": 3, "geometry": "adam", "probe_rse": 0.3, "probe_batch_bounds": [2, 8],
+                 "options": {"alignment": "cosine", "gram_ema": 0.5, "alpha_ema": 0.3}}
+    base = tiny_recipe(data, str(tmp_path), trainer=trainer, algorithm=algorithm)
+    _run(dict(base, run_name="straight"), str(tmp_path / "straight.json"))
+    killed = _run(dict(base, run_name="resumed"), str(tmp_path / "resumed.json"), "--kill-at", "10", check=False)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    _run(dict(base, run_name="resumed"), str(tmp_path / "resumed.json"))
+
+    a = _losses(str(tmp_path / "straight" / "metrics.jsonl"))
+    b = _losses(str(tmp_path / "resumed" / "metrics.jsonl"))
+    assert sorted(a) == list(range(16)) and [a[s] for s in sorted(a)] == [b[s] for s in sorted(a)]
+    from grape_stream.grape.controller import load_trajectory
+
+    keys = ("step", "alpha", "z", "alignment", "geometry", "probe_batch", "probe_rse", "next_probe_batch")
+    paths = [str(tmp_path / run / "grape_trajectory.jsonl") for run in ("straight", "resumed")]
+    ta, tb = ([tuple(r.get(k) for k in keys) for r in load_trajectory(p)[1]] for p in paths)
+    assert [r[0] for r in ta] == [0, 3, 6, 9, 12, 15] and ta == tb
+    assert {r[4] for r in ta[1:]} == {"adam"} and all(r[5] is not None for r in ta[1:])
