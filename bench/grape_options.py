@@ -166,6 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs.setdefault(v, {})[seed] = result
         _write(args, runs, settings, seeds, variants, partial=i < len(order))
 
+    _write(args, runs, settings, seeds, variants, partial=False)  # complete as far as runs exist
     agg = mq.aggregate(runs)
     train_tokens = next(iter(next(iter(runs.values())).values()))["train_tokens"]
     print("")
