@@ -113,8 +113,14 @@ class AlgorithmConfig:
     probe_mode: str = "sharded"  # sharded | replicated (only matters with several ranks)
     schedule_path: Optional[str] = None  # method=schedule: a trajectory JSONL to replay
     schedule_stretch: float = 1.0
-    # other reweighter options: clip_norm, z_smoothing, step_size, eta_*, alpha0, weights...
+    # other reweighter options: clip_norm, z_smoothing, step_size, eta_*, alpha0, weights, and beyond the paper
+    # alignment (inner | cosine), gram_ema, alpha_ema (docs/reweighting.md)
     options: dict[str, Any] = _free()
+    # beyond the paper (docs/reweighting.md; defaults = the paper): alignment in AdamW's geometry, and the probe
+    # size chosen from the measured probe noise (target relative standard error; None: fixed size)
+    geometry: str = "sgd"  # sgd | adam
+    probe_rse: Optional[float] = None
+    probe_batch_bounds: list[int] = field(default_factory=lambda: [4, 64])
     trajectory: bool = True  # write <output_dir>/grape_trajectory.jsonl (+ .png at fit end)
     plots: bool = True
 

@@ -724,3 +724,157 @@ def test_load_state_dict_checks_what_it_loads():
     edited["alpha"][0] += 0.1
     with pytest.raises(ValueError, match="does not match"):
         build_reweighter("grape", 3, 2).load_state_dict(edited)
+
+
+# ----------------------------------------------------------------------------------------------------
+# options beyond the paper: cosine alignments, Gram EMA, alpha EMA (grape.reweighting.noise)
+# ----------------------------------------------------------------------------------------------------
+class NoiseReference:
+    """The options on explicit vectors: clip, then unit length (cosine); the alignment matrix is the closed
+    form sum_s c_s <g_k^s, h_n^s> with c_0 = beta^(t-1), c_s = (1 - beta) beta^(t-1-s) (Gram EMA); alpha
+    damped in probability space (alpha EMA)."""
+
+    def __init__(self, method: str, k: int, n: int, **opts):
+        self.method, self.k, self.n, self.opts = method, k, n, opts
+        self.alpha, self.z = np.full(k, 1.0 / k), np.full(n, 1.0 / n)
+        self.past: list[np.ndarray] = []
+
+    def update(self, vectors: np.ndarray, losses: np.ndarray, lr: float):
+        k, n, o = self.k, self.n, self.opts
+        vecs = [v.copy() for v in vectors]
+        if o.get("clip_norm") is not None:
+            vecs = [v * min(1.0, o["clip_norm"] / float(np.linalg.norm(v))) for v in vecs]
+        if o.get("alignment") == "cosine":
+            vecs = [v / float(np.linalg.norm(v)) for v in vecs]
+        self.past.append(np.array([[float(np.dot(vecs[i], vecs[k + j])) for j in range(n)] for i in range(k)]))
+        beta, t = o.get("gram_ema", 0.0), len(self.past)
+        coef = [beta ** (t - 1)] + [(1 - beta) * beta ** (t - 1 - s) for s in range(1, t)]
+        A = sum(c * a for c, a in zip(coef, self.past))
+        eta_alpha, eta_z = lr / o.get("mu_alpha", 1e-4), lr / o.get("mu_z", 1.5e-5)
+        div = losses if self.method == "grape" else np.ones(n)
+        if self.method == "doge":
+            b, new_z = A.mean(axis=1), self.z
+        else:
+            a = np.array([sum(self.alpha[i] * A[i, j] for i in range(k)) / div[j] for j in range(n)])
+            b = np.array([sum(self.z[j] * A[i, j] / div[j] for j in range(n)) for i in range(k)])
+            new_z = self.z * np.exp(-eta_z * a)
+            new_z /= new_z.sum()
+        step = self.alpha * np.exp(eta_alpha * b)
+        step /= step.sum()
+        damp = o.get("alpha_ema", 0.0)
+        self.alpha, self.z = damp * self.alpha + (1 - damp) * step, new_z
+        return self.alpha.copy(), self.z.copy()
+
+
+NOISE_CASES = {
+    "cosine": {"alignment": "cosine"},
+    "gram_ema": {"gram_ema": 0.6},
+    "alpha_ema": {"alpha_ema": 0.5},
+    "all": {"alignment": "cosine", "gram_ema": 0.3, "alpha_ema": 0.2, "clip_norm": 1.0},
+}
+
+
+@pytest.mark.parametrize("case", list(NOISE_CASES))
+@pytest.mark.parametrize("method", ["grape", "grape_gap", "doge"])
+def test_noise_options_match_slow_computation_and_change_the_result(method, case):
+    k, n, steps = 5, 4, 6
+    opts = {**NOISE_CASES[case], "mu_alpha": 3e-5, "mu_z": 3e-5} if method != "doge" else \
+        {**NOISE_CASES[case], "mu_alpha": 3e-5}
+    rng = np.random.default_rng(7)
+    ref = NoiseReference(method, k, n, **opts)
+    r = build_reweighter(method, k, n, **opts)
+    plain = build_reweighter(method, k, n, **{key: v for key, v in opts.items() if key.startswith("mu_")})
+    for t in range(steps):
+        v = make_vectors(rng, k, n, max_norm=4.0)
+        losses = rng.uniform(1.5, 6.0, size=n)
+        lr = cosine_lr(t, steps)
+        want_alpha, want_z = ref.update(v, losses, lr)
+        alpha, z = r.update(v @ v.T, losses, lr)
+        plain.update(v @ v.T, losses, lr)
+        assert_rel_close(alpha, want_alpha)
+        assert_rel_close(z, want_z)
+    assert np.max(np.abs(r.alpha - 1.0 / k)) > 1e-3, "alpha never moved: the comparison is vacuous"
+    assert np.max(np.abs(r.alpha - plain.alpha)) > 1e-6, "the option did not change the result"
+
+
+def test_cosine_ignores_gradient_norms():
+    rng = np.random.default_rng(3)
+    k, n = 4, 3
+    a = build_reweighter("grape", k, n, alignment="cosine")
+    b = build_reweighter("grape", k, n, alignment="cosine")
+    for _ in range(3):
+        v = make_vectors(rng, k, n)
+        scaled = v * rng.uniform(0.01, 100.0, size=(k + n, 1))  # norm swings of 100x either way
+        losses = rng.uniform(1, 5, size=n)
+        a.update(v @ v.T, losses, PEAK_LR)
+        b.update(scaled @ scaled.T, losses, PEAK_LR)
+        assert_rel_close(b.alpha, a.alpha, 1e-12)
+        assert_rel_close(b.z, a.z, 1e-12)
+
+
+def test_zero_gradient_under_cosine_stays_zero():
+    v = np.array([[1.0, 0.0], [0.0, 0.0], [3.0, 4.0]])  # domain 1 has a zero gradient
+    r = build_reweighter("grape", 2, 1, alignment="cosine")
+    r.update(v @ v.T, [2.0], PEAK_LR)
+    assert np.all(np.isfinite(r.alpha)) and r.history[-1]["b"][1] == 0.0
+
+
+@pytest.mark.parametrize("opts, fragment", [
+    ({"alignment": "dot"}, "alignment must be 'inner'"),
+    ({"gram_ema": 1.0}, "gram_ema must lie in"),
+    ({"alpha_ema": -0.1}, "alpha_ema must lie in"),
+    ({"gram_ema": "x"}, "gram_ema must be a number"),
+])
+def test_bad_noise_options_are_named(opts, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        build_reweighter("grape", 2, 2, **opts)
+
+
+def test_noise_options_do_not_apply_to_fixed_methods_and_defaults_leave_the_state_as_before():
+    with pytest.raises(TypeError, match="does not apply to method 'uniform'"):
+        build_reweighter("uniform", 2, 2, gram_ema=0.5)
+    for name in ("alignment", "gram_ema", "alpha_ema"):
+        assert name in method_options("grape") and name in method_options("doge_pcgrad")
+    r = build_reweighter("grape", 2, 2, alignment="inner", gram_ema=0.0, alpha_ema=0.0)
+    sd = r.state_dict()  # defaults are not stored: checkpoints of earlier versions compare equal
+    assert not {"alignment", "gram_ema", "alpha_ema"} & set(sd["options"]) and "gram_ema" not in sd
+    assert sd == build_reweighter("grape", 2, 2).state_dict()
+
+
+@pytest.mark.parametrize("method", ["grape", "grape_ema", "doge_pcgrad"])
+def test_resume_with_noise_options_equals_uninterrupted_run(method):
+    k, n, steps, cut = 4, 3, 7, 3
+    opts = {"alignment": "cosine", "gram_ema": 0.7, "alpha_ema": 0.4, "mu_alpha": 5e-5}
+    seq = _sequence(method, k, n, steps)
+    whole = build_reweighter(method, k, n, **opts)
+    for g, loss, lr in seq:
+        whole.update(g, loss, lr)
+    first = build_reweighter(method, k, n, **opts)
+    for g, loss, lr in seq[:cut]:
+        first.update(g, loss, lr)
+    sd = json.loads(json.dumps(first.state_dict(), allow_nan=False))
+    assert sd["gram_ema"] is not None and sd["options"]["gram_ema"] == 0.7
+    second = build_reweighter(method, k, n, **opts)
+    second.load_state_dict(sd)
+    for g, loss, lr in seq[cut:]:
+        second.update(g, loss, lr)
+    assert second.alpha.tobytes() == whole.alpha.tobytes() and second.z.tobytes() == whole.z.tobytes()
+    assert second.state_dict() == whole.state_dict()
+    with pytest.raises(ValueError, match="gram_ema: saved 0.7 vs now None"):
+        build_reweighter(method, k, n, **{**opts, "gram_ema": 0.0}).load_state_dict(sd)
+
+
+def test_preview_equals_the_next_update_and_changes_nothing():
+    rng = np.random.default_rng(5)
+    r = build_reweighter("grape", 3, 2, gram_ema=0.5, alpha_ema=0.3)
+    v = make_vectors(rng, 3, 2)
+    r.update(v @ v.T, [2.0, 3.0], PEAK_LR)
+    before = r.state_dict()
+    v = make_vectors(rng, 3, 2)
+    fresh = build_reweighter("grape", 3, 2)
+    fresh.load_state_dict({**before, "options": fresh.options, "gram_ema": None}, strict=False)
+    a, b = r.preview(v @ v.T, [2.5, 1.5])
+    assert r.state_dict() == before
+    fresh.update(v @ v.T, [2.5, 1.5], PEAK_LR)  # no EMA: preview measures this probe alone
+    assert_rel_close(a, np.array(fresh.history[-1]["a"]))
+    assert_rel_close(b, np.array(fresh.history[-1]["b"]))

@@ -28,19 +28,22 @@ def probe_gram(
     autocast: Callable[[], ContextManager[Any]] | None,
     reduce: str | None,
     gram_options: Mapping[str, Any],
+    precondition: Mapping[Any, torch.Tensor] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(Gram, losses) of the probe groups as float64 numpy, leaving the model's mode and the RNG as found.
 
     The probe must not advance the training RNG (dropout masks, etc.): a run with GRAPE and one resumed
     from a checkpoint must see the same random numbers as their uninterrupted twins. A non-finite result
-    is an error: updating the mixture from a diverged model would hide the divergence.
+    is an error: updating the mixture from a diverged model would hide the divergence. ``precondition``
+    (parameter -> elementwise weight, grape.geometry) is passed to the fused Gram only when given.
     """
+    extra = {} if precondition is None else {"precondition": precondition}
     was_training = model.training
     model.train(train_mode)
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and module_device(model).type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices), (autocast() if autocast is not None else contextlib.nullcontext()):
-            gram, losses = group_gram(model, per_sample_loss, groups, **{"reduce": reduce, **gram_options})
+            gram, losses = group_gram(model, per_sample_loss, groups, **{"reduce": reduce, **gram_options, **extra})
     finally:
         model.train(was_training)
     gram = np.asarray(torch.as_tensor(gram).detach().double().cpu().numpy(), dtype=np.float64)

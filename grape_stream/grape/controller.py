@@ -1,27 +1,19 @@
 """GrapeController: when to update the mixture, and probe -> Gram -> reweight -> mixer, for any loop.
 
-The controller is the loop-independent half of GRAPE. A training loop calls
-``controller.maybe_update(model, step, lr)`` once after every optimizer step; every ``alpha_every`` /
-``z_every`` steps the controller
-
-1. draws one probe batch per domain and per target task (grape.probes), each a pure function of
-   ``(seed, step, rank)`` so a resumed run draws the same probes;
-2. computes the (K+N) x (K+N) Gram matrix of the groups' mean-loss gradients with one fused
-   forward/backward (grape.gram), which never touches ``.grad`` and keeps memory bounded by the
-   largest layer;
-3. feeds the Gram matrix, the task losses and the optimizer's current learning rate to the reweighter
-   (grape.reweighting), and
-4. hands the new domain weights to the mixer (``mixer.set_weights``), which applies them to batches
-   composed from then on.
+The loop-independent half of GRAPE. A training loop calls ``controller.maybe_update(model, step, lr)``
+after every optimizer step; every ``alpha_every`` / ``z_every`` steps the controller (1) draws one probe
+batch per domain and per target task (grape.probes; a pure function of ``(seed, step, rank)``, so a
+resumed run draws the same probes), (2) computes the (K+N) x (K+N) Gram matrix of the groups' mean-loss
+gradients with one fused forward/backward (grape.gram: never touches ``.grad``, memory bounded by the
+largest layer), (3) feeds it, the task losses and the current learning rate to the reweighter
+(grape.reweighting) and (4) hands the new domain weights to the mixer (``mixer.set_weights``).
 
 Across ranks the weights are identical by construction *and* by check: each rank probes its own
-(rank-disjoint) samples, the Gram matrix and losses are averaged with an all-reduce (so every rank
-feeds bit-identical inputs to the deterministic reweighter), and rank 0's alpha / z are then broadcast
-and used by every rank's mixer (a mismatch, which would reveal non-determinism, is logged once).
-
-Each update returns a record (also kept in ``history`` and written by :meth:`write_trajectory`);
-:meth:`metrics` flattens it for any logger. Method ``"schedule"`` replays a recorded trajectory
-(grape.replay). Nothing here imports Composer; docs/design.md places this module in the package.
+(rank-disjoint) samples, Gram and losses are averaged with an all-reduce (every rank feeds bit-identical
+inputs to the deterministic reweighter), and rank 0's alpha / z are broadcast (a mismatch, which would
+reveal non-determinism, is logged once). Each update returns a record (kept in ``history``, written by
+:meth:`write_trajectory`, flattened for loggers by :meth:`metrics`). Method ``"schedule"`` replays a
+recorded trajectory (grape.replay). Nothing here imports Composer; docs/design.md places this module.
 """
 
 from __future__ import annotations
@@ -37,40 +29,22 @@ import torch
 from torch import nn
 
 from grape_stream.config import AlgorithmConfig
-from grape_stream.grape.alignment import probe_gram
-from grape_stream.grape.checkpoint import (
-    STATE_FORMAT,
-    check_state_format,
-    from_plain,
-    history_tail,
-    to_plain,
-)
+from grape_stream.grape.checkpoint import STATE_FORMAT, check_state_format, from_plain, history_tail, to_plain
 from grape_stream.grape.collectives import agree_with_rank_zero
 from grape_stream.grape.methods import controller_methods, filter_reweighter_options
 from grape_stream.grape.metrics import update_metrics
 from grape_stream.grape.mixer_port import mixer_domain_names, push_weights
+from grape_stream.grape.probe_options import ProbeOptions
 from grape_stream.grape.probes import draw_probe_groups, module_device, unwrap_for_probe
 from grape_stream.grape.replay import REPLAY_METHOD, ScheduleReplay
 from grape_stream.grape.reweighting import Reweighter, build_reweighter, method_options
 from grape_stream.grape.tasks import TaskStream, task_names
-from grape_stream.grape.trajectory import (
-    floats,
-    jsonable,
-    load_trajectory,
-    write_trajectory,
-)
+from grape_stream.grape.trajectory import floats, jsonable, load_trajectory, write_trajectory
 from grape_stream.models import per_sample_lm_loss
 from grape_stream.world import collective_rank_size
 
-__all__ = [
-    "REPLAY_METHOD",
-    "STATE_FORMAT",
-    "GrapeController",
-    "controller_methods",
-    "filter_reweighter_options",
-    "load_trajectory",
-    "unwrap_for_probe",
-]
+__all__ = ["REPLAY_METHOD", "STATE_FORMAT", "GrapeController", "controller_methods", "filter_reweighter_options",
+           "load_trajectory", "unwrap_for_probe"]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +76,9 @@ class GrapeController:
         schedule_path, schedule_stretch: for ``method="schedule"``, the trajectory JSONL and a factor
             on its steps (a proxy trajectory of 10k steps drives a 50k-step run with stretch 5).
         gram_options: passed to ``group_gram`` (``micro_batch_size``, ``chunk_elements``, ``ghost``, ...).
+        geometry, probe_rse, probe_batch_bounds: options beyond the paper (grape.probe_options): "adam"
+            preconditions the alignments by AdamW's second moment (pass ``optimizer=`` to maybe_update);
+            ``probe_rse`` sizes each probe from the previous one's measured noise (grape.probe_size).
         **reweighter_options: passed to ``build_reweighter`` (``mu_alpha``, ``mu_z``, ``step_size``,
             ``clip_norm``, ``z_smoothing``, initial weights, ...).
     """
@@ -123,6 +100,9 @@ class GrapeController:
         schedule_path: str | os.PathLike[str] | None = None,
         schedule_stretch: float = _DEFAULTS.schedule_stretch,
         gram_options: Mapping[str, Any] | None = None,
+        geometry: str = _DEFAULTS.geometry,
+        probe_rse: float | None = _DEFAULTS.probe_rse,
+        probe_batch_bounds: Sequence[int] | None = None,
         **reweighter_options: Any,
     ) -> None:
         for name, val in (("alpha_every", alpha_every), ("z_every", z_every),
@@ -148,6 +128,7 @@ class GrapeController:
         self.probe_train_mode = probe_train_mode
         self.gram_options = dict(gram_options or {})
         self.reweighter_options = dict(reweighter_options)
+        self.probe_options = ProbeOptions(geometry, probe_rse, probe_batch_bounds, probe_domain_batch, probe_task_batch)
 
         #: update records of this run (after a resume: the checkpoint's newest ones, then this process's)
         self.history: list[dict[str, Any]] = []
@@ -215,6 +196,7 @@ class GrapeController:
             "probe_task_batch": self.probe_task_batch,
             "seed": self.seed,
             "options": {k: jsonable(v) for k, v in self.reweighter_options.items()},
+            **self.probe_options.meta(),
         }
 
     def metrics(self, record: Mapping[str, Any] | None = None, *, alignment: bool = True) -> dict[str, float]:
@@ -262,6 +244,7 @@ class GrapeController:
         *,
         autocast: Callable[[], ContextManager[Any]] | None = None,
         consumed_batches: int | None = None,
+        optimizer: Any = None,
     ) -> dict[str, Any] | None:
         """Call after optimizer step ``step`` (1-based: the number of steps taken). Returns the record of the
         update when one ran, else None.
@@ -270,7 +253,8 @@ class GrapeController:
         paper's step size is ``lr / mu``. ``autocast`` optionally wraps the probe's forward (the training
         precision context). ``consumed_batches``: how many batches the loop has taken from the mixer's
         loader, when it knows (Composer does); it makes the switch batch deterministic even with a plain
-        DataLoader with workers. With ``mixer.dataloader()`` the mixer counts them itself.
+        DataLoader with workers. With ``mixer.dataloader()`` the mixer counts them itself. ``optimizer``: the
+        training optimizer, read (never changed) by ``geometry="adam"``.
         """
         self._consumed = consumed_batches
         if not self._started:
@@ -286,7 +270,8 @@ class GrapeController:
         device = module_device(model)
         rec: dict[str, Any] = {"type": "update", "step": int(step), "lr": float(lr), "method": self.method}
         if self.needs_probe:
-            self._probe_and_reweight(model, step, lr, a_due, z_due, autocast, rank, world, device, rec, seconds)
+            self._probe_and_reweight(model, step, lr, a_due, z_due, autocast, rank, world, device, rec, seconds,
+                                     optimizer)
         alpha, z = self.alpha, self.z
         if world > 1:
             t = time.perf_counter()
@@ -312,7 +297,8 @@ class GrapeController:
 
     def _probe_and_reweight(self, model: nn.Module, step: int, lr: float, a_due: bool, z_due: bool,
                             autocast: Callable[[], ContextManager[Any]] | None, rank: int, world: int,
-                            device: torch.device, rec: dict[str, Any], seconds: dict[str, float]) -> None:
+                            device: torch.device, rec: dict[str, Any], seconds: dict[str, float],
+                            optimizer: Any = None) -> None:
         """Probe, Gram, reweight; fill `rec` with the probe's losses and alignments."""
         assert self.reweighter is not None
         K = len(self.domain_names)
@@ -323,9 +309,10 @@ class GrapeController:
         t = time.perf_counter()
         # Sharded: every rank probed different samples; group_gram averages Gram and losses over the
         # ranks (one all-reduce), so every rank feeds identical numbers to the reweighter.
-        gram, losses = probe_gram(probe_model, self.per_sample_loss, groups, train_mode=self.probe_train_mode,
-                                  autocast=autocast, reduce="mean" if self.probe_mode == "sharded" else None,
-                                  gram_options=self.gram_options)
+        gram, losses = self.probe_options.gram(
+            probe_model, self.per_sample_loss, groups, optimizer=optimizer, reweighter=self.reweighter, num_domains=K,
+            rec=rec, train_mode=self.probe_train_mode, autocast=autocast,
+            reduce="mean" if self.probe_mode == "sharded" else None, gram_options=self.gram_options)
         seconds["gram"] = time.perf_counter() - t
         t = time.perf_counter()
         self.reweighter.update(gram, losses[K:], float(lr), step=step, update_alpha=a_due, update_z=z_due)
@@ -351,9 +338,10 @@ class GrapeController:
         return self._probe_batches(step, rank, world, torch.device(device if device is not None else "cpu"))
 
     def _probe_batches(self, step: int, rank: int, world: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
+        domain_batch, task_batch = self.probe_options.sizes(self.probe_domain_batch, self.probe_task_batch)
         return draw_probe_groups(
             self.mixer, len(self.domain_names), self.tasks, step, seed=self.seed,
-            domain_batch=self.probe_domain_batch, task_batch=self.probe_task_batch,
+            domain_batch=domain_batch, task_batch=task_batch,
             rank=rank, world=world, sharded=self.probe_mode == "sharded", device=device,
         )
 
@@ -389,6 +377,7 @@ class GrapeController:
             "num_updates": int(self.num_updates),
             "history": json.loads(json.dumps(tail)),
             "history_dropped": dropped,
+            **({} if self.probe_options.sizer is None else {"probe_size": self.probe_options.state_dict()}),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -409,6 +398,7 @@ class GrapeController:
         self.num_updates = int(state.get("num_updates", 0))
         self.history = list(state.get("history", []))
         self.history_dropped = int(state.get("history_dropped", 0))
+        self.probe_options.load_state_dict(state.get("probe_size"))
         self._resumed = True
 
     def write_trajectory(self, path: str | os.PathLike[str]) -> str:

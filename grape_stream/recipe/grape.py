@@ -31,6 +31,10 @@ def algorithm_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
     if dropped:
         log.info("algorithm.method=%s ignores options that belong to other methods: %s", method, sorted(dropped))
     controller_opts: dict[str, Any] = {"probe_mode": a["probe_mode"]}
+    if a.get("geometry", "sgd") != "sgd":  # options beyond the paper: passed only when set
+        controller_opts["geometry"] = a["geometry"]
+    if a.get("probe_rse") is not None:
+        controller_opts.update(probe_rse=a["probe_rse"], probe_batch_bounds=list(a["probe_batch_bounds"]))
     if method == REPLAY_METHOD:
         if not a["schedule_path"]:
             raise ConfigError("algorithm.method=schedule needs algorithm.schedule_path (a trajectory JSONL)")

@@ -5,7 +5,8 @@
 
 Layout: ``base`` (the Reweighter class: checks, clipping, log-space steps, history, state), ``options``
 (option checks and the paper's defaults PAPER_MU_ALPHA / PAPER_MU_Z), ``gram_input`` (reading, checking,
-clipping the Gram), ``state`` (exact JSON forms),
+clipping the Gram), ``noise`` (options beyond the paper: cosine alignments, Gram / alpha EMA), ``state`` (exact
+JSON forms),
 ``registry`` (the one method list and the functions that read it), and one file per method family:
 ``fixed`` (uniform, static), ``doge`` (doge, doge_pcgrad, the PCGrad coefficient math), ``grape``
 (grape, grape_gap, grape_ema). docs/reweighting.md has the equations as implemented.

@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
+from grape_stream.grape.reweighting import noise
 from grape_stream.grape.reweighting.gram_input import (
     GRAM_ASYMMETRY_RTOL,
     check_and_symmetrise,
@@ -100,6 +101,7 @@ class Reweighter:
         self._alpha = probs_from_log(self._log_alpha)
         self._z = probs_from_log(self._log_z)
         self._loss_ema: np.ndarray | None = None
+        self._gram_ema: np.ndarray | None = None  # option gram_ema: the running Gram the alignments use
 
     # -- options -------------------------------------------------------------------------------------
     def _resolve_options(self, opts: dict[str, Any]) -> dict[str, Any]:
@@ -107,7 +109,9 @@ class Reweighter:
         return {"history_limit": resolve_history_limit(opts.pop("history_limit", None))}
 
     def _resolve_step_options(self, opts: dict[str, Any], sides: tuple[str, ...]) -> dict[str, Any]:
-        return resolve_step_options(opts, sides, self.num_domains)
+        out = resolve_step_options(opts, sides, self.num_domains)
+        out.update(noise.resolve_noise_options(opts))  # only non-default ones: old checkpoints keep loading
+        return out
 
     # -- public state --------------------------------------------------------------------------------
     @property
@@ -215,9 +219,11 @@ class Reweighter:
                 f"task_losses must be finite and > 0 (they normalise the task gradients); bad entries at "
                 f"{bad.tolist()}: {losses[bad].tolist()}"
             )
-        g = self._check_and_symmetrise(g)
+        g = check_and_symmetrise(g)
         with np.errstate(over="ignore", invalid="ignore"):  # overflow is caught below, as a skip
-            g = self._clip(g)
+            g = self._normalise(g)
+            gram_ema = noise.ema(self._gram_ema, g, self._options["gram_ema"]) if "gram_ema" in self._options else None
+            g = g if gram_ema is None else gram_ema
             alignment = g[:k, k:]
             task_gram = g[k:, k:]
             a, b, new_ema = self._alignments(alignment, task_gram, losses, index)
@@ -237,6 +243,7 @@ class Reweighter:
             )
         self._commit(log_alpha, log_z, update_alpha, update_z)
         self._loss_ema = new_ema
+        self._gram_ema = gram_ema
         self._record(index, step, lr_value, losses, a, b, eta_alpha, eta_z, None)
         self._num_updates += 1
         return self._alpha.copy(), self._z.copy()
@@ -254,11 +261,23 @@ class Reweighter:
             )
         return value
 
-    def _check_and_symmetrise(self, g: np.ndarray) -> np.ndarray:
-        return check_and_symmetrise(g)
+    def _normalise(self, g: np.ndarray) -> np.ndarray:
+        """Option clip_norm (D G D), then option alignment='cosine' (unit-length gradients)."""
+        g = clip_gram(g, self._options.get("clip_norm"))
+        return noise.cosine_gram(g) if self._options.get("alignment") == "cosine" else g
 
-    def _clip(self, g: np.ndarray) -> np.ndarray:
-        return clip_gram(g, self._options.get("clip_norm"))
+    def preview(self, gram: Any, task_losses: Any) -> tuple[np.ndarray, np.ndarray]:
+        """(a, b) that this Gram would give with the current weights; changes nothing (no EMA either).
+
+        The controller's probe-size rule compares the domain scores b of two half-probes (grape.probe_size).
+        """
+        k = self.num_domains
+        g = check_and_symmetrise(to_matrix(gram))
+        with np.errstate(over="ignore", invalid="ignore"):
+            g = self._normalise(g)
+            a, b, _ = self._alignments(g[:k, k:], g[k:, k:], as_float_vector(task_losses, "task_losses"),
+                                       self._num_updates)
+        return a, b
 
     def _alignments(
         self, alignment: np.ndarray, task_gram: np.ndarray, losses: np.ndarray, index: int
@@ -268,6 +287,8 @@ class Reweighter:
 
     def _commit(self, log_alpha: np.ndarray, log_z: np.ndarray, update_alpha: bool, update_z: bool) -> None:
         if self.moves_alpha and update_alpha:
+            if "alpha_ema" in self._options:  # Dynamic Gradient Alignment's damping of the step
+                log_alpha = log_normalize(noise.mix_log_weights(self._log_alpha, log_alpha, self._options["alpha_ema"]))
             floor = self._options.get("alpha_floor", 0.0)
             if floor > 0.0:
                 alpha = apply_floor(probs_from_log(log_alpha), floor)
@@ -339,6 +360,8 @@ class Reweighter:
             },
             "history": [dict(r) for r in self._history],
             "history_dropped": self._history_dropped,
+            **({"gram_ema": None if self._gram_ema is None else self._gram_ema.tolist()}
+               if "gram_ema" in self._options else {}),
         }
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
@@ -384,6 +407,7 @@ class Reweighter:
         history = [dict(r) for r in state.get("history", [])]
         self._log_alpha, self._log_z, self._alpha, self._z = log_alpha, log_z, alpha, z
         self._loss_ema = ema
+        self._gram_ema = noise.gram_ema_from_state(state.get("gram_ema"), self.num_domains + self.num_tasks)
         self._num_updates = num_updates
         self._num_skipped = int(state.get("num_skipped", 0))
         self._history = deque(history, maxlen=self._options["history_limit"])

@@ -25,7 +25,7 @@ class GrapeReweighter(Reweighter):
     description = "GRAPE with rate-of-improvement (RoI): both sides use grad log l_n = h_n / l_n"
     options_accepted: ClassVar[tuple[str, ...]] = (
         "mu_alpha", "mu_z", "step_size", "eta_alpha", "eta_z", "clip_norm", "z_smoothing",
-        "alpha0", "z0", "alpha_floor", "history_limit",
+        "alpha0", "z0", "alpha_floor", "history_limit", "alignment", "gram_ema", "alpha_ema",
     )
     moves_alpha = True
     moves_z = True

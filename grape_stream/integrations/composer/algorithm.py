@@ -113,7 +113,8 @@ class GrapeAlgorithm(Algorithm):
             model = unsharded_replica(model, self._skeleton)  # a collective: every rank is here at this step
         with self._progress(index, step):
             rec = ctl.maybe_update(model, step, lr, autocast=autocast,
-                                   consumed_batches=int(state.timestamp.batch_in_epoch))
+                                   consumed_batches=int(state.timestamp.batch_in_epoch),
+                                   optimizer=state.optimizers[0] if state.optimizers else None)
         if rec is not None:
             if ctl.needs_probe:
                 self.progress.finished(index, step, rec)
