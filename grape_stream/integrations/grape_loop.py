@@ -121,10 +121,13 @@ class GrapeLoop:
         return self.controller
 
     def after_step(self, model: nn.Module, step: int, lr: float, *,
-                   autocast: Callable[[], ContextManager[Any]] | None = None) -> dict[str, float] | None:
-        """After optimizer step ``step``: the GRAPE update when one is due; its metrics, or None."""
+                   autocast: Callable[[], ContextManager[Any]] | None = None,
+                   optimizer: Any = None) -> dict[str, float] | None:
+        """After optimizer step ``step``: the GRAPE update when one is due; its metrics, or None.
+
+        ``optimizer``: the training optimizer, read by ``geometry="adam"`` (its second moment)."""
         ctl = self._ctl()
-        rec = ctl.maybe_update(model, step, lr, autocast=autocast)
+        rec = ctl.maybe_update(model, step, lr, autocast=autocast, optimizer=optimizer)
         if rec is None:
             return None
         if self.write_trajectory and self.trajectory and process_world().is_leader:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["mapped_shm_names", "process_alive", "process_start_time", "segments_in_use_elsewhere"]
+__all__ = ["flock_holder", "mapped_shm_names", "process_alive", "process_start_time", "segments_in_use_elsewhere"]
 
 
 def process_start_time(pid: int) -> int | None:
@@ -68,3 +68,18 @@ def segments_in_use_elsewhere() -> set[str]:
     """/dev/shm names that some *other* process maps or holds open right now."""
     me = os.getpid()
     return {name for name, pids in mapped_shm_names().items() if pids - {me}}
+
+
+def flock_holder(fd: int) -> str:
+    """' (held by pid N)' for the flock on ``fd``'s file, from /proc/locks (Linux), else ''."""
+    try:
+        st = os.fstat(fd)
+        key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        with open("/proc/locks") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 5 and parts[1] == "FLOCK" and parts[5] == key:
+                    return f" (held by pid {parts[4]}: a hung job? kill it, or give jobs separate TMPDIRs)"
+    except (OSError, ValueError):
+        pass
+    return ""

@@ -44,6 +44,7 @@ import numpy as np
 
 from grape_stream.atomic import atomic_write_json
 from grape_stream.streaming_compat.processes import (  # noqa: F401 - segments_in_use_elsewhere re-exported
+    flock_holder,
     mapped_shm_names,
     process_alive,
     process_start_time,
@@ -394,7 +395,7 @@ def registration_lock(enabled: bool = True, timeout: float = 600.0) -> Iterator[
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"waited {timeout:.0f} s for another process registering "
-                                       "StreamingDatasets on this machine") from None
+                                       f"StreamingDatasets on this machine{flock_holder(fd)}") from None
                 time.sleep(0.01)
         try:
             yield

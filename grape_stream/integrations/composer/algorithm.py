@@ -30,6 +30,7 @@ from composer.loggers import Logger
 from torch import nn
 
 from grape_stream.config import AlgorithmConfig
+from grape_stream.errors import ConfigError
 from grape_stream.grape.controller import REPLAY_METHOD, GrapeController
 from grape_stream.integrations.common import as_task, find_mixer, split_algorithm_options
 from grape_stream.integrations.composer.model import composer_per_sample_loss
@@ -136,6 +137,11 @@ class GrapeAlgorithm(Algorithm):
                 "GrapeAlgorithm under FSDP must see the model before it is sharded: pass it in the Trainer's "
                 "algorithms= (it keeps the architecture at Event.INIT), not to a Trainer whose model is already "
                 "wrapped."
+            )
+        if self._skeleton is not None and self.controller_options.get("geometry", "sgd") != "sgd":
+            raise ConfigError(
+                "geometry='adam' is not supported under FSDP: the probe runs on an unsharded replica whose "
+                "parameters have no optimizer state; use geometry='sgd' (the paper) or train with DDP"
             )
         mixer = find_mixer(state.train_dataloader)
         if self.controller is None:

@@ -121,7 +121,8 @@ class GrapeTrainerCallback(TrainerCallback):
         lr = float(optimizer.param_groups[0]["lr"]) if optimizer is not None else 0.0
         trainer = self._trainer
         autocast = trainer.autocast_smart_context_manager if trainer is not None else None
-        metrics = self.loop.after_step(kwargs["model"], state.global_step, lr, autocast=autocast)
+        metrics = self.loop.after_step(kwargs["model"], state.global_step, lr, autocast=autocast,
+                                       optimizer=optimizer)
         if metrics:
             if trainer is not None:
                 should_log = control.should_log  # Trainer.log clears it: keep this step's own loss log

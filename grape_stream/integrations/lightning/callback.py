@@ -103,8 +103,10 @@ class GrapeLightningCallback(Callback):
         if step == self._step:  # accumulating gradients: no optimizer step yet
             return
         self._step = step
-        lr = float(trainer.optimizers[0].param_groups[0]["lr"]) if trainer.optimizers else 0.0
-        metrics = self.loop.after_step(pl_module, step, lr, autocast=trainer.precision_plugin.forward_context)
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        lr = float(optimizer.param_groups[0]["lr"]) if optimizer is not None else 0.0
+        metrics = self.loop.after_step(pl_module, step, lr, autocast=trainer.precision_plugin.forward_context,
+                                       optimizer=optimizer)
         if metrics:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
