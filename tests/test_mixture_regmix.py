@@ -60,7 +60,7 @@ def test_regmix_cli_runs_real_proxies_and_writes_weights(tmp_path: Path) -> None
     sources, targets = meta["roles"]["sources"][:3], meta["roles"]["targets"][:2]
     out = tmp_path / "regmix.json"
     rc = cli_main(["mixture", "regmix", "--mds", str(mds), "--sources", ",".join(sources), "--targets",
-                   ",".join(targets), "--proxies", "3", "--steps", "2", "--regressor", "linear",
+                   ",".join(targets), "--proxies", "3", "--steps", "5", "--regressor", "linear",
                    "--workdir", str(tmp_path / "proxies"), "--set", "trainer.global_train_batch_size=8",
                    "--out", str(out)])
     assert rc == 0
