@@ -15,6 +15,10 @@ points ("not reached" if it never does).
 
     .venv/bin/python bench/mixture_quality.py                      # 6 methods x 3 seeds (~40 min, 2 cores)
     .venv/bin/python bench/mixture_quality.py --seeds 0 --methods uniform,grape --steps 40   # smoke run
+    .venv/bin/python bench/mixture_quality.py --corpus english     # English sources + QA targets (gpt2 tokens)
+
+``--corpus english`` (bench/mixture_english.py): 7 English source domains, 4 multiple-choice QA targets,
+GPT-2 tokenizer; adds CRISP, RegMix and GRAPE started from them, multiple-choice accuracy and cost.
 
 Runs already finished with identical settings are reused (``--fresh`` to redo them), so an interrupted
 bench continues where it stopped; bench/results/mixture_quality.json is rewritten after every run.
@@ -107,6 +111,12 @@ def aggregate(runs: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> dict[str, 
             "final_alpha_seed_mean": _mean_alpha(by_seed),
             "seconds_mean": _mean_std([by_seed[s]["seconds"]["total"] for s in seeds])[0],
         }
+        if all("accuracy" in by_seed[s] for s in seeds):  # English corpus: multiple choice and cost
+            for key in ("acc", "acc_norm"):
+                vals = [by_seed[s]["accuracy"][key] for s in seeds]
+                out[m][key] = {"values": vals, "mean": _mean_std(vals)[0], "std": _mean_std(vals)[1]}
+            cost = [by_seed[s]["cost_seconds"] / uniform[s]["cost_seconds"] for s in seeds if s in uniform]
+            out[m]["cost_vs_uniform"] = {"values": cost, "mean": _mean_std(cost)[0] if cost else None}
     claims: dict[str, Any] = {}
     if "grape" in runs:
         g = runs["grape"]
@@ -185,7 +195,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--fresh", action="store_true", help="redo runs that already finished")
     p.add_argument("--plots", default=None, help="also write comparison PNGs (seed of the first seed) here")
     p.add_argument("--extra", action="append", default=[], help="extra recipe override key=value for every run")
-    args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    p.add_argument("--corpus", default="demo", choices=("demo", "english"),
+                   help="demo: the multilingual corpus (default); english: bench/mixture_english.py")
+    p.add_argument("--proxies", type=int, default=10, help="english: RegMix proxy runs")
+    p.add_argument("--jobs", type=int, default=1, help="english: RegMix proxies in parallel")
+    p.add_argument("--crisp-samples", type=int, default=32, help="english: documents embedded per domain/target")
+    p.add_argument("--choice-items", type=int, default=32, help="english: multiple-choice test items per target")
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(raw)
+    if args.corpus == "english":
+        if "--steps" not in raw:
+            args.steps = 30
+        if "--methods" not in raw:
+            args.methods = ""
+        if "--out" not in raw:
+            args.out = str(REPO / "runs" / "bench_mixture_english")
+        if "--results" not in raw:
+            args.results = str(RESULTS.with_name("mixture_quality_english.json"))
+        return main_english(args, all_methods)
 
     methods = [m for m in args.methods.split(",") if m]
     bad = [m for m in methods if m not in all_methods]
@@ -241,6 +268,91 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def main_english(args: argparse.Namespace, registry: Sequence[str]) -> int:
+    """``--corpus english``: the same loop, plus the baseline weights, accuracy and cost (mixture_english)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import mixture_english as en
+
+    from grape_stream.apps.demo_run import recipe_overrides, run_method
+
+    methods = en.methods_list(args.methods, registry)
+    seeds = [int(s) for s in args.seeds.split(",") if s != ""]
+    settings = en.settings(args.steps)
+    out, corpus = Path(args.out), Path(args.data or REPO / "data" / "english")
+    mds = out / "mds"
+    en.convert(corpus, mds)
+    docs = {b: en.baseline(b, corpus, mds, out, steps=args.steps, proxies=args.proxies, jobs=args.jobs,
+                           crisp_samples=args.crisp_samples, fresh=args.fresh)
+            for b in ("crisp", "regmix") if any(en.DERIVED.get(m, ("", ""))[1] == b for m in methods)}
+    args.baseline_docs = docs
+    items = en.choice_items(corpus, args.choice_items)
+    runs: dict[str, dict[int, dict[str, Any]]] = {}
+    order = [(s, m) for s in seeds for m in methods]
+    t_start = time.perf_counter()
+    for i, (seed, m) in enumerate(order, 1):
+        run_dir = out / f"{m}-seed{seed}"
+        base, extra = en.method_overrides(m, docs)
+        extra = [*en.OVERRIDES, *extra, *args.extra]
+        want = recipe_overrides(base, settings, mds=mds, out_dir=run_dir, seed=seed, extra=extra)
+        res_path = run_dir / "result.json"
+        result = None
+        if res_path.exists() and not args.fresh:
+            prev = json.loads(res_path.read_text())
+            if prev.get("overrides") == want and "accuracy" in prev:
+                result = prev
+        if result is None:
+            cb = en.scorer(items)
+            result = run_method(base, mds=mds, out_dir=run_dir, settings=settings, seed=seed, progress=False,
+                                extra_overrides=extra, extra_callbacks=[cb])
+            result["method"], result["choice"] = m, cb.scores
+            result["accuracy"] = en.accuracy_summary(cb.scores)
+            result["cost_seconds"] = en.cost_seconds(m, result["seconds"]["total"], docs)
+            res_path.write_text(json.dumps(result, indent=1))
+            print(f"[{i}/{len(order)}] {m} seed {seed}: avg {result['final_avg']:.4f} "
+                  f"worst {result['final_worst']:.4f} "
+                  f"acc {result['accuracy']['acc']:.3f} acc_norm {result['accuracy']['acc_norm']:.3f} "
+                  f"({result['seconds']['total']:.0f}s, {(time.perf_counter() - t_start) / 60:.1f} min so far)",
+                  flush=True)
+        runs.setdefault(m, {})[seed] = result
+        _write(args.results, runs, settings, seeds, methods, args, partial=i < len(order))
+    agg = aggregate(runs)
+    train_tokens = next(iter(next(iter(runs.values())).values()))["train_tokens"]
+    print("")
+    print(format_table_english(agg, train_tokens, docs))
+    for name, c in agg["claims"].items():
+        print(f"claim {name}: {json.dumps(c)}")
+    print(f"wrote {args.results}")
+    return 0
+
+
+def format_table_english(agg: Mapping[str, Any], train_tokens: int, docs: Mapping[str, Any]) -> str:
+    rows = [("method", "runs", "avg log-ppl", "worst log-ppl", "acc", "acc_norm", "tokens to uniform's avg", "cost")]
+    for m, st in agg["methods"].items():
+        r = st["tokens_ratio_vs_uniform"]
+        reach = "-" if not r["of"] else "not reached" if r["reached"] == 0 else (
+            f"{_mean_std(r['values'])[0]:.2f}x" + ("" if r["reached"] == r["of"] else f" ({r['reached']}/{r['of']})"))
+        cost = st.get("cost_vs_uniform", {}).get("mean")
+        rows.append((m, str(len(st["seeds"])), _pm(st["average"]["values"]), _pm(st["worst"]["values"]),
+                     _pm(st["acc"]["values"], 3) if "acc" in st else "-",
+                     _pm(st["acc_norm"]["values"], 3) if "acc_norm" in st else "-", reach,
+                     f"{cost:.2f}x" if cost is not None else "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    targets = list(next(iter(agg["methods"].values()))["per_target_mean"])
+    lines += ["", "per-target test log-ppl (nats per GPT-2 token, mean over seeds; * = best):",
+              f"{'method':<13}" + "".join(f"{t:>9}" for t in targets)]
+    best = {t: min(st["per_target_mean"][t] for st in agg["methods"].values()) for t in targets}
+    for m, st in agg["methods"].items():
+        lines.append(f"{m:<13}" + "".join(
+            f"{st['per_target_mean'][t]:>8.4f}{'*' if st['per_target_mean'][t] == best[t] else ' '}" for t in targets))
+    for name, d in docs.items():
+        lines.append(f"{name} alpha: " + " ".join(f"{k} {v:.3f}" for k, v in d["alpha"].items())
+                     + f" ({d['seconds']:.0f} s, once)")
+    lines.append(f"(budget: {train_tokens / 1e3:.0f}k training GPT-2 tokens per run)")
+    return "\n".join(lines)
+
+
 def _write(path: str, runs: Mapping[str, Mapping[int, Mapping[str, Any]]], settings: Any, seeds: Sequence[int],
            methods: Sequence[str], args: argparse.Namespace, partial: bool) -> None:
     agg = aggregate(runs)
@@ -255,9 +367,11 @@ def _write(path: str, runs: Mapping[str, Mapping[int, Mapping[str, Any]]], setti
         "methods_requested": list(methods),
         "train_tokens_per_run": train_tokens,
         "metric": "token-level test cross-entropy (nats/byte), strided subset of each target's test split",
-        "table": format_table(agg, train_tokens),
+        "table": (format_table(agg, train_tokens) if args.corpus == "demo"
+                  else format_table_english(agg, train_tokens, getattr(args, "baseline_docs", {}))),
         **agg,
-        "runs": {m: {str(s): {k: r[k] for k in ("final", "final_avg", "final_worst", "curve", "trajectory", "seconds")}
+        "runs": {m: {str(s): {k: r[k] for k in ("final", "final_avg", "final_worst", "curve", "trajectory", "seconds",
+                                                 "accuracy", "choice", "cost_seconds") if k in r}
                      for s, r in by_seed.items()} for m, by_seed in runs.items()},
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("grape_stream.apps.demo", "main", "multilingual demo: uniform vs DoGE vs GRAPE on bundled real text"),
     "plot": ("grape_stream.apps.plots", "main", "plot a weight trajectory (JSONL) to PNG"),
     "inspect": ("grape_stream.apps.inspect", "main", "summarise an MDS output directory or a trajectory"),
+    "mixture": ("grape_stream.apps.mixture", "main", "baseline mixtures: CRISP (embeddings), RegMix (proxies)"),
 }
 
 

@@ -32,6 +32,7 @@ LEVELS: dict[str, int] = {
     "grape_stream.mixing": 2,
     "grape_stream.convert": 2,
     "grape_stream.grape": 3,
+    "grape_stream.mixture": 3,
     "grape_stream.recipe": 4,
     "grape_stream.recipes": 4,
     "grape_stream.integrations": 5,

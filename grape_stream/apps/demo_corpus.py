@@ -37,17 +37,18 @@ def find_corpus(path: str | None = None) -> Path:
     )
 
 
-def _corpus_fingerprint(corpus: Path, files: Sequence[Path], seq_len: int) -> dict[str, Any]:
+def _corpus_fingerprint(corpus: Path, files: Sequence[Path], seq_len: int, tokenizer: str = "bytes",
+                        domain_field: str = "lang") -> dict[str, Any]:
     h = hashlib.sha256()
     for f in files:
         h.update(str(f.relative_to(corpus)).encode())
         h.update(f.read_bytes())
-    return {"inputs_sha256": h.hexdigest(), "tokenizer": "bytes", "seq_len": int(seq_len),
-            "domain_field": "lang", "split_field": "split", "converter_version": CONVERTER_VERSION}
+    return {"inputs_sha256": h.hexdigest(), "tokenizer": tokenizer, "seq_len": int(seq_len),
+            "domain_field": domain_field, "split_field": "split", "converter_version": CONVERTER_VERSION}
 
 
-def ensure_converted(corpus: Path, out: Path, *, seq_len: int = 256,
-                     progress: bool = True) -> tuple[dict[str, Any], bool]:
+def ensure_converted(corpus: Path, out: Path, *, seq_len: int = 256, progress: bool = True,
+                     tokenizer: str = "bytes", domain_field: str = "lang") -> tuple[dict[str, Any], bool]:
     """Convert the corpus to ``out`` (OUT/<lang>/<split>/) unless it already holds this exact conversion.
 
     Returns (manifest, converted_now). The check is a hash of the input files plus the settings, so an
@@ -56,7 +57,7 @@ def ensure_converted(corpus: Path, out: Path, *, seq_len: int = 256,
     files = sorted(corpus.glob("*/*.jsonl.zst"))
     if not files:
         raise CorpusNotFoundError(f"{corpus}: no <split>/<lang>.jsonl.zst files")
-    want = _corpus_fingerprint(corpus, files, seq_len)
+    want = _corpus_fingerprint(corpus, files, seq_len, tokenizer, domain_field)
     stamp = out / CONVERT_SETTINGS_FILE
     manifest_path = out / "manifest.json"
     if stamp.is_file() and manifest_path.is_file():
@@ -67,7 +68,7 @@ def ensure_converted(corpus: Path, out: Path, *, seq_len: int = 256,
         if have == want:
             return json.loads(manifest_path.read_text()), False
     overwrite = out.exists() and any(out.iterdir())
-    result = convert("jsonl", [str(f) for f in files], str(out), tokenizer="bytes", seq_len=seq_len,
-                     domain_field="lang", split_field="split", overwrite=overwrite, progress=progress)
+    result = convert("jsonl", [str(f) for f in files], str(out), tokenizer=tokenizer, seq_len=seq_len,
+                     domain_field=domain_field, split_field="split", overwrite=overwrite, progress=progress)
     atomic_write_text(stamp, json.dumps(want, indent=2))
     return result.manifest, True

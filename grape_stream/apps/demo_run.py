@@ -99,10 +99,11 @@ def _release(built: Any) -> None:
 
 def run_method(method: str, *, mds: str | os.PathLike[str], out_dir: str | os.PathLike[str],
                settings: DemoSettings = DEMO, seed: int = 17, progress: bool = True, position: str = "",
-               extra_overrides: Sequence[str] = ()) -> dict[str, Any]:
+               extra_overrides: Sequence[str] = (), extra_callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     """Train one method with the ``demo-cpu`` recipe and return its result (also written to
     ``out_dir/result.json``): final per-target test log-perplexity (nats per token = per byte), the
-    test-loss curve, the alpha/z trajectory and timings."""
+    test-loss curve, the alpha/z trajectory and timings. ``extra_callbacks``: more Composer callbacks (the
+    benchmark's multiple-choice scorer reads the trained model at fit end)."""
     out_dir = Path(out_dir)
     if out_dir.exists():
         shutil.rmtree(out_dir)  # a fresh run: metrics.jsonl appends, the trajectory must not mix runs
@@ -113,7 +114,7 @@ def run_method(method: str, *, mds: str | os.PathLike[str], out_dir: str | os.Pa
     with _quiet():
         curve = TestCurve(settings)
         bar = Progress(curve, method, progress=progress, position=position)
-        built = build(cfg, extra_callbacks=[curve, bar])
+        built = build(cfg, extra_callbacks=[curve, bar, *extra_callbacks])
         try:
             curve.prepare(built.tasks)
             built.trainer.fit()
