@@ -123,6 +123,7 @@ class AlgorithmConfig:
     probe_batch_bounds: list[int] = field(default_factory=lambda: [4, 64])
     trajectory: bool = True  # write <output_dir>/grape_trajectory.jsonl (+ .png at fit end)
     plots: bool = True
+    summary: bool = True  # print the end-of-run summary table (and write grape_summary.txt, log it as an artifact)
 
 
 #: The name the issue uses for the GRAPE section.

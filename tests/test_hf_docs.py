@@ -22,7 +22,7 @@ def _snippet() -> str:
     return m.group(1)
 
 
-def test_the_hf_example_trains_logs_and_checkpoints_grape(tmp_path):
+def test_the_hf_example_trains_logs_and_checkpoints_grape(tmp_path, capsys):
     data, out = str(tmp_path / "data"), str(tmp_path / "out")
     write_dataset(data, domains=3, tasks=(0, 2), n_domain=64, n_val=16, n_test=8)
     threads = torch.get_num_threads()
@@ -42,3 +42,7 @@ def test_the_hf_example_trains_logs_and_checkpoints_grape(tmp_path):
     lines = open(os.path.join(out, "grape_trajectory.jsonl"), encoding="utf-8").read().splitlines()
     assert [json.loads(x).get("step") for x in lines[1:]] == [0, 4, 8]
     assert os.path.getsize(os.path.join(out, "grape_trajectory.png")) > 0
+    # the default end-of-run hook prints the summary table, naming where the trajectory went
+    printed = capsys.readouterr().out
+    assert "GRAPE run summary: method grape, 2 updates, last at step 8" in printed
+    assert os.path.join(out, "grape_trajectory.jsonl") in printed

@@ -45,6 +45,7 @@ def recipe_overrides(method: str, settings: DemoSettings, *, mds: str | os.PathL
         f"algorithm.z_every={s.update_every}",
         f"algorithm.probe_domain_batch={s.probe_domain_batch}",
         f"algorithm.probe_task_batch={s.probe_task_batch}",
+        "algorithm.summary=false",  # the demo prints one table comparing the methods, not one per run
         f"algorithm.mu_alpha={s.mu_alpha}",
         f"algorithm.mu_z={s.mu_z}",
         f"algorithm.options.clip_norm={'null' if s.clip_norm is None else s.clip_norm}",

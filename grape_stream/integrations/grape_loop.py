@@ -29,6 +29,7 @@ from grape_stream.config import AlgorithmConfig
 from grape_stream.errors import DataError
 from grape_stream.grape.controller import GrapeController
 from grape_stream.integrations.common import as_task, split_algorithm_options
+from grape_stream.integrations.summary import format_summary, summarize_controller
 from grape_stream.integrations.trajectory_plot import plot_trajectory
 from grape_stream.mixing.mixer import WeightedStreamingMixer
 from grape_stream.world import process_world
@@ -56,8 +57,8 @@ class GrapeLoop:
     or the controller (``probe_mode``, ``schedule_path``, ``gram_options``, ...), checked now, not at the
     first update. ``trajectory``: where the update records go as JSONL (None: the integration's default
     folder; ``False``: nowhere). ``plots``: also draw the PNG at the end. ``end_of_run``: a function
-    called on rank 0 when training ends, with the controller and the trajectory path (a summary table,
-    an artifact upload).
+    called on rank 0 when training ends, with the controller and the trajectory path (an artifact upload,
+    your own table); None (default) prints ``integrations.summary``'s end-of-run table.
     """
 
     def __init__(
@@ -168,14 +169,16 @@ class GrapeLoop:
         ctl = self.controller
         if ctl is None or not process_world().is_leader:
             return None
-        path = None
+        path = png = None
         if self.write_trajectory and self.trajectory:
             path = ctl.write_trajectory(self.trajectory)
             if self.plots:
                 try:
-                    plot_trajectory(path, os.path.splitext(path)[0] + ".png")
+                    png = plot_trajectory(path, os.path.splitext(path)[0] + ".png")
                 except Exception as exc:  # a plotting problem must not fail a finished training run
                     log.warning("could not plot the GRAPE trajectory %s: %s", path, exc)
         if self.end_of_run is not None:
             self.end_of_run(ctl, path)
+        else:  # the default: the end-of-run table (last probe losses per target, alpha, where the files are)
+            print(format_summary(summarize_controller(ctl, {}, trajectory=path, plot=png)), flush=True)
         return path

@@ -20,8 +20,7 @@ and what this module does:
   mappings until the interpreter exits, so any process that merely *scanned* a dead job's leftovers
   keeps them looking alive. Owner records make such mappings irrelevant for the mixer's own prefixes,
   and :func:`detach_scanner_attachments` unmaps them in this process.
-* **Leaks on normal close.** Streaming unlinks at interpreter exit only and never deletes its file
-  locks: :func:`release_streaming_dataset` does both, now.
+* **Leaks on normal close.** Streaming unlinks at exit only, never its file locks: :func:`release_streaming_dataset`.
 * **Racy registration.** Two jobs that start at once can pick the same prefix (scan, then create, with
   no lock) and share each other's shard states: :func:`registration_lock` serialises registration on
   this machine with an ``flock`` on the temp directory itself (nothing is created).

@@ -242,7 +242,8 @@ def _build_trainer(built: Built, world: int, extra_callbacks: Sequence[Any], ext
     evaluators = _evaluators(cfg, built.tasks)
     callbacks: list[Any] = []
     if cfg["algorithm"]["trajectory"]:
-        callbacks.append(GrapeTrajectoryCallback(folder=output_dir, plots=cfg["algorithm"]["plots"]))
+        callbacks.append(GrapeTrajectoryCallback(folder=output_dir, plots=cfg["algorithm"]["plots"],
+                                                 summary=cfg["algorithm"]["summary"]))
     if evaluators:
         callbacks.append(TaskEvalSummary([task.name for task in built.tasks]))
     callbacks.extend(build_callbacks(cfg.get("callbacks") or {}))
