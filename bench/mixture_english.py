@@ -26,6 +26,8 @@ OVERRIDES = [
 #: Methods beyond the reweighting registry's: name -> (registry method, where its weights come from, option).
 DERIVED = {"crisp": ("static", "crisp", "weights"), "regmix": ("static", "regmix", "weights"),
            "grape_crisp": ("grape", "crisp", "alpha0"), "grape_regmix": ("grape", "regmix", "alpha0")}
+#: GRAPE with an option beyond the paper (docs/reweighting.md): bench method -> the recipe overrides it adds.
+OPTIONS = {"grape_adam": ("grape", ["algorithm.geometry=adam"])}
 DEFAULT_METHODS = ["uniform", "doge", "doge_pcgrad", "crisp", "regmix", "grape", "grape_crisp", "grape_regmix"]
 
 
@@ -74,6 +76,8 @@ def baseline(name: str, corpus: Path, mds: Path, out: Path, *, steps: int, proxi
 
 def method_overrides(method: str, docs: dict[str, dict[str, Any]]) -> tuple[str, list[str]]:
     """(registry method, extra overrides) of a bench method."""
+    if method in OPTIONS:
+        return OPTIONS[method][0], list(OPTIONS[method][1])
     if method not in DERIVED:
         return method, []
     base, source, option = DERIVED[method]
@@ -113,7 +117,7 @@ def cost_seconds(method: str, run_seconds: float, docs: dict[str, dict[str, Any]
 
 def methods_list(arg: str | None, registry: Sequence[str]) -> list[str]:
     ms = [m for m in (arg.split(",") if arg else DEFAULT_METHODS) if m]
-    bad = [m for m in ms if m not in registry and m not in DERIVED]
+    bad = [m for m in ms if m not in registry and m not in DERIVED and m not in OPTIONS]
     if bad:
-        raise SystemExit(f"unknown methods {bad}; choose from {list(registry) + list(DERIVED)}")
+        raise SystemExit(f"unknown methods {bad}; choose from {list(registry) + list(DERIVED) + list(OPTIONS)}")
     return ms
