@@ -50,6 +50,7 @@ from torch import nn  # noqa: E402
 from grape_stream.grape.gram.capabilities import AUTO, demote  # noqa: E402
 from grape_stream.grape.gram.group_gram import group_gram  # noqa: E402
 from grape_stream.grape.gram.layouts import fast_kind  # noqa: E402
+from grape_stream.models import no_inplace_loss_grad  # noqa: E402
 from grape_stream.testing.families import FAMILIES, FamilySize, build_family  # noqa: E402
 
 K, N = 7, 6
@@ -95,7 +96,8 @@ def exact_gram(model: nn.Module, loss_fn: Callable, groups: list[dict]) -> torch
     """Every parameter on the exact path: one fused forward, one backward per group, G gradient copies."""
     params = [p for p in model.parameters() if p.requires_grad]
     batch = {k: torch.cat([g[k] for g in groups]) for k in groups[0]}
-    losses = loss_fn(model, batch)
+    with no_inplace_loss_grad():  # one backward per group over the same graph
+        losses = loss_fn(model, batch)
     rows, start = [], 0
     for g in groups:
         n = g["tokens"].shape[0]

@@ -7,9 +7,11 @@ trains in minutes on CPU. Users with their own model only need a `per_sample_los
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -127,6 +129,22 @@ def lm_targets(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.T
 _CE_CHUNK_ELEMENTS = 1 << 22
 
 
+#: False inside :func:`no_inplace_loss_grad`: the loss's backward must leave the logits intact.
+_INPLACE_GRAD_OK: contextvars.ContextVar[bool] = contextvars.ContextVar("grape_stream_inplace_loss_grad", default=True)
+
+
+@contextlib.contextmanager
+def no_inplace_loss_grad() -> Iterator[None]:
+    """Losses built inside keep their logits through the backward, so the graph can be backpropagated more
+    than once (``retain_graph=True``: the exact per-group fallback of the fused Gram, per-group reference
+    gradients). Outside it, an owned logits tensor takes its own gradient in place (one array at the peak)."""
+    token = _INPLACE_GRAD_OK.set(False)
+    try:
+        yield
+    finally:
+        _INPLACE_GRAD_OK.reset(token)
+
+
 class _LeanCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy that never materialises more than the logits and one chunk.
 
@@ -183,7 +201,8 @@ def per_sample_lm_loss_from_logits(
     if logits.dtype in (torch.float16, torch.bfloat16):  # half-precision logits: softmax in float32
         logits, owned = logits.float(), True  # a private copy: its storage can take the gradient
     flat = logits.reshape(-1, logits.shape[-1])
-    ce = _LeanCrossEntropy.apply(flat, targets.reshape(-1), owned and flat.is_contiguous()).view(targets.shape)
+    inplace = owned and flat.is_contiguous() and _INPLACE_GRAD_OK.get()
+    ce = _LeanCrossEntropy.apply(flat, targets.reshape(-1), inplace).view(targets.shape)
     if mask is None:
         return ce.mean(dim=1)
     m = mask.to(ce.dtype)

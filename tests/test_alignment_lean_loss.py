@@ -6,9 +6,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _alignment_helpers import gpt, lm_groups, rel_err, truth_gram
+from _alignment_helpers import SEQ, VOCAB, gpt, lm_groups, rel_err, truth_gram
 from grape_stream.grape.gram.group_gram import group_gram
-from grape_stream.models import per_sample_lm_loss, per_sample_lm_loss_from_logits
+from grape_stream.models import (
+    GPT,
+    GPTConfig,
+    no_inplace_loss_grad,
+    per_sample_lm_loss,
+    per_sample_lm_loss_from_logits,
+)
 
 
 def reference(logits: torch.Tensor, batch: dict) -> torch.Tensor:
@@ -50,3 +56,36 @@ def test_gpt_probe_with_in_place_loss_gradient_is_exact(sizes: list[int]) -> Non
     assert rel_err(per_sample_lm_loss(model, groups[0]).detach(), ref.detach()) <= 1e-12
     gram, losses = group_gram(model, per_sample_lm_loss, groups)
     assert rel_err(gram, want) <= 1e-8 and rel_err(losses, want_losses) <= 1e-12
+
+
+class _TemperedGPT(GPT):
+    """Our GPT plus a logit temperature: a parameter no fast path knows (exact per-group fallback), on a
+    model whose loss takes its logits' gradient in place."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg)
+        self.temperature = torch.nn.Parameter(torch.tensor(1.3))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return super().forward(tokens) * self.temperature
+
+
+@pytest.mark.parametrize("micro", [None, 3])
+def test_exact_fallback_beside_the_in_place_loss_gradient(micro) -> None:
+    """The fallback backpropagates the same graph once per group: the in-place logits gradient must wait."""
+    torch.manual_seed(5)
+    model = _TemperedGPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=2, n_head=2, d_model=32, d_ff=64))
+    model = model.to(torch.float64).eval()
+    groups = lm_groups([2, 1, 3], seed=5)
+    want, want_losses = truth_gram(model, per_sample_lm_loss, groups)
+    gram, losses, info = group_gram(model, per_sample_lm_loss, groups, micro_batch_size=micro, return_info=True)
+    assert info.fallback_params == ["temperature"]
+    assert rel_err(gram, want) <= 1e-8 and rel_err(losses, want_losses) <= 1e-12
+    # outside the fused Gram the loss still writes the logits' gradient in place (one array at the peak)
+    logits = model(groups[0]["tokens"][:, :-1]).detach().requires_grad_()
+    owned = logits * 1.0
+    per_sample_lm_loss_from_logits(owned, groups[0], inplace_grad=True).sum().backward()
+    with no_inplace_loss_grad():
+        kept = logits * 1.0
+        per_sample_lm_loss_from_logits(kept, groups[0], inplace_grad=True).sum().backward(retain_graph=True)
+    assert not torch.equal(kept, owned)  # kept still holds the logits; owned holds their gradient

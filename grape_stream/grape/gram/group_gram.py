@@ -12,6 +12,7 @@ and drops them: no full gradient copy, let alone G of them, is ever held. See do
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import time
@@ -38,6 +39,7 @@ from grape_stream.grape.gram.hooks import FusedGramEngine
 from grape_stream.grape.gram.layouts import FAST_PARAM_NAMES, fallback_reason, fast_kind, probe_layouts
 from grape_stream.grape.gram.precondition import Precondition, resolve_precondition
 from grape_stream.grape.probes import unwrap_for_probe
+from grape_stream.models import no_inplace_loss_grad
 from grape_stream.world import dist_active
 
 __all__ = ["GramInfo", "group_gram"]
@@ -331,7 +333,8 @@ def _run(
                 mb = map_tensors(batch, operator.itemgetter(slice(a, b)))  # t -> t[a:b]
                 t0 = time.perf_counter()
                 engine.begin(micro, None)
-                losses = per_sample_loss(model, mb)
+                with no_inplace_loss_grad() if fb_params else contextlib.nullcontext():  # fallback: >1 backward
+                    losses = per_sample_loss(model, mb)
                 engine.end_forward()
                 timings["forward_s"] += time.perf_counter() - t0
                 _check_losses(losses, b - a)
