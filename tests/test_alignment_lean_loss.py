@@ -88,4 +88,5 @@ def test_exact_fallback_beside_the_in_place_loss_gradient(micro) -> None:
     with no_inplace_loss_grad():
         kept = logits * 1.0
         per_sample_lm_loss_from_logits(kept, groups[0], inplace_grad=True).sum().backward(retain_graph=True)
-    assert not torch.equal(kept, owned)  # kept still holds the logits; owned holds their gradient
+    assert torch.equal(kept.detach(), logits.detach())  # kept still holds the logits ...
+    assert not torch.equal(owned.detach(), logits.detach())  # ... owned holds their gradient
