@@ -19,6 +19,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from grape_stream.config import ModelConfig
+from grape_stream.head_loss import current_head_observer, observed_head_loss
 
 _RECIPE = ModelConfig()
 
@@ -104,6 +105,10 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.hidden(tokens))
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The final hidden states (B, T, d_model), before the head: what a chunked head loss starts from."""
         t = tokens.shape[1]
         if t > self.config.seq_len:
             raise ValueError(f"sequence of {t} tokens is longer than the model's seq_len={self.config.seq_len}")
@@ -111,7 +116,7 @@ class GPT(nn.Module):
         x = self.tok_emb(tokens) + self.pos_emb(pos)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        return self.ln_f(x)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -214,7 +219,18 @@ def per_sample_lm_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> t
 
     `batch["tokens"]` is (B, T) integer ids; the optional `batch["loss_mask"]` (B, T) marks counted targets.
     For our `GPT` the logits are the head's fresh output, read by nothing else, so the loss's backward
-    writes their gradient into them (one tokens x vocab array at the peak instead of 3-4).
+    writes their gradient into them (one tokens x vocab array at the peak instead of 3-4). Inside the fused
+    probe (an observer installed, `head_loss.py`) our GPT's logits are never formed whole: the head and
+    the loss run in sample chunks and the head's per-group gradient goes to the probe.
     """
-    logits = model(batch["tokens"].long()[:, :-1])
+    tokens = batch["tokens"].long()[:, :-1]
+    if isinstance(model, GPT):
+        observer = current_head_observer(model.head)
+        if observer is not None:
+            h = model.hidden(tokens)
+            if h.dtype in (torch.float32, torch.float64) and not torch.is_autocast_enabled(h.device.type):
+                targets, mask = lm_targets(batch)
+                return observed_head_loss(h, model.head, targets, mask, observer)
+            return per_sample_lm_loss_from_logits(model.head(h), batch, inplace_grad=True)
+    logits = model(tokens)
     return per_sample_lm_loss_from_logits(logits, batch, inplace_grad=isinstance(model, GPT))

@@ -223,19 +223,22 @@ class RowAccumulator:
 
     # ------------------------------------------------------------------ absorb
     def absorb(
-        self, contrib: Union[DenseContribution, SparseRowContribution], keep: Rows, gram: Tensor, budget: int
+        self, contrib: Union[DenseContribution, SparseRowContribution], keep: Rows, gram: Tensor, budget: int,
+        label: Optional[str] = None,
     ) -> None:
         """Add every Gram term involving `contrib`, then hold (held + contrib) on the rows in `keep`.
 
         keep: rows any later contribution may touch: None (all), a sorted id tensor, or an empty tensor
-        (no later contribution: nothing needs holding).
+        (no later contribution: nothing needs holding). label: how a dense contribution was formed, for
+        GramInfo.fast_path (default "dense" or "ghost").
         """
         if isinstance(contrib, SparseRowContribution):
             self._absorb_sparse(contrib, keep, gram, budget)
         else:
-            self._absorb_dense(contrib, keep, gram, budget)
+            self._absorb_dense(contrib, keep, gram, budget, label)
 
-    def _absorb_dense(self, c: DenseContribution, keep: Rows, gram: Tensor, budget: int) -> None:
+    def _absorb_dense(self, c: DenseContribution, keep: Rows, gram: Tensor, budget: int,
+                      label: Optional[str] = None) -> None:
         idx = c.groups
         gm = idx.numel()
         nothing_after = keep is not None and keep.numel() == 0
@@ -255,7 +258,7 @@ class RowAccumulator:
             scatter_gram(gram, idx, idx, ghost)
             self.strategies.add("ghost")
         else:
-            self.strategies.add("dense")
+            self.strategies.add(label or "dense")
 
         needs_all = (
             ghost is None

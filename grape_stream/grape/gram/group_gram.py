@@ -35,10 +35,12 @@ from grape_stream.grape.gram.batches import (
     map_tensors,
 )
 from grape_stream.grape.gram.graph import fallback_backward, scan_graph
+from grape_stream.grape.gram.head_chunks import HeadChunks
 from grape_stream.grape.gram.hooks import FusedGramEngine
 from grape_stream.grape.gram.layouts import FAST_PARAM_NAMES, fallback_reason, fast_kind, probe_layouts
 from grape_stream.grape.gram.precondition import Precondition, resolve_precondition
 from grape_stream.grape.probes import unwrap_for_probe
+from grape_stream.head_loss import HeadGradientMismatch, observing_lm_head
 from grape_stream.models import no_inplace_loss_grad
 from grape_stream.world import dist_active
 
@@ -176,15 +178,18 @@ def group_gram(
     spans = [(a, min(total, a + mb)) for a in range(0, total, mb)]
 
     forced: dict[int, str] = {}
-    for _attempt in range(4):
+    chunked_head = True
+    for _attempt in range(5):
         try:
             gram, loss_sums, info = _run(
                 model, per_sample_loss, batch, sizes, sample_groups, spans, scope, forced, device,
-                chunk_elements, ghost, scales,
+                chunk_elements, ghost, scales, chunked_head,
             )
             break
         except _Retry as retry:
             forced.update(retry.reasons)
+        except HeadGradientMismatch:  # the loss was not used as sum_i w_i loss_i: head through its hooks
+            chunked_head = False
     else:  # pragma: no cover - each retry adds at least one parameter to the fallback
         raise RuntimeError("group_gram: could not settle which parameters need the fallback")
 
@@ -299,10 +304,11 @@ def _run(
     chunk_elements: int,
     ghost: bool,
     scales: dict[int, Tensor],
+    chunked_head: bool,
 ) -> tuple[Tensor, Tensor, GramInfo]:
     """One attempt at the fused pass (the caller retries with more fallback parameters on `_Retry`).
 
-    Kept as one function (~90 lines) because one try/finally must cover the whole micro-batch loop: it
+    Long because one try/finally must cover the whole micro-batch loop: it
     restores the parameters' requires_grad flags and removes the hooks whatever happens inside.
     """
     num_groups = len(sizes)
@@ -311,6 +317,8 @@ def _run(
     in_scope = {id(p) for p in scope}
     weights = 1.0 / torch.tensor(sizes, dtype=torch.float64, device=device)
     engine = FusedGramEngine(fast_modules, num_groups, device, _compute_dtype, chunk_elements, ghost, scales)
+    # our GPT's head + loss in sample chunks (head_loss.py); not with the fallback (it backpropagates per group)
+    head = HeadChunks(engine, weights, enabled=chunked_head and not fb_params)
     fb_acc = [
         torch.zeros((num_groups, p.numel()), dtype=_compute_dtype(p.dtype), device=p.device) for p in fb_params
     ]
@@ -322,7 +330,8 @@ def _run(
         for p, _ in flags:
             p.requires_grad_(id(p) in in_scope)
         engine.install()
-        with torch.random.fork_rng(devices=devices), torch.inference_mode(False), torch.enable_grad():
+        with torch.random.fork_rng(devices=devices), torch.inference_mode(False), torch.enable_grad(), \
+                observing_lm_head(head):
             cache = _LAYOUT_CACHE.setdefault(model, {})
             ckey = (batch_signature(batch), frozenset(id(m) for _, m, _, _ in fast_modules))
             if ckey not in cache:
@@ -380,5 +389,6 @@ def _run(
     info.fast_path = engine.strategies()
     info.accumulator_elements = engine.peak_accumulator_elements() + sum(t.numel() for t in fb_acc)
     timings["hooks_s"] = engine.hook_seconds  # part of backward_s: forming per-group contributions
+    timings["head_s"] = head.seconds  # part of forward_s: the chunked head's per-group gradient
     info.timings.update(timings)
     return gram, loss_sums, info

@@ -294,7 +294,7 @@ class FusedGramEngine:
         self.micro = None
 
     # ------------------------------------------------------------------ backward
-    def _keep_rows(self, p: nn.Parameter) -> Optional[Tensor]:
+    def keep_rows(self, p: nn.Parameter) -> Optional[Tensor]:
         """Rows of `p` that a later contribution can still touch (None: all of them)."""
         if not self._mb.is_last:
             return None
@@ -305,7 +305,7 @@ class FusedGramEngine:
             return None
         return torch.unique(torch.cat([u.keep_ids for u in rest if u.keep_ids is not None]))  # all embeddings
 
-    def _accumulator(self, p: nn.Parameter, dtype: torch.dtype) -> RowAccumulator:
+    def accumulator(self, p: nn.Parameter, dtype: torch.dtype) -> RowAccumulator:
         acc = self.acc.get(id(p))
         if acc is None:
             row_shape = tuple(p.shape[1:]) if p.dim() > 0 else ()
@@ -339,8 +339,8 @@ class FusedGramEngine:
             lst = self.pending.get(id(p), [])
             if use in lst:
                 lst.remove(use)
-            acc = self._accumulator(p, contrib.dtype)
-            acc.absorb(contrib, self._keep_rows(p), self.gram, self.budget)
+            acc = self.accumulator(p, contrib.dtype)
+            acc.absorb(contrib, self.keep_rows(p), self.gram, self.budget)
 
     def _segments(self, rows: int) -> list[tuple[int, int]]:
         return [(a * rows, b * rows) for a, b in self._mb.sample_segments]

@@ -1,0 +1,141 @@
+"""The LM head and its cross-entropy in sample chunks, for the fused probe: no (tokens x vocab) array.
+
+Why: at a 50k vocabulary the logits of a probe (K+N groups x samples x sequence) and their gradient are
+most of the fused pass's memory (5.8 GB at K=20, N=8, 4 x 256 tokens per group), while everything the
+probe needs from them is small: the loss of each sample, the gradient reaching the hidden states
+((tokens x d_model)), and the head weight's per-group gradient. When an observer (the fused Gram's
+`grape/gram/head_chunks.py`) is installed with :func:`observing_lm_head`, :func:`observed_head_loss`
+computes all three chunk by chunk in the forward, then drops each chunk:
+
+* per chunk of samples: logits = x W^T, logsumexp, cross-entropy, u = softmax - onehot, u W (kept:
+  tokens x d_model), and u scaled by the gradient each sample's loss *will* receive (the observer knows
+  it: the probe backpropagates sum_i w_i loss_i), handed to the observer with x;
+* the backward only scales the kept u W by the gradient that actually arrives, and checks that it is
+  the one announced (:class:`HeadGradientMismatch` otherwise, and the probe reruns on the plain path).
+
+The head weight's own gradient is therefore never formed by autograd (the observer takes it per group):
+the weight enters detached. Used by :func:`grape_stream.models.per_sample_lm_loss` for our GPT only,
+whose embedding is called before its head (the probe's tied-weight bookkeeping relies on that order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Iterator, Optional, Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+__all__ = ["HeadGradientMismatch", "HeadObserver", "current_head_observer", "observed_head_loss",
+           "observing_lm_head"]
+
+#: logits elements per chunk (whole samples; at least one sample): 256 MiB in fp32. Large enough that the
+#: three matmuls per chunk run at full speed
+CHUNK_ELEMENTS = 1 << 26
+#: logits elements per element-wise pass (softmax, onehot, scaling): 16 MiB, so that they run in cache
+SOFTMAX_ELEMENTS = 1 << 22
+
+
+class HeadObserver(Protocol):
+    """What the fused probe provides to take the head's per-group gradient chunk by chunk."""
+
+    def wants(self, head: nn.Module) -> bool:
+        """Whether this call of `head` should take the chunked path (the probe's run mode, a fast-path head)."""
+        ...
+
+    def upstream(self) -> Tensor:
+        """(B,) the gradient each per-sample loss of the current forward will receive."""
+        ...
+
+    def contribute(self, head: nn.Module, d: Tensor, x: Tensor, samples: tuple[int, int], rows: int) -> None:
+        """d (n, vocab): the logits' gradient of samples [a, b) (`rows` token rows each); x (n, d_model)."""
+        ...
+
+
+class HeadGradientMismatch(RuntimeError):
+    """The per-sample losses received another gradient than the observer announced (the loss was used
+    in some other way than sum_i w_i loss_i): the per-group head gradients formed in the forward are wrong."""
+
+
+_OBSERVER: contextvars.ContextVar[Optional[HeadObserver]] = contextvars.ContextVar(
+    "grape_stream_head_observer", default=None)
+
+
+@contextlib.contextmanager
+def observing_lm_head(observer: HeadObserver) -> Iterator[None]:
+    token = _OBSERVER.set(observer)
+    try:
+        yield
+    finally:
+        _OBSERVER.reset(token)
+
+
+def current_head_observer(head: nn.Module) -> Optional[HeadObserver]:
+    """The installed observer when it wants this head (a bias-free Linear), else None."""
+    obs = _OBSERVER.get()
+    if obs is None or getattr(head, "bias", None) is not None or not obs.wants(head):
+        return None
+    return obs
+
+
+class _ObservedHeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, h: Tensor, targets: Tensor, tok_w: Tensor, weight: Tensor, head: nn.Module,
+                observer: HeadObserver) -> Tensor:
+        b, t, dm = h.shape
+        v = weight.shape[0]
+        announced = observer.upstream().to(h.dtype)
+        losses = torch.empty(b, dtype=h.dtype, device=h.device)
+        uw = torch.empty((b, t, dm), dtype=h.dtype, device=h.device)
+        step = max(1, CHUNK_ELEMENTS // max(1, t * v))
+        rows_in_cache = max(1, SOFTMAX_ELEMENTS // v)
+        with torch.no_grad():
+            for a in range(0, b, step):
+                e = min(b, a + step)
+                x = h[a:e].reshape(-1, dm)
+                tgt = targets[a:e].reshape(-1, 1)
+                scale = (announced[a:e, None] * tok_w[a:e]).reshape(-1, 1)
+                u = x @ weight.t()  # (n, V) logits; below softmax - onehot, then scaled, in the same storage
+                ce = torch.empty(u.shape[0], dtype=u.dtype, device=u.device)
+                for r in range(0, u.shape[0], rows_in_cache):  # the element-wise passes on cache-sized rows
+                    z, zt = u[r : r + rows_in_cache], tgt[r : r + rows_in_cache]
+                    lse = torch.logsumexp(z, dim=1, keepdim=True)
+                    ce[r : r + rows_in_cache] = lse.squeeze(1) - z.gather(1, zt).squeeze(1)
+                    z.sub_(lse).exp_()
+                    z.scatter_add_(1, zt, torch.full_like(zt, -1, dtype=z.dtype))
+                torch.mm(u, weight, out=uw[a:e].view(-1, dm))
+                for r in range(0, u.shape[0], rows_in_cache):
+                    u[r : r + rows_in_cache].mul_(scale[r : r + rows_in_cache])
+                losses[a:e] = (ce.view(e - a, t) * tok_w[a:e]).sum(1)
+                observer.contribute(head, u, x, (a, e), t)
+                del u, ce
+        ctx.save_for_backward(uw, tok_w, announced)
+        return losses
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, None, None, None, None]:
+        uw, tok_w, announced = ctx.saved_tensors
+        if not torch.allclose(grad, announced, rtol=1e-6, atol=0.0):
+            raise HeadGradientMismatch(
+                "the per-sample losses received another gradient than the fused probe announced")
+        return uw * (grad[:, None] * tok_w).unsqueeze(-1), None, None, None, None, None
+
+
+def observed_head_loss(h: Tensor, head: nn.Module, targets: Tensor, mask: Optional[Tensor],
+                       observer: HeadObserver) -> Tensor:
+    """Per-sample mean next-token cross-entropy of `head(h)` (the same loss as
+    `models.per_sample_lm_loss_from_logits`), with the head's gradient handed to `observer`.
+
+    h: (B, T, d_model) hidden states before the head; targets: (B, T) token ids; mask: (B, T) counted
+    targets or None. Half-precision hidden states take the plain path (the caller's job: see models.py).
+    """
+    if mask is None:
+        tok_w = torch.full(targets.shape, 1.0 / targets.shape[1], dtype=h.dtype, device=h.device)
+    else:
+        m = mask.to(h.dtype)
+        tok_w = m / m.sum(dim=1, keepdim=True).clamp_min(1.0)
+    weight = head.weight.detach().to(h.dtype)  # type: ignore[union-attr]
+    return _ObservedHeadLoss.apply(h, targets.long(), tok_w, weight, head, observer)

@@ -1,0 +1,84 @@
+"""Our GPT's head and loss in sample chunks inside the fused probe (head_loss.py, grape/gram/head_chunks.py):
+exact against one autograd.grad per group, the logits never formed for the whole probe, and the plain
+path taken again when the loss is not used as the probe announced."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import grape_stream.head_loss as head_loss
+from _alignment_helpers import SEQ, VOCAB, gpt, lm_groups, rel_err, truth_gram
+from grape_stream.grape.gram.group_gram import group_gram
+from grape_stream.models import per_sample_lm_loss
+
+SIZES = [3, 1, 4, 2, 5]  # K=2 domains, N=3 tasks
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("samples_per_chunk", [1, 2, 64])  # 2: chunks straddle group boundaries
+@pytest.mark.parametrize("micro", [None, 4])
+def test_chunked_head_is_exact(tie: bool, samples_per_chunk: int, micro, monkeypatch) -> None:
+    monkeypatch.setattr(head_loss, "CHUNK_ELEMENTS", samples_per_chunk * (SEQ - 1) * VOCAB)
+    model = gpt(tie_embeddings=tie)
+    groups = lm_groups(SIZES)
+    want, want_losses = truth_gram(model, per_sample_lm_loss, groups)
+    gram, losses, info = group_gram(model, per_sample_lm_loss, groups, micro_batch_size=micro, return_info=True)
+    assert rel_err(gram, want) <= 1e-10
+    assert rel_err(losses, want_losses) <= 1e-12
+    assert info.fallback_params == []
+    if tie:
+        assert info.fast_path["tok_emb.weight"] == "head+rows"
+    else:
+        assert info.fast_path["head.weight"] == "head" and info.fast_path["tok_emb.weight"] == "rows"
+    assert info.timings["head_s"] > 0
+
+
+def test_the_head_never_sees_the_whole_probe() -> None:
+    """Only the one-sample layout probes call the head module; the probe's own forward goes through the
+    chunks (a head call on the whole probe is what holds a tokens x vocab array)."""
+    model = gpt()
+    seen: list[int] = []
+    handle = model.head.register_forward_hook(lambda m, args, out: seen.append(int(out.shape[0])))
+    try:
+        group_gram(model, per_sample_lm_loss, lm_groups(SIZES))
+    finally:
+        handle.remove()
+    assert max(seen, default=0) < sum(SIZES)
+
+
+def test_a_loss_used_otherwise_falls_back_to_the_head_hooks() -> None:
+    """A per-sample loss that rescales the chunked loss sends it another gradient than announced: the
+    probe reruns with the head as a plain module (its hooks) and is still exact."""
+
+    def doubled(model, batch):
+        return 2.0 * per_sample_lm_loss(model, batch)
+
+    model = gpt()
+    groups = lm_groups(SIZES)
+    want, _ = truth_gram(model, doubled, groups)
+    gram, _, info = group_gram(model, doubled, groups, return_info=True)
+    assert rel_err(gram, want) <= 1e-10
+    assert info.fast_path["tok_emb.weight"] == "dense+rows"
+    assert info.timings["head_s"] == 0
+
+
+def test_outside_the_probe_the_loss_is_the_plain_one() -> None:
+    """With no observer installed, per_sample_lm_loss is the logits path (training, evaluation)."""
+    model = gpt()
+    batch = lm_groups([3])[0]
+    calls: list[int] = []
+    handle = model.head.register_forward_hook(lambda m, args, out: calls.append(1))
+    try:
+        per_sample_lm_loss(model, batch).sum().backward()
+    finally:
+        handle.remove()
+    assert calls == [1] and model.head.weight.grad is not None
