@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterator, Optional, Protocol
+import weakref
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-__all__ = ["HeadGradientMismatch", "HeadObserver", "current_head_observer", "observed_head_loss",
-           "observing_lm_head"]
+__all__ = ["HeadGradientMismatch", "HeadObserver", "current_head_observer", "observed_causal_lm_loss",
+           "observed_head_loss", "observing_lm_head"]
 
 #: logits elements per chunk (whole samples; at least one sample): 256 MiB in fp32. Large enough that the
 #: three matmuls per chunk run at full speed
@@ -51,6 +52,10 @@ class HeadObserver(Protocol):
 
     def contribute(self, head: nn.Module, d: Tensor, x: Tensor, samples: tuple[int, int], rows: int) -> None:
         """d (n, vocab): the logits' gradient of samples [a, b) (`rows` token rows each); x (n, d_model)."""
+        ...
+
+    def quietly(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` (an extra forward) unseen by the probe's hooks."""
         ...
 
 
@@ -137,5 +142,62 @@ def observed_head_loss(h: Tensor, head: nn.Module, targets: Tensor, mask: Option
     else:
         m = mask.to(h.dtype)
         tok_w = m / m.sum(dim=1, keepdim=True).clamp_min(1.0)
-    weight = head.weight.detach().to(h.dtype)  # type: ignore[union-attr]
+    w = head.weight
+    assert isinstance(w, Tensor), "the head's weight is a tensor"
+    weight = w.detach().to(h.dtype)
     return _ObservedHeadLoss.apply(h, targets.long(), tok_w, weight, head, observer)
+
+
+#: transformers model -> whether its logits are exactly lm_head(base_model(...)[0]) (checked once)
+_SPLIT_CHECKED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def _hf_split(model: nn.Module) -> Optional[tuple[nn.Module, nn.Module]]:
+    """(base model, bias-free Linear head) of a transformers ``*ForCausalLM``, duck-typed (no import)."""
+    get_head, base = getattr(model, "get_output_embeddings", None), getattr(model, "base_model", None)
+    if not callable(get_head) or not isinstance(base, nn.Module) or base is model:
+        return None
+    head = get_head()
+    if type(head) is not nn.Linear or head.bias is not None:
+        return None
+    return base, head
+
+
+def _split_is_exact(model: nn.Module, base: nn.Module, head: nn.Module, kwargs: dict[str, Any],
+                    observer: HeadObserver) -> bool:
+    """Once per model, on one sample: do the model's logits equal head(base(...)[0]) bitwise? A model that
+    scales, soft-caps or biases its logits after the head (Gemma 2, Cohere, ...) fails and keeps the plain
+    path: the chunked loss would score other logits."""
+    ok = _SPLIT_CHECKED.get(model)
+    if ok is None:
+        one = {k: v[:1] if isinstance(v, Tensor) else v for k, v in kwargs.items()}
+
+        def both() -> bool:
+            with torch.no_grad():
+                out = model(**one)
+                full = out if isinstance(out, Tensor) else out.logits
+                part = head(base(**one)[0])
+            return full.shape == part.shape and bool(torch.equal(full, part))
+
+        ok = bool(observer.quietly(both))
+        _SPLIT_CHECKED[model] = ok
+    return ok
+
+
+def observed_causal_lm_loss(model: nn.Module, kwargs: dict[str, Any], targets: Tensor, mask: Optional[Tensor],
+                            from_logits: Callable[[Tensor], Tensor]) -> Optional[Tensor]:
+    """Inside the fused probe, the chunked-head loss of a transformers causal LM called as
+    ``model(**kwargs)``; None when the plain path applies (no probe, no plain Linear head, or logits that
+    are not exactly head(base(...)[0])). Half-precision hidden states are scored by ``from_logits(head(h))``."""
+    split = _hf_split(model)
+    if split is None:
+        return None
+    base, head = split
+    observer = current_head_observer(head)
+    if observer is None or not _split_is_exact(model, base, head, kwargs, observer):
+        return None
+    h = base(**kwargs)[0]
+    if h.dtype not in (torch.float32, torch.float64) or torch.is_autocast_enabled(h.device.type):
+        return from_logits(head(h))
+    return observed_head_loss(h, head, targets, mask, observer)
+

@@ -19,7 +19,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from grape_stream.config import ModelConfig
-from grape_stream.head_loss import current_head_observer, observed_head_loss
+from grape_stream.head_loss import current_head_observer, observed_causal_lm_loss, observed_head_loss
 
 _RECIPE = ModelConfig()
 
@@ -234,3 +234,19 @@ def per_sample_lm_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> t
             return per_sample_lm_loss_from_logits(model.head(h), batch, inplace_grad=True)
     logits = model(tokens)
     return per_sample_lm_loss_from_logits(logits, batch, inplace_grad=isinstance(model, GPT))
+
+
+def per_sample_causal_lm_loss(
+    model: nn.Module, kwargs: dict[str, Any], batch: Mapping[str, torch.Tensor]
+) -> torch.Tensor:
+    """Per-sample loss (as above) of a model called as ``model(**kwargs)`` returning logits or an output with
+    ``.logits`` (any HF ``*ForCausalLM``; ``kwargs["input_ids"]`` = ``tokens[:, :-1]``). Inside the fused
+    probe a transformers causal LM whose logits are exactly ``lm_head(base_model(...)[0])`` runs its head
+    in sample chunks (`head_loss.py`): no tokens x vocab array."""
+    targets, mask = lm_targets(batch)
+    chunked = observed_causal_lm_loss(model, kwargs, targets, mask,
+                                      lambda logits: per_sample_lm_loss_from_logits(logits, batch))
+    if chunked is not None:
+        return chunked
+    out = model(**kwargs)
+    return per_sample_lm_loss_from_logits(out if isinstance(out, torch.Tensor) else out.logits, batch)

@@ -82,3 +82,50 @@ def test_outside_the_probe_the_loss_is_the_plain_one() -> None:
     finally:
         handle.remove()
     assert calls == [1] and model.head.weight.grad is not None
+
+
+@pytest.mark.parametrize("family,head_param,label", [
+    ("hf-gpt2", "transformer.wte.weight", "head+rows"),  # tied to the input embedding
+    ("hf-llama", "lm_head.weight", "head"),
+])
+def test_transformers_causal_lm_head_in_chunks(family: str, head_param: str, label: str) -> None:
+    from grape_stream.testing.families import FamilySize, build_family
+
+    model, loss, _ = build_family(family, FamilySize(vocab=VOCAB, seq=SEQ), torch.float64, seed=2)
+    groups = lm_groups(SIZES, seed=2)
+    want, want_losses = truth_gram(model, loss, groups)
+    gram, losses, info = group_gram(model, loss, groups, micro_batch_size=4, return_info=True)
+    assert rel_err(gram, want) <= 1e-10 and rel_err(losses, want_losses) <= 1e-12
+    assert info.fast_path[head_param] == label and info.fallback_params == []
+
+
+def test_logits_changed_after_the_head_keep_the_plain_path() -> None:
+    """A causal LM that scales its logits after lm_head (as Cohere and Gemma 2 do) fails the one-sample
+    check, so the probe scores the model's own logits through the head's hooks."""
+    from grape_stream.models import per_sample_causal_lm_loss
+    from grape_stream.testing.families import FamilySize, build_family
+
+    lm, _, _ = build_family("hf-llama", FamilySize(vocab=VOCAB, seq=SEQ), torch.float64, seed=2)
+
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = lm
+            self.base_model = lm.model
+
+        def get_output_embeddings(self) -> torch.nn.Module:
+            return self.lm.lm_head
+
+        def forward(self, **kwargs):
+            return 2.0 * self.lm(**kwargs).logits
+
+    model = Scaled()
+
+    def loss(m, batch):
+        return per_sample_causal_lm_loss(m, {"input_ids": batch["tokens"].long()[:, :-1]}, batch)
+
+    groups = lm_groups(SIZES, seed=2)
+    want, _ = truth_gram(model, loss, groups)
+    gram, _, info = group_gram(model, loss, groups, return_info=True)
+    assert rel_err(gram, want) <= 1e-10
+    assert info.fast_path["lm.lm_head.weight"] == "dense" and info.timings["head_s"] == 0

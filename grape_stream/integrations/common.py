@@ -17,7 +17,7 @@ from grape_stream.grape.controller import filter_reweighter_options
 from grape_stream.grape.tasks import TaskStream
 from grape_stream.mixing.loader import MixerDataLoader
 from grape_stream.mixing.mixer import WeightedStreamingMixer
-from grape_stream.models import per_sample_lm_loss_from_logits
+from grape_stream.models import per_sample_causal_lm_loss
 
 __all__ = [
     "CONTROLLER_OPTIONS",
@@ -118,9 +118,7 @@ def logits_per_sample_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) 
     kwargs: dict[str, Any] = {"input_ids": batch["tokens"].long()[:, :-1]}
     if getattr(getattr(model, "config", None), "use_cache", None) is not None:
         kwargs["use_cache"] = False
-    out = model(**kwargs)
-    logits = out if isinstance(out, torch.Tensor) else out.logits
-    return per_sample_lm_loss_from_logits(logits, batch)
+    return per_sample_causal_lm_loss(model, kwargs, batch)
 
 
 class MixerTrainLoader:

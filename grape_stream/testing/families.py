@@ -21,7 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from grape_stream.models import GPT, GPTConfig, per_sample_lm_loss, per_sample_lm_loss_from_logits
+from grape_stream.models import (
+    GPT,
+    GPTConfig,
+    per_sample_causal_lm_loss,
+    per_sample_lm_loss,
+    per_sample_lm_loss_from_logits,
+)
 
 __all__ = ["FAMILIES", "FamilySize", "LPLayerNorm", "MPTStyle", "SharedEmbedding", "TitanLlama", "build_family"]
 
@@ -172,7 +178,7 @@ def _lm_loss(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
 
 def _hf_loss(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
     """Per-sample loss of a model called as ``model(input_ids=tokens).logits`` (HF, llm-foundry)."""
-    return per_sample_lm_loss_from_logits(model(input_ids=batch["tokens"].long()[:, :-1]).logits, batch)
+    return per_sample_causal_lm_loss(model, {"input_ids": batch["tokens"].long()[:, :-1]}, batch)
 
 
 def llmfoundry_available() -> bool:

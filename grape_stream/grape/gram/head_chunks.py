@@ -13,7 +13,7 @@ the tied embedding or with earlier micro-batches, what is held) is the same as f
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -46,6 +46,9 @@ class HeadChunks:
         micro = self.engine.micro
         assert micro is not None, "HeadChunks.upstream outside a micro-batch"
         return self.group_weights[micro.sample_groups]
+
+    def quietly(self, fn: Callable[[], Any]) -> Any:
+        return self.engine.quietly(fn)
 
     def contribute(self, head: nn.Module, d: Tensor, x: Tensor, samples: tuple[int, int], rows: int) -> None:
         t0 = time.perf_counter()

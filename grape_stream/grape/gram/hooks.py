@@ -158,7 +158,7 @@ class FusedGramEngine:
             if kind == AUTO:  # capability module: this call's verified kind (capabilities.py)
                 ckind = self._auto_kind(name, mod, key, args, kwargs, output, params)
                 if ckind == "affine" and self.mode is None:  # keep its basis n(x), not x
-                    inp = self._quietly(unit_output, mod, args, kwargs)
+                    inp = self.quietly(unit_output, mod, args, kwargs)
             lead = None if ckind is None else (
                 lead_shape(ckind, mod, inp) if isinstance(output, Tensor) and isinstance(inp, Tensor) else None)
             if self.mode == "probe":
@@ -173,7 +173,7 @@ class FusedGramEngine:
 
         return post_hook
 
-    def _quietly(self, fn: Callable, *args: Any) -> Any:
+    def quietly(self, fn: Callable, *args: Any) -> Any:
         """Run `fn` (which re-runs a module's forward) with every hook of this engine silent."""
         self.capturing = False
         try:
@@ -184,7 +184,7 @@ class FusedGramEngine:
     def _auto_kind(self, name, mod, key, args, kwargs, output, params) -> Optional[str]:
         """The verified kind of this call of an AUTO module; None (and the module demoted) when it has none."""
         if self.verifying and key not in self.call_kinds:
-            kind, why = self._quietly(verify_call, mod, args, kwargs, output, params)
+            kind, why = self.quietly(verify_call, mod, args, kwargs, output, params)
             self.call_kinds[key] = kind
             if kind is None:
                 demote(mod, f"{name}: {why}")
