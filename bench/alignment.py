@@ -129,13 +129,15 @@ def worker(args: argparse.Namespace) -> dict:
     return res
 
 
-def _estimate_fused_bytes(args: argparse.Namespace) -> int:
-    """Activations of the single pass: the body's, plus ONE tokens x vocab fp32 array (the lean loss keeps
-    only the logits and writes their gradient into them), plus a margin for the softmax chunks."""
-    tokens = (args.k + args.n) * args.per_group * (args.seq_len - 1)
-    logits = 4 * tokens * args.vocab
+def _estimate_fused_bytes(args: argparse.Namespace, variant: str) -> int:
+    """Activations of a single pass: the body's, plus for the step ONE tokens x vocab fp32 array (the lean
+    loss keeps only the logits and writes their gradient into them) and for the fused probe the per-group
+    head gradient (G x vocab x d: the head runs in sample chunks, head_loss.py), with a margin."""
+    g = args.k + args.n
+    tokens = g * args.per_group * (args.seq_len - 1)
+    head = 4 * tokens * args.vocab if variant == "c_step" else 4 * g * args.vocab * args.d_model
     body = 4 * tokens * args.d_model * 20 * args.n_layer
-    return int(1.2 * logits) + body
+    return int(1.2 * head) + body
 
 
 def summarise(rows: list[dict], configs: str) -> list[dict]:
@@ -222,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         args.k, args.n = k, n
         for variant in args.variants.split(","):
             if variant in ("a_fused", "c_step"):
-                need, avail = _estimate_fused_bytes(args), _available_bytes()
+                need, avail = _estimate_fused_bytes(args, variant), _available_bytes()
                 if need > 0.6 * avail:
                     rows.append({"variant": variant, "K": k, "N": n, "skipped":
                                  f"needs ~{need / 2**30:.1f} GiB of activations, {avail / 2**30:.1f} GiB available"})
