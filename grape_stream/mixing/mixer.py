@@ -91,8 +91,9 @@ class WeightedStreamingMixer(IterableDataset):
         shuffle_block_size: samples per shuffle block (like streaming's ``shuffle_block_size``): larger
             mixes better, smaller touches fewer shards at a time (cache-friendly).
         lag: batches between a ``set_weights`` call and the first batch it changes. Default: the loader's
-            prefetch depth (``num_workers * prefetch_factor`` with :meth:`dataloader`, 0 without
-            workers). Set it explicitly to make the switch points independent of ``num_workers``.
+            prefetch depth in batches (``(num_workers * prefetch_factor + 1) * batches_per_message - 1``
+            with :meth:`dataloader`, 0 without workers). Set it explicitly to make the switch points
+            independent of the loader's settings (the loader then sends no more batches a message than it allows).
         schedule_capacity: weight changes that may be pending in shared memory at once.
         overwrite_local: replace a local cache directory that holds another remote's data.
         s3_dummy_credentials: for an S3 endpoint that needs no authentication, set placeholder AWS
