@@ -131,3 +131,23 @@ def test_packed_batch_collates_like_the_main_process(dirs):
         assert isinstance(packed, PackedBatch)
         for r in readers:
             r.close()
+
+
+def test_messages_of_several_batches_carry_list_columns(tmp_path):
+    """A string column (per-sample path, a list per batch) survives several batches to a worker message."""
+    rng = np.random.default_rng(1)
+    dirs = []
+    for k in range(2):
+        d = tmp_path / f"s{k}"
+        _write(d, [{"tokens": rng.integers(0, 99, 5).astype(np.uint16), "text": f"{k}:{i}"} for i in range(40)],
+               {"tokens": "ndarray:uint16", "text": "str"})
+        dirs.append(str(d))
+    runs = []
+    for workers, per in ((0, None), (2, 3)):
+        doms = [DomainStream(f"s{k}", local=d) for k, d in enumerate(dirs)]
+        with WeightedStreamingMixer(doms, weights=[0.6, 0.4], batch_size=4, seed=4) as m:
+            runs.append([b for _, b in zip(range(10), m.dataloader(num_workers=workers, batches_per_message=per))])
+    for a, b in zip(*runs):
+        assert a["text"] == b["text"] and len(a["text"]) == 4
+        assert torch.equal(a["tokens"], b["tokens"]) and b["tokens"].dtype == torch.int64
+        assert torch.equal(a["batch_index"], b["batch_index"])
