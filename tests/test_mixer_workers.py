@@ -116,6 +116,11 @@ def test_live_weights_take_effect_exactly_after_the_prefetch_depth(dirs, workers
 
 
 def test_default_batches_per_message_follow_the_batch_size(dirs):
+    from grape_stream.mixing.compose import message_size
+
+    # The first messages ramp up (the first batch waits for one batch's composing, not 16).
+    assert [message_size(t, 16, 2) for t in range(11)] == [1, 1, 2, 2, 4, 4, 8, 8, 16, 16, 16]
+    assert [message_size(t, 3, 1) for t in range(4)] == [1, 2, 3, 3]
     for batch_size, per in ((8, 64), (64, 8), (256, 2), (600, 1)):
         with make(dirs, batch_size=batch_size) as m:
             loader = m.dataloader(num_workers=2)

@@ -147,9 +147,9 @@ class BatchComposer:
         """This process's batches from the shared cursor on (``slot`` 0 = main process, 1 + w = worker w):
         single samples (``batched=False``), collated batches (True) or :class:`PackedBatch` ("packed").
 
-        ``per_message`` (workers, "packed" only): worker ``w`` composes runs of that many consecutive
-        batches, runs ``w, w + W, ...`` from the cursor on, and yields each run as one PackedBatch (one
-        DataLoader message; the loader splits it). Which samples a batch holds does not depend on it."""
+        ``per_message`` (workers, "packed" only): worker ``w`` composes runs of up to that many consecutive
+        batches (see :func:`_messages`) and yields each run as one PackedBatch (one DataLoader message;
+        the loader splits it). Which samples a batch holds does not depend on it."""
         table = schedule.table
         start, counts, _ = table.read_anchor()
         prev = table.claim(slot, start - 1)
@@ -174,20 +174,17 @@ class BatchComposer:
                      self.planner(start, counts, default_on_spent(self.domain_names) if worker == 0 else None))
         if main is not None and loop.prefetcher is not None:
             main.prefetchers.add(loop.prefetcher)
-        run = per_message if batched == "packed" and main is None else 1
-        batch = start + worker * run
+        if batched == "packed" and main is None and per_message > 1:
+            try:
+                yield from _messages(loop, start, per_message, num_workers, worker)
+            finally:
+                loop.close()
+            return
+        batch = start + worker
         try:
             while True:
                 if main is not None and main.is_closed():
                     raise RuntimeError("the mixer was closed while it was being iterated")
-                if run > 1:
-                    group = [c for c in map(loop.compose, range(batch, batch + run)) if c is not None]
-                    if group:
-                        yield packed_batches(group)
-                    if len(group) < run:
-                        return
-                    batch += num_workers * run
-                    continue
                 plan_cols = loop.compose_plan(batch)
                 if plan_cols is None:
                     return
@@ -209,6 +206,31 @@ class BatchComposer:
                 batch += num_workers
         finally:
             loop.close()
+
+
+def message_size(message: int, per_message: int, num_workers: int) -> int:
+    """Batches in message ``message`` (counted from where the iteration starts, all workers together).
+
+    The first round of messages holds one batch each, the next two, then four, ... up to ``per_message``:
+    the first batch arrives after one batch's composing (and downloads), not ``per_message``'s. Every
+    message holds at most ``per_message`` batches, so the loader's depth bound holds from the start."""
+    return min(per_message, 1 << min(message // num_workers, 30))
+
+
+def _messages(loop: "_Loop", start: int, per_message: int, num_workers: int, worker: int) -> Iterator[PackedBatch]:
+    """Worker ``worker``'s messages: messages ``worker, worker + W, ...`` (torch's round-robin), message
+    ``t`` holding the :func:`message_size` batches that follow messages ``0..t-1``, from batch ``start``."""
+    begin, t = start, 0
+    while True:
+        size = message_size(t, per_message, num_workers)
+        if t % num_workers == worker:
+            group = [c for c in map(loop.compose, range(begin, begin + size)) if c is not None]
+            if group:
+                yield packed_batches(group)
+            if len(group) < size:
+                return
+        begin += size
+        t += 1
 
 
 class _Loop:
