@@ -85,13 +85,15 @@ SAMPLES_PER_MESSAGE = 512
 
 
 def message_depth(batches_in_flight: int, per_message: int) -> int:
-    """Batches the trainer may be behind the last batch a worker may have composed, plus one.
+    """The loader's depth in batches: after ``consumed`` batches were handed out, no batch from
+    ``consumed + depth`` on has been composed yet (the ``lag`` the mixer uses; docs/mixer.md, "Lag").
 
     Torch keeps ``batches_in_flight`` (``num_workers * prefetch_factor``) messages requested beyond the
     one the loader is splitting. Right after the first batch of message ``s`` is handed out (``consumed
     = s * m + 1``), messages up to ``s + in_flight`` may be composed, whose last batch is
     ``(s + in_flight + 1) * m - 1 = consumed + (in_flight + 1) * m - 2``. With ``m = 1`` this is torch's
-    ``num_workers * prefetch_factor``.
+    ``num_workers * prefetch_factor``. The ramp-up of the first messages (``compose.message_size``) only
+    makes messages smaller, so the bound holds from the start.
     """
     return (batches_in_flight + 1) * per_message - 1 if batches_in_flight > 0 else 0
 
