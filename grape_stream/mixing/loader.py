@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from grape_stream.mixing.collate import PackedBatch, SplitBatches
+from grape_stream.mixing.ring import MessageRing, RingOwner
 
 __all__ = ["SAMPLES_PER_MESSAGE", "BatchSource", "MixerDataLoader", "message_depth"]
 
@@ -63,19 +64,33 @@ class _Batches(IterableDataset):
     dataset-state protocol: ``state_dict`` / ``load_state_dict``) reaches the mixer.
     """
 
-    def __init__(self, mixer: BatchSource, per_message: int) -> None:
+    def __init__(self, mixer: BatchSource, per_message: int, ring_slots: int) -> None:
         super().__init__()
         self.mixer = mixer
         self.per_message = per_message
+        self.ring_slots = ring_slots
+        self.rings = RingOwner(self)
 
     def __iter__(self) -> Iterator[Any]:
-        # In a worker: arrays through the pipe, collated by the main process (see PackedBatch).
-        if get_worker_info() is None:
+        # In a worker: arrays through a shared-memory ring (or the pipe), collated by the main process.
+        info = get_worker_info()
+        if info is None:
             return self.mixer.iter_batches()
-        return self.mixer.iter_batches(packed=True, per_message=self.per_message)
+        return self._send(info.id)
+
+    def _send(self, worker: int) -> Iterator[Any]:
+        ring = MessageRing(self.rings.token, worker, self.per_message * self.mixer.batch_size, self.ring_slots)
+        inner = self.mixer.iter_batches(packed=True, per_message=self.per_message)
+        try:
+            for packed in inner:
+                yield ring.pack(packed)
+        finally:
+            close = getattr(inner, "close", None)
+            if close is not None:
+                close()
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("mixer", "per_message"):
+        if name in ("mixer", "per_message", "ring_slots", "rings"):
             raise AttributeError(name)
         return getattr(self.mixer, name)
 
@@ -131,7 +146,9 @@ class MixerDataLoader(DataLoader):
             per = _per_message(batches_per_message, mixer.batch_size, num_workers * (pf or 1), mixer.fixed_lag)
             # A message of several batches is itself a prefetch: one message ahead per worker is enough.
             kwargs["prefetch_factor"] = pf or (1 if per > 1 else 2)
-        super().__init__(_Batches(mixer, per), batch_size=None, num_workers=num_workers, **kwargs)
+        # Slots per worker: its prefetch_factor messages in flight, the one being unpickled, one spare.
+        slots = (kwargs.get("prefetch_factor") or 2) + 2
+        super().__init__(_Batches(mixer, per, slots), batch_size=None, num_workers=num_workers, **kwargs)
         pf = self.prefetch_factor if num_workers > 0 else 0
         in_flight = num_workers * (pf or 2) if num_workers > 0 else 0
         lag = mixer.fixed_lag
