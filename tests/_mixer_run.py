@@ -3,11 +3,11 @@
     python _mixer_run.py CONFIG.json
 
 CONFIG: dirs, seed, batch_size, workers, batches, changes ({consumed: alpha}), log, state (path), every
-(state_dict period), resume (optional state path), lag; hold_after (sleep after that many batches); caches (read
-``dirs`` as remotes into these local caches); hold (construct the mixer, print its shm prefixes, then sleep until
-killed). Writes one JSON line per batch to ``log`` (batch index, versions, sample identities) and, every ``every``
-batches, the mixer's state_dict to
-``state`` atomically (what a checkpoint callback does). Prints the shm prefixes first.
+(state_dict period), resume (optional state path), lag, batches_per_message; hold_after (sleep after that many
+batches); caches (read ``dirs`` as remotes into these local caches); hold (construct the mixer, print its shm
+prefixes, then sleep until killed). Writes one JSON line per batch to ``log`` (batch index, versions, sample
+identities) and, every ``every`` batches, the mixer's state_dict to ``state`` atomically (what a checkpoint
+callback does). Prints the shm prefixes first.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def main(cfg_path: str) -> int:
     if cfg.get("resume"):
         mixer.load_state_dict(json.loads(open(cfg["resume"]).read()))
     changes = {int(k): v for k, v in cfg.get("changes", {}).items()}
-    loader = mixer.dataloader(num_workers=cfg["workers"])
+    loader = mixer.dataloader(num_workers=cfg["workers"], batches_per_message=cfg.get("batches_per_message"))
     with open(cfg.get("log") or os.devnull, "a") as log:
         for batch in loader:
             i = int(batch["batch_index"][0])

@@ -174,6 +174,11 @@ def test_llm_foundry_dataset_block_and_loss_mask_labels(byte_data):
         masked += int((~mask).sum())
     assert masked > 0  # the padded tail of every short record is ignored, not trained on as token 0
     mixer.close()
+    # The loader keys reach mixer.dataloader: 2 workers, 3 batches a message (prefetch 1), lag (2 + 1) x 3 - 1.
+    cfg = {**_foundry_loader(byte_data), "num_workers": 2, "batches_per_message": 3}
+    spec = _ep("llmfoundry_dataloaders", cfg.pop("name"))(tokenizer=None, device_batch_size=4, **cfg)
+    assert (spec.dataloader.batches_per_message, spec.dataloader.prefetch_depth) == (3, 8)
+    find_mixer(spec.dataloader).close()
 
 
 def test_llm_foundry_loader_checks_the_manifest_and_refuses_unknown_keys(byte_data):

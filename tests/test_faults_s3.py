@@ -40,7 +40,8 @@ def _remote_mixer(remotes: list[str], tmp_path, **kwargs) -> WeightedStreamingMi
 
 def _read(m: WeightedStreamingMixer, workers: int, during: callable | None = None) -> list:
     got = []
-    for i, b in enumerate(m.dataloader(num_workers=workers)):
+    # One batch a worker message: the workers stay close enough behind the reader to run into the outage.
+    for i, b in enumerate(m.dataloader(num_workers=workers, batches_per_message=1)):
         got.append(batch_identities(b))
         if during is not None:
             during(i)

@@ -48,7 +48,7 @@ def _rank_main(rank: int, cfg: dict) -> None:
         with WeightedStreamingMixer(doms, weights=[0.5, 0.3, 0.2], batch_size=B, seed=17) as mixer:
             # Ranks started by torch.multiprocessing.spawn default to spawning their DataLoader workers too
             # (seconds per worker); torchrun-launched ranks fork them, as here.
-            loader = mixer.dataloader(num_workers=2, multiprocessing_context="fork")
+            loader = mixer.dataloader(num_workers=2, multiprocessing_context="fork", batches_per_message=2)
             samples, versions = [], []
             for batch in loader:
                 i = int(batch["batch_index"][0])
@@ -81,7 +81,8 @@ def test_two_ranks_two_workers_draw_disjoint_samples(tmp_path):
     for r in results:
         assert "error" not in r, r.get("error")
         assert r["mismatch_error"] and "different local directories" in r["mismatch_error"]
-        assert r["versions"] == [0] * 14 + [1] * 26  # lag = 2 workers x prefetch 2, on every rank
+        # lag = (2 workers x prefetch 1 + 1) x 2 batches a message - 1 = 5, on every rank
+        assert r["versions"] == [0] * 15 + [1] * 25
     # Both ranks wrote the same rank-independent state (what a checkpoint from rank 0 holds).
     assert results[0]["state"] == results[1]["state"]
     assert results[0]["state"]["num_samples"] == 40 * B * WORLD

@@ -131,3 +131,61 @@ def test_packed_batch_collates_like_the_main_process(dirs):
         assert isinstance(packed, PackedBatch)
         for r in readers:
             r.close()
+
+
+def test_messages_of_several_batches_carry_list_columns(tmp_path):
+    """A string column (per-sample path, a list per batch) survives several batches to a worker message."""
+    rng = np.random.default_rng(1)
+    dirs = []
+    for k in range(2):
+        d = tmp_path / f"s{k}"
+        _write(d, [{"tokens": rng.integers(0, 99, 5).astype(np.uint16), "text": f"{k}:{i}"} for i in range(40)],
+               {"tokens": "ndarray:uint16", "text": "str"})
+        dirs.append(str(d))
+    runs = []
+    for workers, per in ((0, None), (2, 3)):
+        doms = [DomainStream(f"s{k}", local=d) for k, d in enumerate(dirs)]
+        with WeightedStreamingMixer(doms, weights=[0.6, 0.4], batch_size=4, seed=4) as m:
+            runs.append([b for _, b in zip(range(10), m.dataloader(num_workers=workers, batches_per_message=per))])
+    for a, b in zip(*runs):
+        assert a["text"] == b["text"] and len(a["text"]) == 4
+        assert torch.equal(a["tokens"], b["tokens"]) and b["tokens"].dtype == torch.int64
+        assert torch.equal(a["batch_index"], b["batch_index"])
+
+
+def test_ring_messages_round_trip_and_fall_back_in_band_when_the_slot_is_busy():
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    from grape_stream.mixing.compose import RESERVED_KEYS
+    from grape_stream.mixing.ring import MessageRing, RingOwner
+
+    def batch(seed, rows=6):
+        rng = np.random.default_rng(seed)
+        meta = rng.integers(0, 9, (len(RESERVED_KEYS), rows))
+        return PackedBatch({"tokens": rng.integers(0, 60000, (rows, 5)).astype(np.uint16),
+                            "mask": rng.integers(0, 2, (rows, 5)).astype(np.uint8)}, meta, RESERVED_KEYS, batches=2)
+
+    class Loader:  # stands in for the loader's dataset: the ring entries live as long as it does
+        pass
+
+    owner = Loader()
+    rings = RingOwner(owner)
+    ring = MessageRing(rings.token, worker=0, rows=6, slots=1)
+    first, second = batch(1), batch(2)
+    sent = ring.pack(first)
+    assert not isinstance(sent, PackedBatch)  # columns in the ring, shapes in the message
+    assert ring.pack(second) is second  # the only slot is still in use: in-band this once
+    got = pickle.loads(ForkingPickler.dumps(sent))  # what the main process unpickles: the batch itself
+    assert isinstance(got, PackedBatch) and got.batches == 2
+    for key in first.data:
+        assert np.array_equal(got.data[key], first.data[key]) and got.data[key].dtype == first.data[key].dtype
+    assert np.array_equal(got.meta, first.meta)
+    third = batch(3, rows=3)  # a smaller (ramp-up) message reuses the freed slot
+    got3 = pickle.loads(ForkingPickler.dumps(ring.pack(third)))
+    assert np.array_equal(got3.data["tokens"], third.data["tokens"])
+    assert ring.pack(batch(4, rows=12)).meta.shape[1] == 12  # too big for a slot: in-band
+    del owner
+    import grape_stream.mixing.ring as ring_module
+
+    assert rings.token not in ring_module._RINGS

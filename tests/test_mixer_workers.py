@@ -46,6 +46,8 @@ def run(mixer, n_batches, *, num_workers=0, changes=None, at_batch=True, loader=
     for batch in loader:
         i = int(batch["batch_index"][0])
         assert i == len(ids)
+        # No worker has started a batch that a set_weights call now could still change.
+        assert mixer._schedule.table.max_claimed(workers_only=True) < i + 1 + mixer.lag
         ids.append(batch_identities(batch))
         vs = set(batch["weights_version"].tolist())
         assert len(vs) == 1
@@ -68,7 +70,7 @@ def test_samples_do_not_depend_on_the_number_of_workers(dirs):
     results = []
     for workers in (0, 2, 3):
         with make(dirs, seed=21) as m:
-            results.append(run(m, 40, num_workers=workers, changes=CHANGES))
+            results.append(run(m, 40, num_workers=workers, changes=CHANGES, batches_per_message=1))
             hist = m.weight_history
         assert [h["from_batch"] for h in hist] == [0, 11, 17, 29]
     for other in results[1:]:
@@ -76,21 +78,88 @@ def test_samples_do_not_depend_on_the_number_of_workers(dirs):
         assert other[1] == results[0][1]
 
 
-def test_live_weights_take_effect_exactly_after_the_prefetch_depth(dirs):
-    for workers, pf in ((2, 2), (2, 3), (1, 1)):
-        with make(dirs, seed=2) as m:
-            ids, versions, eff = run(m, 30, num_workers=workers, prefetch_factor=pf, at_batch=False,
-                                     changes={6: [0.0, 0.0, 1.0], 14: [1.0, 0.0, 0.0]})
-            depth = workers * pf
-            assert m.lag == depth
-            assert eff == {6: 6 + depth, 14: 14 + depth}
-        for i, (v, batch_ids) in enumerate(zip(versions, ids)):
-            expected = 0 if i < 6 + depth else (1 if i < 14 + depth else 2)
-            assert v == expected, (workers, pf, i)
-            if expected == 1:
-                assert {d for d, _ in batch_ids} == {2}
-            if expected == 2:
-                assert {d for d, _ in batch_ids} == {0}
+def test_samples_do_not_depend_on_batches_per_message(dirs):
+    """Several batches to a worker message: the same samples and the same switch batches as one batch a
+    message and as no workers, once lag covers the deepest loader (here 11 batches)."""
+    results = []
+    for workers, per, expected_per in ((0, None, 1), (2, 1, 1), (2, 4, 4), (3, 2, 2), (1, 5, 5), (2, None, 4)):
+        with make(dirs, seed=21, lag=11) as m:
+            loader = m.dataloader(num_workers=workers, batches_per_message=per)
+            assert loader.batches_per_message == expected_per  # None: as many as lag allows (here 4)
+            results.append(run(m, 40, changes=CHANGES, loader=loader))
+            assert [h["from_batch"] for h in m.weight_history] == [0, 16, 22, 34]
+    for other in results[1:]:
+        assert other[0] == results[0][0]
+        assert other[1] == results[0][1]
+
+
+@pytest.mark.parametrize("workers,pf,per,depth", [
+    (2, 2, 1, 4), (2, 3, 1, 6), (1, 1, 1, 1),  # one batch a message: torch's num_workers x prefetch_factor
+    (2, None, 3, 8), (1, 2, 2, 5), (2, 1, 4, 11),  # (W x pf + 1) x per - 1
+])
+def test_live_weights_take_effect_exactly_after_the_prefetch_depth(dirs, workers, pf, per, depth):
+    kw = {} if pf is None else {"prefetch_factor": pf}
+    with make(dirs, seed=2) as m:
+        loader = m.dataloader(num_workers=workers, batches_per_message=per, **kw)
+        assert loader.prefetch_depth == depth
+        ids, versions, eff = run(m, 30, loader=loader, at_batch=False,
+                                 changes={6: [0.0, 0.0, 1.0], 14: [1.0, 0.0, 0.0]})
+        assert m.lag == depth
+        assert eff == {6: 6 + depth, 14: 14 + depth}
+    for i, (v, batch_ids) in enumerate(zip(versions, ids)):
+        expected = 0 if i < 6 + depth else (1 if i < 14 + depth else 2)
+        assert v == expected, (workers, pf, i)
+        if expected == 1:
+            assert {d for d, _ in batch_ids} == {2}
+        if expected == 2:
+            assert {d for d, _ in batch_ids} == {0}
+
+
+def test_default_batches_per_message_follow_the_batch_size(dirs):
+    from grape_stream.mixing.compose import message_size
+
+    # The first messages ramp up (the first batch waits for one batch's composing, not 16).
+    assert [message_size(t, 16, 2) for t in range(11)] == [1, 1, 2, 2, 4, 4, 8, 8, 16, 16, 16]
+    assert [message_size(t, 3, 1) for t in range(4)] == [1, 2, 3, 3]
+    for batch_size, per in ((8, 64), (64, 8), (256, 2), (600, 1)):
+        with make(dirs, batch_size=batch_size) as m:
+            loader = m.dataloader(num_workers=2)
+            assert (loader.batches_per_message, loader.prefetch_factor) == (per, 1 if per > 1 else 2)
+            assert loader.prefetch_depth == (2 * loader.prefetch_factor + 1) * per - 1
+            assert m.dataloader(num_workers=0).prefetch_depth == 0
+    with make(dirs, lag=10) as m:
+        with pytest.raises(ValueError, match="batches_per_message=4 needs lag >= 11"):
+            m.dataloader(num_workers=2, batches_per_message=4)
+        with pytest.raises(ValueError, match="positive integer"):
+            m.dataloader(num_workers=2, batches_per_message=0)
+
+
+def test_a_new_iteration_continues_mid_message(dirs):
+    with make(dirs, seed=9) as m:
+        ref = [batch_identities(b) for _, b in zip(range(23), m.dataloader())]
+    with make(dirs, seed=9) as m:
+        loader = m.dataloader(num_workers=2, batches_per_message=4)
+        got = [batch_identities(b) for _, b in zip(range(7), loader)]  # stops inside the second message
+        assert m.consumed_batches == 7
+        got += [batch_identities(b) for _, b in zip(range(16), loader)]
+    assert got == ref
+
+
+def test_pinned_messages_are_split_into_pinned_batches(dirs):
+    import torch
+
+    with make(dirs, seed=10) as m:
+        ref = [batch_identities(b) for _, b in zip(range(9), m.dataloader())]
+    with make(dirs, seed=10) as m:
+        # Without an accelerator torch warns and does not pin; with one, its pin-memory thread splits.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loader = m.dataloader(num_workers=2, batches_per_message=3, pin_memory=True)
+            batches = [b for _, b in zip(range(9), loader)]
+    assert [batch_identities(b) for b in batches] == ref
+    assert all(b["tokens"].dtype == torch.int64 and b["tokens"].shape[0] == B for b in batches)
+    if torch.cuda.is_available():
+        assert all(t.is_pinned() for b in batches for t in b.values() if isinstance(t, torch.Tensor))
 
 
 def test_weights_set_before_the_loader_starts_apply_from_the_first_batch(dirs):
@@ -98,7 +167,8 @@ def test_weights_set_before_the_loader_starts_apply_from_the_first_batch(dirs):
         loader = m.dataloader(num_workers=2)
         assert m.set_weights([0.0, 1.0, 0.0]) == 0  # nothing is in flight yet
         batches = [b for _, b in zip(range(6), loader)]
-        assert m.set_weights([1.0, 0.0, 0.0]) == 6 + 4  # now 2 workers x prefetch 2 may be
+        # now up to (2 workers x prefetch 1 + 1) x 64 batches a message - 1 may be
+        assert m.set_weights([1.0, 0.0, 0.0]) == 6 + loader.prefetch_depth == 6 + 191
     assert all(set(b["domain"].tolist()) == {1} and set(b["weights_version"].tolist()) == {1} for b in batches)
 
 
@@ -142,7 +212,8 @@ def test_spawned_workers_see_live_weights(dirs):
     with make(dirs, seed=4) as m:
         ref = run(m, 14, changes={3: [0.0, 0.0, 1.0]})
     with make(dirs, seed=4) as m:
-        got = run(m, 14, num_workers=1, multiprocessing_context="spawn", changes={3: [0.0, 0.0, 1.0]})
+        got = run(m, 14, num_workers=1, multiprocessing_context="spawn", changes={3: [0.0, 0.0, 1.0]},
+                  batches_per_message=2)  # lag (1 + 1) x 2 - 1 = 3 <= at_batch's 6
     assert got[0] == ref[0] and got[1] == ref[1]
     assert got[1][9] == 1 and got[1][8] == 0
 
@@ -189,12 +260,13 @@ def _read_log(path: Path) -> list[dict]:
 def test_sigkill_mid_epoch_then_resume_reproduces_the_uninterrupted_run(dirs, tmp_path):
     changes = {6: [0.1, 0.1, 0.8], 13: [0.5, 0.5, 0.0], 21: [0.2, 0.3, 0.5], 34: [0.0, 0.5, 0.5]}
     n_total = 60
-    # Reference: uninterrupted, no workers, lag 4 (= 2 workers x prefetch 2 in the killed run).
-    with make(dirs, seed=8, lag=4) as m:
+    # Reference: uninterrupted, no workers, lag 8 (= (2 workers x prefetch 1 + 1) x 3 batches a message - 1 in
+    # the killed run; its checkpoints, every 5 batches, fall inside messages).
+    with make(dirs, seed=8, lag=8) as m:
         ref_ids, ref_versions, _ = run(m, n_total, changes=changes, at_batch=False)
     ref_ids = json.loads(json.dumps(ref_ids))  # as the subprocess logs them
 
-    base = {"dirs": dirs, "seed": 8, "batch_size": B, "workers": 2, "batches": 10_000,
+    base = {"dirs": dirs, "seed": 8, "batch_size": B, "workers": 2, "batches": 10_000, "batches_per_message": 3,
             "changes": {str(k): v for k, v in changes.items()}, "every": 5}
     # The killed run must stop inside the reference's 60 batches however fast it runs: it holds after 40
     # (a quiet machine once let it race past 60 before the kill landed).
@@ -223,7 +295,8 @@ def test_sigkill_mid_epoch_then_resume_reproduces_the_uninterrupted_run(dirs, tm
         assert not (_segments_of(dead) - _live_segments())  # nothing of the dead run is left
         m.load_state_dict(saved)
         later = {k: v for k, v in changes.items() if k > resumed_at}
-        loader = m.dataloader(num_workers=2)
+        loader = m.dataloader(num_workers=2, batches_per_message=3)
+        assert loader.prefetch_depth == 8
         second, versions = [], []
         for batch in loader:
             i = int(batch["batch_index"][0])

@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-__all__ = ["PackedBatch", "collate_samples", "to_tensor"]
+__all__ = ["PackedBatch", "SplitBatches", "collate_samples", "to_tensor"]
 
 
 def to_tensor(value: Any) -> Any:
@@ -52,26 +52,30 @@ def collate_samples(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 class PackedBatch:
-    """A composed batch as numpy arrays: what the mixer's DataLoader workers send to the main process.
+    """Composed batches as numpy arrays: what the mixer's DataLoader workers send to the main process.
 
     Why: torch sends a tensor from a worker as a shared-memory file descriptor, and receiving one costs
     a socket connection with an authentication handshake in the main process (~0.2-1 ms a batch, more
     than composing a batch of 32). Numpy arrays travel pickled through the worker's pipe instead, at
-    their stored width (``uint16`` tokens are a quarter of the ``int64`` tensor), and :meth:`tensors`
-    makes the batch the loader hands out, in the main process. Torch's pin-memory thread calls
+    their stored width (``uint16`` tokens are a quarter of the ``int64`` tensor), and :meth:`split`
+    makes the batches the loader hands out, in the main process. One message may carry ``batches``
+    consecutive batches of equal size (rows in order), because every message costs the main process
+    ~0.3-0.5 ms of DataLoader bookkeeping and unpickling whatever its size: the columns are widened
+    once per message and each batch is a slice of them. Torch's pin-memory thread calls
     :meth:`pin_memory`. Deliberately neither a Mapping nor a Sequence: ``default_convert`` passes it as is.
     """
 
-    __slots__ = ("data", "meta", "meta_keys")
+    __slots__ = ("data", "meta", "meta_keys", "batches")
 
-    def __init__(self, data: dict[str, Any], meta: np.ndarray, meta_keys: Sequence[str]) -> None:
+    def __init__(self, data: dict[str, Any], meta: np.ndarray, meta_keys: Sequence[str], batches: int = 1) -> None:
         self.data = data
         self.meta = meta
         self.meta_keys = tuple(meta_keys)
+        self.batches = int(batches)
 
     def tensors(self) -> dict[str, Any]:
-        """The collated batch: array columns as tensors (see :func:`to_tensor`), the per-sample metadata as
-        rows of one int64 tensor."""
+        """All rows as one collated batch: array columns as tensors (see :func:`to_tensor`), the per-sample
+        metadata as rows of one int64 tensor."""
         out: dict[str, Any] = {}
         for key, val in self.data.items():
             out[key] = to_tensor(val) if isinstance(val, np.ndarray) else collate_samples([{key: v} for v in val])[key]
@@ -80,5 +84,27 @@ class PackedBatch:
             out[key] = meta[i]
         return out
 
-    def pin_memory(self) -> dict[str, Any]:
-        return {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in self.tensors().items()}
+    def split(self, pin: bool = False) -> list[dict[str, Any]]:
+        """The ``batches`` collated batches, in order (with ``pin``, in pinned memory).
+
+        Each batch's columns are widened on their own rather than all at once: a batch's tensors are then
+        the size of one batch, which the allocator reuses once the trainer drops the batch before last,
+        where a whole message's tensors would stay alive until its last batch is dropped and every new
+        one would need fresh pages from the kernel (zero-filled: as costly as the widening itself)."""
+        if self.batches == 1:
+            parts = [self.tensors()]
+        else:
+            n = self.meta.shape[1] // self.batches
+            parts = [PackedBatch({k: v[j * n:(j + 1) * n] for k, v in self.data.items()},
+                                 self.meta[:, j * n:(j + 1) * n], self.meta_keys).tensors()
+                     for j in range(self.batches)]
+        if pin:
+            parts = [{k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in p.items()} for p in parts]
+        return parts
+
+    def pin_memory(self) -> "SplitBatches":
+        return SplitBatches(self.split(pin=True))
+
+
+class SplitBatches(list):
+    """The batches of one :class:`PackedBatch`, collated and pinned by torch's pin-memory thread."""

@@ -26,7 +26,8 @@ from grape_stream.mixing.shard_reader import DomainReader, Prefetcher
 from grape_stream.mixing.weight_table import ScheduleOverflow
 from grape_stream.retry import RetryPolicy
 
-__all__ = ["RESERVED_KEYS", "BatchComposer", "MainProcess", "batch_tensors", "packed_batch", "samples_of"]
+__all__ = ["RESERVED_KEYS", "BatchComposer", "MainProcess", "batch_tensors", "packed_batch", "packed_batches",
+           "samples_of"]
 
 #: Keys the mixer adds to every sample; a dataset column with one of these names is refused.
 RESERVED_KEYS = ("domain", "weights_version", "batch_index", "sample_index", "epoch")
@@ -142,9 +143,13 @@ class BatchComposer:
 
     # -- the loop ----------------------------------------------------------------------------------
     def batches(self, schedule: WeightSchedule, *, slot: int, num_workers: int, worker: int, batched: bool | str,
-                main: MainProcess | None) -> Iterator[Any]:
+                main: MainProcess | None, per_message: int = 1) -> Iterator[Any]:
         """This process's batches from the shared cursor on (``slot`` 0 = main process, 1 + w = worker w):
-        single samples (``batched=False``), collated batches (True) or :class:`PackedBatch` ("packed")."""
+        single samples (``batched=False``), collated batches (True) or :class:`PackedBatch` ("packed").
+
+        ``per_message`` (workers, "packed" only): worker ``w`` composes runs of up to that many consecutive
+        batches (see :func:`_messages`) and yields each run as one PackedBatch (one DataLoader message;
+        the loader splits it). Which samples a batch holds does not depend on it."""
         table = schedule.table
         start, counts, _ = table.read_anchor()
         prev = table.claim(slot, start - 1)
@@ -165,27 +170,25 @@ class BatchComposer:
                 f"the weights in force at batch {start} are no longer in the shared schedule; raise "
                 "schedule_capacity"
             ) from None
-        planner = self.planner(start, counts, default_on_spent(self.domain_names) if worker == 0 else None)
-        readers = self.readers()
-        batch_reader = BatchReader(readers)
-        prefetcher = Prefetcher(readers) if any(self.needs_prefetch) else None
-        if main is not None and prefetcher is not None:
-            main.prefetchers.add(prefetcher)
-        horizon = np.zeros(len(self.orders), np.int64)
+        loop = _Loop(self, schedule, sched, next_seq, slot,
+                     self.planner(start, counts, default_on_spent(self.domain_names) if worker == 0 else None))
+        if main is not None and loop.prefetcher is not None:
+            main.prefetchers.add(loop.prefetcher)
+        if batched == "packed" and main is None and per_message > 1:
+            try:
+                yield from _messages(loop, start, per_message, num_workers, worker)
+            finally:
+                loop.close()
+            return
         batch = start + worker
         try:
             while True:
                 if main is not None and main.is_closed():
                     raise RuntimeError("the mixer was closed while it was being iterated")
-                next_seq = table.read_into(sched, next_seq)
-                table.claim(slot, batch)
-                plan = planner.plan(batch, sched.segments)
-                if plan is None:
+                plan_cols = loop.compose_plan(batch)
+                if plan_cols is None:
                     return
-                cols = self.gather(plan, readers, batch_reader)
-                if prefetcher is not None:
-                    self.prefetch_ahead(plan, prefetcher, readers, horizon)
-                sched.prune_before(batch)
+                plan, cols = plan_cols
                 if batched:
                     out = packed_batch(cols) if batched == "packed" else batch_tensors(cols)
                     if main is not None:
@@ -202,10 +205,69 @@ class BatchComposer:
                     yield last
                 batch += num_workers
         finally:
-            if prefetcher is not None:
-                prefetcher.stop()
-            for r in readers:
-                r.close()
+            loop.close()
+
+
+def message_size(message: int, per_message: int, num_workers: int) -> int:
+    """Batches in message ``message`` (counted from where the iteration starts, all workers together).
+
+    The first round of messages holds one batch each, the next two, then four, ... up to ``per_message``:
+    the first batch arrives after one batch's composing (and downloads), not ``per_message``'s. Every
+    message holds at most ``per_message`` batches, so the loader's depth bound holds from the start."""
+    return min(per_message, 1 << min(message // num_workers, 30))
+
+
+def _messages(loop: "_Loop", start: int, per_message: int, num_workers: int, worker: int) -> Iterator[PackedBatch]:
+    """Worker ``worker``'s messages: messages ``worker, worker + W, ...`` (torch's round-robin), message
+    ``t`` holding the :func:`message_size` batches that follow messages ``0..t-1``, from batch ``start``."""
+    begin, t = start, 0
+    while True:
+        size = message_size(t, per_message, num_workers)
+        if t % num_workers == worker:
+            group = [c for c in map(loop.compose, range(begin, begin + size)) if c is not None]
+            if group:
+                yield packed_batches(group)
+            if len(group) < size:
+                return
+        begin += size
+        t += 1
+
+
+class _Loop:
+    """One process's composing state: the planner, its readers and prefetcher, its view of the schedule."""
+
+    def __init__(self, composer: BatchComposer, schedule: WeightSchedule, sched: EffectiveSchedule, next_seq: int,
+                 slot: int, planner: QuotaPlanner) -> None:
+        self.composer, self.table, self.sched = composer, schedule.table, sched
+        self.next_seq, self.slot = next_seq, slot
+        self.planner = planner
+        self.readers = composer.readers()
+        self.batch_reader = BatchReader(self.readers)
+        self.prefetcher = Prefetcher(self.readers) if any(composer.needs_prefetch) else None
+        self.horizon = np.zeros(len(composer.orders), np.int64)
+
+    def compose_plan(self, batch: int) -> tuple[BatchPlan, dict[str, Any]] | None:
+        """Batch ``batch``'s plan and columns (None once the stream is exhausted)."""
+        self.next_seq = self.table.read_into(self.sched, self.next_seq)
+        self.table.claim(self.slot, batch)
+        plan = self.planner.plan(batch, self.sched.segments)
+        if plan is None:
+            return None
+        cols = self.composer.gather(plan, self.readers, self.batch_reader)
+        if self.prefetcher is not None:
+            self.composer.prefetch_ahead(plan, self.prefetcher, self.readers, self.horizon)
+        self.sched.prune_before(batch)
+        return plan, cols
+
+    def compose(self, batch: int) -> dict[str, Any] | None:
+        got = self.compose_plan(batch)
+        return None if got is None else got[1]
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.stop()
+        for r in self.readers:
+            r.close()
 
 
 def packed_batch(cols: dict[str, Any]) -> PackedBatch:
@@ -214,6 +276,27 @@ def packed_batch(cols: dict[str, Any]) -> PackedBatch:
     for i, key in enumerate(RESERVED_KEYS):
         meta[i] = cols[key]
     return PackedBatch({key: val for key, val in cols.items() if key not in RESERVED_KEYS}, meta, RESERVED_KEYS)
+
+
+def packed_batches(group: list[dict[str, Any]]) -> PackedBatch:
+    """Consecutive batches (equal sizes) as one PackedBatch: each column concatenated, ``batches`` = their number."""
+    if len(group) == 1:
+        return packed_batch(group[0])
+    n = len(group[0]["batch_index"])
+    meta = np.empty((len(RESERVED_KEYS), n * len(group)), np.int64)
+    for j, cols in enumerate(group):
+        for i, key in enumerate(RESERVED_KEYS):
+            meta[i, j * n:(j + 1) * n] = cols[key]
+    data: dict[str, Any] = {}
+    for key in group[0]:
+        if key in RESERVED_KEYS:
+            continue
+        vals = [cols[key] for cols in group]
+        if all(isinstance(v, np.ndarray) for v in vals) and len({(v.dtype, v.shape[1:]) for v in vals}) == 1:
+            data[key] = np.concatenate(vals)
+        else:
+            data[key] = [x for v in vals for x in v]
+    return PackedBatch(data, meta, RESERVED_KEYS, batches=len(group))
 
 
 def batch_tensors(cols: dict[str, Any]) -> dict[str, Any]:

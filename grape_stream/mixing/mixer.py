@@ -91,8 +91,9 @@ class WeightedStreamingMixer(IterableDataset):
         shuffle_block_size: samples per shuffle block (like streaming's ``shuffle_block_size``): larger
             mixes better, smaller touches fewer shards at a time (cache-friendly).
         lag: batches between a ``set_weights`` call and the first batch it changes. Default: the loader's
-            prefetch depth (``num_workers * prefetch_factor`` with :meth:`dataloader`, 0 without
-            workers). Set it explicitly to make the switch points independent of ``num_workers``.
+            prefetch depth in batches (``(num_workers * prefetch_factor + 1) * batches_per_message - 1``
+            with :meth:`dataloader`, 0 without workers). Set it explicitly to make the switch points
+            independent of the loader's settings (the loader then sends no more batches a message than it allows).
         schedule_capacity: weight changes that may be pending in shared memory at once.
         overwrite_local: replace a local cache directory that holds another remote's data.
         s3_dummy_credentials: for an S3 endpoint that needs no authentication, set placeholder AWS
@@ -252,11 +253,12 @@ class WeightedStreamingMixer(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return self._iter(batched=False)
 
-    def iter_batches(self, packed: bool = False) -> Iterator[Any]:
-        """Whole collated batches; ``packed``: as ``PackedBatch`` arrays (what a MixerDataLoader worker sends)."""
-        return self._iter(batched="packed" if packed else True)
+    def iter_batches(self, packed: bool = False, per_message: int = 1) -> Iterator[Any]:
+        """Whole collated batches; ``packed``: as ``PackedBatch`` arrays (what a MixerDataLoader worker sends),
+        in a worker ``per_message`` consecutive batches to one."""
+        return self._iter(batched="packed" if packed else True, per_message=per_message)
 
-    def _iter(self, batched: bool | str) -> Iterator[Any]:
+    def _iter(self, batched: bool | str, per_message: int = 1) -> Iterator[Any]:
         if self._closed:
             raise RuntimeError("the mixer is closed")
         info = dataloader_worker()  # the main process (slot 0: it moves the cursor) or a worker
@@ -268,7 +270,7 @@ class WeightedStreamingMixer(IterableDataset):
         if worker + 1 >= MAX_SLOTS:
             raise RuntimeError(f"the mixer supports at most {MAX_SLOTS - 1} DataLoader workers per rank")
         return self._composer.batches(self._schedule, slot=worker + 1, num_workers=num_workers,
-                                      worker=worker, batched=batched, main=None)
+                                      worker=worker, batched=batched, main=None, per_message=per_message)
 
     def begin_tracked_iteration(self, depth: int) -> None:
         """A counting loader starts: up to ``depth`` batches may be in flight from now on."""

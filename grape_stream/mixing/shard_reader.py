@@ -171,6 +171,10 @@ class DomainReader:
         Whether a shard qualifies is decided once per shard (shards are immutable) and remembered across
         re-mappings.
         """
+        m = self._mapped.get(shard_id)
+        if m is not None and m.columns is not None and not self.dataset.cache_limit:
+            self._mapped.move_to_end(shard_id)  # the hot path: mapped, uniform, nothing can evict it
+            return m
         if not self._is_mds[shard_id]:
             return None
         m = self._map(shard_id)

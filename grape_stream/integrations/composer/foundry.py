@@ -60,6 +60,7 @@ def build_grape_mixture_dataloader(
     persistent_workers: bool = False,
     pin_memory: bool = False,
     timeout: float = 0,
+    batches_per_message: int | None = None,
     **mixer_kwargs: Any,
 ) -> Any:
     """A Composer ``DataSpec`` over a :class:`~grape_stream.mixing.mixer.WeightedStreamingMixer`, built the way
@@ -100,7 +101,7 @@ def build_grape_mixture_dataloader(
         kwargs["persistent_workers"] = persistent_workers
         if prefetch_factor is not None:
             kwargs["prefetch_factor"] = prefetch_factor
-    loader = mixer.dataloader(num_workers=num_workers, **kwargs)
+    loader = mixer.dataloader(num_workers=num_workers, batches_per_message=batches_per_message, **kwargs)
     return DataSpec(loader, batch_transforms=labels_from_loss_mask,
                     get_num_tokens_in_batch=lambda b: int(b["tokens"].numel()))
 
