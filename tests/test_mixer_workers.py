@@ -121,12 +121,16 @@ def test_default_batches_per_message_follow_the_batch_size(dirs):
     # The first messages ramp up (the first batch waits for one batch's composing, not 16).
     assert [message_size(t, 16, 2) for t in range(11)] == [1, 1, 2, 2, 4, 4, 8, 8, 16, 16, 16]
     assert [message_size(t, 3, 1) for t in range(4)] == [1, 2, 3, 3]
-    for batch_size, per in ((8, 64), (64, 8), (256, 2), (600, 1)):
+    # 512 samples a message, but a depth of at most 64 batches (batch 8: 21 a message, depth 62)
+    for batch_size, per in ((8, 21), (64, 8), (256, 2), (600, 1)):
         with make(dirs, batch_size=batch_size) as m:
             loader = m.dataloader(num_workers=2)
             assert (loader.batches_per_message, loader.prefetch_factor) == (per, 1 if per > 1 else 2)
-            assert loader.prefetch_depth == (2 * loader.prefetch_factor + 1) * per - 1
+            assert loader.prefetch_depth == (2 * loader.prefetch_factor + 1) * per - 1 <= 64
             assert m.dataloader(num_workers=0).prefetch_depth == 0
+    with make(dirs, batch_size=8) as m:  # many workers: fewer batches a message, the depth stays bounded
+        loader = m.dataloader(num_workers=8)
+        assert loader.batches_per_message == 7 and loader.prefetch_depth == 62
     with make(dirs, lag=10) as m:
         with pytest.raises(ValueError, match="batches_per_message=4 needs lag >= 11"):
             m.dataloader(num_workers=2, batches_per_message=4)
@@ -168,7 +172,7 @@ def test_weights_set_before_the_loader_starts_apply_from_the_first_batch(dirs):
         assert m.set_weights([0.0, 1.0, 0.0]) == 0  # nothing is in flight yet
         batches = [b for _, b in zip(range(6), loader)]
         # now up to (2 workers x prefetch 1 + 1) x 64 batches a message - 1 may be
-        assert m.set_weights([1.0, 0.0, 0.0]) == 6 + loader.prefetch_depth == 6 + 191
+        assert m.set_weights([1.0, 0.0, 0.0]) == 6 + loader.prefetch_depth == 6 + 62  # depth capped at 64
     assert all(set(b["domain"].tolist()) == {1} and set(b["weights_version"].tolist()) == {1} for b in batches)
 
 

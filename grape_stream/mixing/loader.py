@@ -97,6 +97,10 @@ class _Batches(IterableDataset):
 
 #: Default for ``batches_per_message``: about this many samples to a worker message (measured: bench/loader.py).
 SAMPLES_PER_MESSAGE = 512
+#: ... but with no fixed ``lag``, the default keeps the loader's depth (how many batches after the last one
+#: handed out a weight switch lands) at most this: many workers times many small batches a message would
+#: otherwise delay every GRAPE update by hundreds of batches
+DEFAULT_MAX_DEPTH = 64
 
 
 def message_depth(batches_in_flight: int, per_message: int) -> int:
@@ -118,7 +122,8 @@ class MixerDataLoader(DataLoader):
 
     Workers compose and collate whole batches (no per-sample objects cross the process boundary),
     ``batches_per_message`` consecutive batches to a message (default: ``512 // batch_size``, fewer
-    when the mixer's ``lag`` does not allow more; 1 means one batch a message as torch does; with more
+    when the mixer's ``lag`` does not allow more or, with no fixed lag, when the depth would pass
+    ``DEFAULT_MAX_DEPTH`` = 64 batches; 1 means one batch a message as torch does; with more
     than one, ``prefetch_factor`` defaults to 1), which the loader splits again. The prefetch depth in batches
     (``(num_workers * prefetch_factor + 1) * batches_per_message - 1``, :func:`message_depth`) is told to
     the mixer, and the batches handed out are counted. So ``mixer.set_weights(alpha)`` takes effect
@@ -178,7 +183,8 @@ def _per_message(asked: int | None, batch_size: int, in_flight: int, lag: int | 
     most = None if lag is None else (lag + 1) // (in_flight + 1)
     if asked is None:
         per = max(1, SAMPLES_PER_MESSAGE // batch_size)
-        return per if most is None else max(1, min(per, most))
+        cap = (DEFAULT_MAX_DEPTH + 1) // (in_flight + 1) if most is None else most
+        return max(1, min(per, cap))
     if most is not None and asked > most:
         raise ValueError(
             f"batches_per_message={asked} needs lag >= {message_depth(in_flight, asked)} (the prefetch depth in "
