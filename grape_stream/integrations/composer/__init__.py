@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     )
     from grape_stream.integrations.composer.model import ComposerGPT, composer_per_sample_loss
     from grape_stream.integrations.composer.schedulers import WarmupStableDecayScheduler
-    from grape_stream.integrations.composer.trainer import Built, build, build_algorithm
+    from grape_stream.integrations.composer.trainer import Built, build, build_algorithm, composer_model
 
 _LAZY = {
     "GrapeAlgorithm": "grape_stream.integrations.composer.algorithm",
@@ -42,6 +42,7 @@ _LAZY = {
     "Built": "grape_stream.integrations.composer.trainer",
     "build": "grape_stream.integrations.composer.trainer",
     "build_algorithm": "grape_stream.integrations.composer.trainer",
+    "composer_model": "grape_stream.integrations.composer.trainer",
 }
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "build_algorithm",
     "build_grape_mixture_dataloader",
     "build_grape_task_eval_dataloader",
+    "composer_model",
     "composer_per_sample_loss",
     "find_mixer",
     "grape_algorithm_of",

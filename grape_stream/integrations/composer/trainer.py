@@ -16,8 +16,9 @@ import copy
 import json
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import yaml
@@ -25,6 +26,7 @@ from composer import Trainer
 from composer import loggers as composer_loggers
 from composer.algorithms import GradientClipping
 from composer.core import Evaluator
+from composer.models import ComposerModel
 from composer.optim import DecoupledAdamW
 from composer.utils import dist, format_name_with_dist, parse_uri, reproducibility
 
@@ -46,9 +48,11 @@ from grape_stream.recipe import (
     resolved_sizes,
     train_dataloader,
 )
+from grape_stream.recipe.model import HFTokensToLogits
 from grape_stream.world import process_world
 
-__all__ = ["Built", "build", "build_algorithm", "build_optimizer", "main", "recover_before_autoresume"]
+__all__ = ["Built", "build", "build_algorithm", "build_optimizer", "composer_model", "main",
+           "recover_before_autoresume"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +88,7 @@ class Built:
     loggers: list[Any] = field(default_factory=list)
     trainer: Any = None
     checkpoint_recovery: Any = None  # the Recovery of this rank's checkpoint folder (autoresume, local folder)
+    model_kind: str = ""  # what describe() names: the recipe's model.kind, or the class of a prebuilt model
 
     def close(self) -> None:
         """Close the trainer, then release the streaming resources of the mixer and the tasks."""
@@ -98,7 +103,7 @@ class Built:
         n_params = sum(p.numel() for p in self.model.parameters())
         return {
             "run_name": self.cfg["run_name"],
-            "model": f"{self.cfg['model']['kind']} ({n_params / 1e6:.1f}M parameters)",
+            "model": f"{self.model_kind or self.cfg['model']['kind']} ({n_params / 1e6:.1f}M parameters)",
             "domains": [d["name"] for d in self.domains],
             "tasks": [t.name for t in self.tasks],
             "method": self.cfg["algorithm"]["method"],
@@ -119,8 +124,28 @@ def _device_name(cfg: Mapping[str, Any]) -> str:
     return dev
 
 
-def build_algorithm(cfg: Mapping[str, Any], tasks: list[Any]) -> GrapeAlgorithm:
-    return GrapeAlgorithm(tasks=tasks, **algorithm_kwargs(cfg))
+PerSampleLoss = Callable[[torch.nn.Module, Mapping[str, torch.Tensor]], torch.Tensor]
+
+
+def build_algorithm(cfg: Mapping[str, Any], tasks: list[Any],
+                    per_sample_loss: Optional[PerSampleLoss] = None) -> GrapeAlgorithm:
+    return GrapeAlgorithm(tasks=tasks, per_sample_loss=per_sample_loss, **algorithm_kwargs(cfg))
+
+
+def composer_model(module: torch.nn.Module) -> ComposerModel:
+    """A prebuilt model as the Trainer's ComposerModel.
+
+    A ComposerModel is used as it is (it must take the mixer's batches: ``tokens``, ``loss_mask``); a
+    transformers causal LM (``PreTrainedModel``: HF Llama, llm-foundry's MPTForCausalLM, ...) is called as
+    ``lm(input_ids=tokens).logits``; any other module must be ``tokens (B, T) -> logits (B, T, V)``. The
+    last two train on :class:`ComposerGPT`'s per-sample LM loss, the loss GRAPE probes.
+    """
+    if isinstance(module, ComposerModel):
+        return module
+    hf = sys.modules.get("transformers")  # a PreTrainedModel instance means transformers is imported already
+    if hf is not None and isinstance(module, hf.PreTrainedModel):
+        module = HFTokensToLogits(module)
+    return ComposerGPT(module)
 
 
 def _loggers(cfg: Mapping[str, Any], output_dir: str) -> list[Any]:
@@ -160,8 +185,15 @@ def build_optimizer(cfg: Mapping[str, Any], model: torch.nn.Module) -> torch.opt
 
 
 def build(cfg: Mapping[str, Any], *, dry_run: bool = False, extra_callbacks: Sequence[Any] = (),
-          extra_loggers: Sequence[Any] = ()) -> Built:
-    """Build a recipe. ``dry_run``: the model on the meta device and no data opened, no Trainer."""
+          extra_loggers: Sequence[Any] = (), model: Optional[torch.nn.Module] = None,
+          per_sample_loss: Optional[PerSampleLoss] = None) -> Built:
+    """Build a recipe. ``dry_run``: the model on the meta device and no data opened, no Trainer.
+
+    ``model``: a decoder the recipe cannot name (llm-foundry's MPT, a custom class), used instead of the
+    recipe's ``model`` section (see :func:`composer_model`; its vocabulary must cover the data's).
+    ``per_sample_loss(model, batch) -> Tensor[B]``: what GRAPE probes, when the model's own
+    ``per_sample_loss`` (ComposerGPT's) or the default for ComposerModels does not fit.
+    """
     cfg = copy.deepcopy(dict(cfg))
     world = process_world().size
     gbs = cfg["trainer"]["global_train_batch_size"]
@@ -180,10 +212,15 @@ def build(cfg: Mapping[str, Any], *, dry_run: bool = False, extra_callbacks: Seq
     if not dry_run:
         # Trainer(seed=) seeds only after the model exists: seed first so initial weights are reproducible.
         reproducibility.seed_all(cfg["seed"])
-    model = ComposerGPT(build_model(cfg, vocab_size=vocab, seq_len=seq, device="meta" if dry_run else None))
-    algorithm = build_algorithm(cfg, tasks)
+    kind = cfg["model"]["kind"] if model is None else f"prebuilt {type(model).__name__}"
+    if model is None:
+        model = ComposerGPT(build_model(cfg, vocab_size=vocab, seq_len=seq, device="meta" if dry_run else None))
+    else:
+        model = composer_model(model)
+    algorithm = build_algorithm(cfg, tasks, per_sample_loss)
     built = Built(cfg=dict(cfg), model=model, algorithm=algorithm, tasks=tasks, domains=domains,
-                  optimizer=build_optimizer(cfg, model), scheduler=build_scheduler(cfg), per_rank_batch_size=per_rank)
+                  optimizer=build_optimizer(cfg, model), scheduler=build_scheduler(cfg), per_rank_batch_size=per_rank,
+                  model_kind=kind)
     if not dry_run:
         _build_trainer(built, world, extra_callbacks, extra_loggers)
     return built
