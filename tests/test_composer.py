@@ -294,3 +294,45 @@ def test_composer_gpt_loss_is_the_mean_per_sample_loss():
     loss = model.loss(model(batch), batch)
     assert torch.allclose(loss, per_sample_lm_loss(gpt, batch).mean(), atol=1e-6)
     assert torch.allclose(model.per_sample_loss(batch), per_sample_lm_loss(gpt, batch), atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["mpt", "hf-llama"])
+def test_a_prebuilt_model_trains_with_grape_on_the_fused_probe(data_dir, tmp_path, family):
+    """build(cfg, model=...): a decoder the recipe cannot name (the MPT copy, a plain tokens -> logits
+    module; HF Llama, a transformers PreTrainedModel) trains in a real Composer fit with method=grape, the
+    probe uses the per_sample_loss given to build, every parameter takes a fast path (no fallback warning)
+    and GRAPE's weights move."""
+    import warnings
+
+    from grape_stream.integrations.composer import build, composer_per_sample_loss
+    from grape_stream.recipe import load_recipe
+    from grape_stream.testing.families import FamilySize, build_family
+
+    model, _, source = build_family(family, FamilySize(d_model=32, n_layer=2, n_head=2, vocab=VOCAB, seq=SEQ),
+                                    dtype=torch.float32, seed=3, real_mpt=False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    calls = []
+
+    def loss(m, batch):
+        calls.append(len(batch["tokens"]))
+        return composer_per_sample_loss(m, batch)
+
+    cfg = load_recipe(tiny_recipe(data_dir, str(tmp_path), trainer={"max_duration": "8ba", "eval_interval": "100ba"}))
+    built = build(cfg, model=model.train(), per_sample_loss=loss)
+    assert built.describe()["model"].startswith(f"prebuilt {type(model).__name__}")
+    assert built.model.model is model or built.model.model.lm is model  # plain module, or HF causal LM adapted
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.filterwarnings("always", message="group_gram")
+            built.trainer.fit()
+        history = built.algorithm.controller.history
+    finally:
+        built.close()
+    assert not [str(w.message) for w in caught if "exact fallback" in str(w.message)], source
+    updates = [r for r in history if not r.get("initial")]
+    assert [r["step"] for r in updates] == [4, 8]
+    assert len(calls) >= 2 and sum(calls) >= 2 * (3 + 2) * 4  # K=3 + N=2 groups of 4 samples, per update
+    alpha = np.array(updates[-1]["alpha"])
+    assert abs(alpha.sum() - 1) < 1e-9 and np.max(np.abs(alpha - 1 / 3)) > 1e-4
+    assert all(np.isfinite(np.array(r["alignment"])).all() for r in updates)
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())  # it trained
