@@ -35,7 +35,7 @@ BENCHES = (
     Bench("alignment", ("--small",), "--out"),
     Bench("faults", ("--quick",), "--out"),
     Bench("huge_document", ("--mb", "5"), "--out"),
-    Bench("overhead", ("--steps", "40", "--repeats", "1"), "--out"),
+    Bench("overhead", ("--quick",), "--out"),
     Bench("install_extras", ("--quick",), "--out"),  # needs the package registry (network)
     Bench("mixture_quality", ("--seeds", "0", "--methods", "uniform,grape", "--steps", "20", "--fresh"),
           "--results"),
