@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,6 +12,16 @@ from torch import nn
 from grape_stream.models import GPT, GPTConfig
 
 VOCAB, SEQ = 300, 16
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Import into a test module (autouse there). These models are tiny: on a shared 2-core CI box,
+    OpenMP's thread hand-offs cost more than the maths."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def truth_gram(

@@ -17,6 +17,7 @@ from _alignment_helpers import (
     hf_gpt2,
     hf_loss,
     lm_groups,
+    one_thread,  # noqa: F401  (autouse: one torch thread for these tiny models)
     rel_err,
     truth_gram,
     zoo_groups,
@@ -27,14 +28,6 @@ from grape_stream.models import per_sample_lm_loss
 
 SIZES = [1, 3, 2, 5, 1, 4]  # K=3 domains then N=3 tasks, 1..5 samples each
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These models are tiny: on a shared 2-core CI box, OpenMP's thread hand-offs cost more than the maths."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-8), (torch.float32, 1e-4)])

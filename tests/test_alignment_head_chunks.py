@@ -8,19 +8,20 @@ import pytest
 import torch
 
 import grape_stream.head_loss as head_loss
-from _alignment_helpers import SEQ, VOCAB, gpt, lm_groups, rel_err, truth_gram
+from _alignment_helpers import (
+    SEQ,
+    VOCAB,
+    gpt,
+    lm_groups,
+    one_thread,  # noqa: F401  (autouse: one torch thread)
+    rel_err,
+    truth_gram,
+)
 from grape_stream.grape.gram.group_gram import group_gram
 from grape_stream.models import per_sample_lm_loss
 
 SIZES = [3, 1, 4, 2, 5]  # K=2 domains, N=3 tasks
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("tie", [True, False])

@@ -7,19 +7,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _alignment_helpers import Zoo, gpt, hf_gpt2, hf_loss, lm_groups, rel_err, zoo_groups, zoo_loss
+from _alignment_helpers import (
+    Zoo,
+    gpt,
+    hf_gpt2,
+    hf_loss,
+    lm_groups,
+    one_thread,  # noqa: F401  (autouse: one torch thread)
+    rel_err,
+    zoo_groups,
+    zoo_loss,
+)
 from grape_stream.grape.gram.group_gram import group_gram
 from grape_stream.models import per_sample_lm_loss
 
 SIZES = [1, 3, 2, 5, 1, 4]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def weighted_truth(model, loss_fn, groups, weights: dict) -> torch.Tensor:

@@ -19,7 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _alignment_helpers import lm_groups, rel_err, truth_gram
+from _alignment_helpers import (
+    lm_groups,
+    one_thread,  # noqa: F401  (autouse: one torch thread)
+    rel_err,
+    truth_gram,
+)
 from grape_stream.grape.gram.capabilities import demoted_reason
 from grape_stream.grape.gram.group_gram import GramInfo, group_gram
 from grape_stream.testing.families import FamilySize, build_family
@@ -36,13 +41,6 @@ CASES = {
     "mpt-copy": ("mpt", {"real_mpt": False}),
 }
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _fused(model: nn.Module, loss, groups, **kw) -> tuple[torch.Tensor, GramInfo]:
