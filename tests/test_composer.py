@@ -296,6 +296,32 @@ def test_composer_gpt_loss_is_the_mean_per_sample_loss():
     assert torch.allclose(model.per_sample_loss(batch), per_sample_lm_loss(gpt, batch), atol=1e-6)
 
 
+
+@pytest.mark.parametrize("kind", ["gpt", "hf"])
+def test_composer_probe_runs_the_head_in_chunks(kind):
+    """GrapeAlgorithm's default probe loss for ComposerGPT (our GPT, or a recipe's transformers LM) takes
+    the chunked head inside group_gram (no logits of the whole probe), and stays exact."""
+    from _alignment_helpers import lm_groups, rel_err, truth_gram
+    from grape_stream.grape.gram.group_gram import group_gram
+    from grape_stream.integrations.composer import ComposerGPT
+    from grape_stream.integrations.composer.model import composer_per_sample_loss
+    from grape_stream.models import GPT, GPTConfig
+    from grape_stream.recipe.model import HFTokensToLogits
+    from grape_stream.testing.families import FamilySize, build_family
+
+    if kind == "gpt":
+        module = GPT(GPTConfig(vocab_size=300, seq_len=16, n_layer=1, n_head=2, d_model=16, d_ff=32)).double()
+        head = "model.tok_emb.weight"
+    else:
+        lm, _, _ = build_family("hf-llama", FamilySize(vocab=300, seq=16), torch.float64, seed=1)
+        module, head = HFTokensToLogits(lm), "model.lm.lm_head.weight"
+    model = ComposerGPT(module.eval())
+    groups = lm_groups([2, 3, 1, 2])
+    want, _ = truth_gram(model, composer_per_sample_loss, groups)
+    gram, _, info = group_gram(model, composer_per_sample_loss, groups, return_info=True)
+    assert rel_err(gram, want) <= 1e-10
+    assert "head" in info.fast_path[head] and info.timings["head_s"] > 0
+
 @pytest.mark.parametrize("family", ["mpt", "hf-llama"])
 def test_a_prebuilt_model_trains_with_grape_on_the_fused_probe(data_dir, tmp_path, family):
     """build(cfg, model=...): a decoder the recipe cannot name (the MPT copy, a plain tokens -> logits

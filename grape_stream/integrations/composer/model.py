@@ -10,7 +10,13 @@ from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
 from composer.models import ComposerModel
 from torch import nn
 
-from grape_stream.models import lm_targets, per_sample_lm_loss, per_sample_lm_loss_from_logits
+from grape_stream.models import (
+    lm_targets,
+    per_sample_causal_lm_loss,
+    per_sample_lm_loss,
+    per_sample_lm_loss_from_logits,
+)
+from grape_stream.recipe.model import HFTokensToLogits
 
 __all__ = ["ComposerGPT", "composer_per_sample_loss"]
 
@@ -37,8 +43,13 @@ class ComposerGPT(ComposerModel):
         return per_sample_lm_loss_from_logits(logits, batch)
 
     def per_sample_loss(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """What the GRAPE probe differentiates: Tensor[B]."""
-        return self.per_sample_loss_from_logits(self.forward(batch), batch)
+        """What the GRAPE probe differentiates: Tensor[B]. Through `per_sample_lm_loss` (our GPT) or
+        `per_sample_causal_lm_loss` (a transformers LM), so that inside the fused probe the head runs in
+        sample chunks (grape_stream/head_loss.py) instead of forming the logits of the whole probe."""
+        if isinstance(self.model, HFTokensToLogits):
+            kwargs = {"input_ids": batch["tokens"].long()[:, :-1], "use_cache": False}
+            return per_sample_causal_lm_loss(self.model.lm, kwargs, batch)
+        return per_sample_lm_loss(self.model, batch)
 
     def loss(self, outputs: torch.Tensor, batch: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.per_sample_loss_from_logits(outputs, batch).mean()
