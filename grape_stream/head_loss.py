@@ -14,8 +14,9 @@ computes all three chunk by chunk in the forward, then drops each chunk:
   the one announced (:class:`HeadGradientMismatch` otherwise, and the probe reruns on the plain path).
 
 The head weight's own gradient is therefore never formed by autograd (the observer takes it per group):
-the weight enters detached. Used by :func:`grape_stream.models.per_sample_lm_loss` for our GPT only,
-whose embedding is called before its head (the probe's tied-weight bookkeeping relies on that order).
+the weight enters detached. Used for our GPT (:func:`grape_stream.models.per_sample_lm_loss`) and for
+transformers causal LMs (:func:`observed_causal_lm_loss`, via ``models.per_sample_causal_lm_loss``):
+models whose embedding is called before their head (the probe's tied-weight bookkeeping relies on it).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-__all__ = ["HeadGradientMismatch", "HeadObserver", "current_head_observer", "observed_causal_lm_loss",
-           "observed_head_loss", "observing_lm_head"]
+__all__ = ["SOFTMAX_ELEMENTS", "HeadGradientMismatch", "HeadObserver", "current_head_observer",
+           "observed_causal_lm_loss", "observed_head_loss", "observing_lm_head"]
 
 #: logits elements per chunk (whole samples; at least one sample): 256 MiB in fp32. Large enough that the
 #: three matmuls per chunk run at full speed
@@ -130,13 +131,16 @@ class _ObservedHeadLoss(torch.autograd.Function):
 
 
 def observed_head_loss(h: Tensor, head: nn.Module, targets: Tensor, mask: Optional[Tensor],
-                       observer: HeadObserver) -> Tensor:
+                       observer: HeadObserver, from_logits: Callable[[Tensor], Tensor]) -> Tensor:
     """Per-sample mean next-token cross-entropy of `head(h)` (the same loss as
     `models.per_sample_lm_loss_from_logits`), with the head's gradient handed to `observer`.
 
     h: (B, T, d_model) hidden states before the head; targets: (B, T) token ids; mask: (B, T) counted
-    targets or None. Half-precision hidden states take the plain path (the caller's job: see models.py).
+    targets or None. Half-precision hidden states (or autocast) are scored the plain way,
+    ``from_logits(head(h))``: the chunked softmax runs at the hidden states' precision.
     """
+    if h.dtype not in (torch.float32, torch.float64) or torch.is_autocast_enabled(h.device.type):
+        return from_logits(head(h))
     if mask is None:
         tok_w = torch.full(targets.shape, 1.0 / targets.shape[1], dtype=h.dtype, device=h.device)
     else:
@@ -188,7 +192,8 @@ def observed_causal_lm_loss(model: nn.Module, kwargs: dict[str, Any], targets: T
                             from_logits: Callable[[Tensor], Tensor]) -> Optional[Tensor]:
     """Inside the fused probe, the chunked-head loss of a transformers causal LM called as
     ``model(**kwargs)``; None when the plain path applies (no probe, no plain Linear head, or logits that
-    are not exactly head(base(...)[0])). Half-precision hidden states are scored by ``from_logits(head(h))``."""
+    are not exactly head(base(...)[0])). ``from_logits`` scores half-precision hidden states (see
+    :func:`observed_head_loss`)."""
     split = _hf_split(model)
     if split is None:
         return None
@@ -196,8 +201,5 @@ def observed_causal_lm_loss(model: nn.Module, kwargs: dict[str, Any], targets: T
     observer = current_head_observer(head)
     if observer is None or not _split_is_exact(model, base, head, kwargs, observer):
         return None
-    h = base(**kwargs)[0]
-    if h.dtype not in (torch.float32, torch.float64) or torch.is_autocast_enabled(h.device.type):
-        return from_logits(head(h))
-    return observed_head_loss(h, head, targets, mask, observer)
+    return observed_head_loss(base(**kwargs)[0], head, targets, mask, observer, from_logits)
 

@@ -19,7 +19,12 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from grape_stream.config import ModelConfig
-from grape_stream.head_loss import current_head_observer, observed_causal_lm_loss, observed_head_loss
+from grape_stream.head_loss import (
+    SOFTMAX_ELEMENTS,
+    current_head_observer,
+    observed_causal_lm_loss,
+    observed_head_loss,
+)
 
 _RECIPE = ModelConfig()
 
@@ -131,7 +136,8 @@ def lm_targets(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.T
 
 #: token rows per chunk of the cross-entropy: about 2^22 logits (16 MiB in fp32) at a time, so the
 #: softmax passes run in cache instead of streaming (tokens x vocab) arrays through memory several times
-_CE_CHUNK_ELEMENTS = 1 << 22
+#: (the same size as the probe's chunked head uses for its element-wise passes)
+_CE_CHUNK_ELEMENTS = SOFTMAX_ELEMENTS
 
 
 #: False inside :func:`no_inplace_loss_grad`: the loss's backward must leave the logits intact.
@@ -227,11 +233,9 @@ def per_sample_lm_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> t
     if isinstance(model, GPT):
         observer = current_head_observer(model.head)
         if observer is not None:
-            h = model.hidden(tokens)
-            if h.dtype in (torch.float32, torch.float64) and not torch.is_autocast_enabled(h.device.type):
-                targets, mask = lm_targets(batch)
-                return observed_head_loss(h, model.head, targets, mask, observer)
-            return per_sample_lm_loss_from_logits(model.head(h), batch, inplace_grad=True)
+            targets, mask = lm_targets(batch)
+            return observed_head_loss(model.hidden(tokens), model.head, targets, mask, observer,
+                                      lambda logits: per_sample_lm_loss_from_logits(logits, batch, inplace_grad=True))
     logits = model(tokens)
     return per_sample_lm_loss_from_logits(logits, batch, inplace_grad=isinstance(model, GPT))
 

@@ -36,7 +36,6 @@ class HeadChunks:
         }
         self.buf: Optional[Tensor] = None  # (G_m, vocab, d_model) per-group gradient of this micro-batch
         self.seconds = 0.0
-        self.used = False
 
     def wants(self, head: nn.Module) -> bool:
         e = self.engine
@@ -66,7 +65,6 @@ class HeadChunks:
                     self.buf[li].addmm_(d[r0:r1].t(), x[r0:r1])
             if b == micro.batch_size:
                 self._absorb(self.params[id(head)], micro.groups)
-        self.used = True
         self.seconds += time.perf_counter() - t0
 
     def _absorb(self, p: nn.Parameter, groups: Tensor) -> None:
