@@ -46,14 +46,16 @@ class BatchReader:
         local = gid - self.shard_first[gshard]
         order = np.argsort(gshard, kind="stable")
         sorted_shards = gshard[order]
-        local = local[order]
         cuts = (np.flatnonzero(sorted_shards[1:] != sorted_shards[:-1]) + 1).tolist()
         bounds = [0, *cuts, n]
         starts = sorted_shards[bounds[:-1]].tolist()
+        single = len(bounds) == 2  # one shard: rows in requested order already
+        local_sorted = local if single else local[order]
         buf: dict[str, np.ndarray] | None = None
         signature = None
+        owner = self.shard_owner
         for a, b, gs in zip(bounds[:-1], bounds[1:], starts):
-            reader, shard = self.shard_owner[gs]
+            reader, shard = owner[gs]
             m = reader.uniform(shard)
             if m is None:
                 self.enabled = False
@@ -62,10 +64,7 @@ class BatchReader:
                 buf, signature = m.empty_batch(n), m.signature
             elif m.signature != signature:
                 return None  # the domains' columns differ: the per-domain path names them
-            m.take_into(local[a:b], buf, a, b)
+            # straight to the requested rows (one copy, no reordering pass afterwards)
+            m.take_into(local_sorted[a:b], buf, slice(0, n) if single else order[a:b])
         assert buf is not None and m is not None
-        if len(bounds) > 2:  # rows are in shard order: back to the requested order (one copy)
-            inverse = np.empty(n, np.int64)
-            inverse[order] = np.arange(n)
-            buf = {k: v[inverse] for k, v in buf.items()}
         return m.as_values(buf)

@@ -91,16 +91,18 @@ class PackedBatch:
         the size of one batch, which the allocator reuses once the trainer drops the batch before last,
         where a whole message's tensors would stay alive until its last batch is dropped and every new
         one would need fresh pages from the kernel (zero-filled: as costly as the widening itself)."""
-        if self.batches == 1:
-            parts = [self.tensors()]
-        else:
-            n = self.meta.shape[1] // self.batches
-            parts = [PackedBatch({k: v[j * n:(j + 1) * n] for k, v in self.data.items()},
-                                 self.meta[:, j * n:(j + 1) * n], self.meta_keys).tensors()
-                     for j in range(self.batches)]
+        parts = [self.tensors()] if self.batches == 1 else [self.batch(j).tensors() for j in range(self.batches)]
         if pin:
             parts = [{k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in p.items()} for p in parts]
         return parts
+
+    def batch(self, j: int) -> "PackedBatch":
+        """Batch ``j`` of the message as its own PackedBatch (views of these arrays; list columns sliced)."""
+        if self.batches == 1:
+            return self
+        n = self.meta.shape[1] // self.batches
+        return PackedBatch({k: v[j * n:(j + 1) * n] for k, v in self.data.items()}, self.meta[:, j * n:(j + 1) * n],
+                           self.meta_keys)
 
     def pin_memory(self) -> "SplitBatches":
         return SplitBatches(self.split(pin=True))

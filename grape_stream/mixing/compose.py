@@ -20,17 +20,15 @@ import numpy as np
 from grape_stream.mixing.batch_read import BatchReader
 from grape_stream.mixing.collate import PackedBatch, to_tensor
 from grape_stream.mixing.epoch_order import DomainOrder
-from grape_stream.mixing.quotas import BatchPlan, QuotaPlanner, default_on_spent, slot_permutation
+from grape_stream.mixing.quotas import BatchPlan, QuotaPlanner, default_on_spent
+from grape_stream.mixing.rows import RESERVED_KEYS, run_columns
 from grape_stream.mixing.schedule import EffectiveSchedule, WeightSchedule
 from grape_stream.mixing.shard_reader import DomainReader, Prefetcher
 from grape_stream.mixing.weight_table import ScheduleOverflow
 from grape_stream.retry import RetryPolicy
 
-__all__ = ["RESERVED_KEYS", "BatchComposer", "MainProcess", "batch_tensors", "packed_batch", "packed_batches",
-           "samples_of"]
+__all__ = ["RESERVED_KEYS", "BatchComposer", "MainProcess", "batch_tensors", "packed_batch", "samples_of"]
 
-#: Keys the mixer adds to every sample; a dataset column with one of these names is refused.
-RESERVED_KEYS = ("domain", "weights_version", "batch_index", "sample_index", "epoch")
 
 
 @dataclass
@@ -56,6 +54,8 @@ class BatchComposer:
     predownload: int
     needs_prefetch: list[bool]
     retry: list[RetryPolicy]
+    #: (weights, look-ahead per domain, half of it or -inf where nothing is fetched) for prefetch_ahead
+    _look_ahead: tuple[np.ndarray, np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False)
 
     def planner(self, start: int = 0, counts: Sequence[int] | np.ndarray | None = None,
                 on_spent: Callable[[int, int], None] | None = None) -> QuotaPlanner:
@@ -66,60 +66,26 @@ class BatchComposer:
         return [DomainReader(name, ds, retry=policy)
                 for name, ds, policy in zip(self.domain_names, self.datasets, self.retry)]
 
-    # -- one batch ---------------------------------------------------------------------------------
+    # -- one batch, or a run of consecutive batches ------------------------------------------------
     def gather(self, plan: BatchPlan, readers: list[DomainReader],
                batch_reader: BatchReader | None = None) -> dict[str, Any]:
-        """The batch's columns in emission order: stacked arrays where possible, else lists.
+        """The batch's columns in emission order (the metadata columns included): stacked arrays where
+        possible, else lists. See :meth:`gather_run`."""
+        data, meta = self._columns([plan], readers, batch_reader)
+        for key, row in zip(RESERVED_KEYS, meta):
+            data[key] = row
+        return data
 
-        Emission slot ``j`` holds the ``perm[j]``-th sample of the batch grouped by domain (domains in
-        index order, each in its read order), ``perm`` = :func:`slot_permutation`. The sample ids are
-        put in emission order first and read in one pass (:class:`BatchReader`); when a shard does not
-        allow that, domain by domain (same samples, same order).
-        """
-        ks = np.flatnonzero(plan.quota)
-        quota = plan.quota[ks]
-        pieces = [self.orders[k].window_ids(s, q)
-                  for k, s, q in zip(ks.tolist(), plan.start[ks].tolist(), quota.tolist())]
-        ids = np.concatenate([p[0] for p in pieces])
-        n = len(ids)
-        perm = slot_permutation(self.seed, plan.batch, self.rank, n)
-        dom = np.repeat(ks, quota)[perm]
-        ids_e = ids[perm]
-        cols = batch_reader.read(dom, ids_e) if batch_reader is not None else None
-        out: dict[str, Any] = self._gather_by_domain(ks, pieces, readers, perm) if cols is None else cols
-        out["domain"] = dom
-        out["sample_index"] = ids_e
-        out["epoch"] = np.concatenate([p[1] for p in pieces])[perm]
-        out["weights_version"] = np.full(n, plan.version, np.int64)
-        out["batch_index"] = np.full(n, plan.batch, np.int64)
-        return out
+    def gather_run(self, plans: Sequence[BatchPlan], readers: list[DomainReader],
+                   batch_reader: BatchReader | None = None) -> PackedBatch:
+        """Consecutive batches as one :class:`PackedBatch`: rows batch after batch, each exactly as
+        :meth:`gather` gives it, read in one pass over the shards (why: :mod:`grape_stream.mixing.rows`)."""
+        data, meta = self._columns(plans, readers, batch_reader)
+        return PackedBatch(data, meta, RESERVED_KEYS, batches=len(plans))
 
-    def _gather_by_domain(self, ks: np.ndarray, pieces: list[tuple[np.ndarray, np.ndarray]],
-                          readers: list[DomainReader], perm: np.ndarray) -> dict[str, Any]:
-        """The data columns read domain by domain (any shard format), in emission order."""
-        parts: list[dict[str, Any]] = []
-        for k, (ids, _) in zip(ks.tolist(), pieces):
-            cols: dict[str, Any] | None = readers[k].read_batch(ids)
-            if cols is None:
-                rows = readers[k].read(ids)
-                cols = {key: [r[key] for r in rows] for key in rows[0]}
-            parts.append(cols)
-        keys = list(parts[0])
-        for p, k in zip(parts[1:], ks[1:]):
-            if list(p) != keys:
-                raise ValueError(
-                    f"domain {self.domain_names[int(k)]!r} has columns {list(p)} but "
-                    f"{self.domain_names[int(ks[0])]!r} has {keys}: all domains must have the same columns"
-                )
-        out: dict[str, Any] = {}
-        for key in keys:
-            vals = [p[key] for p in parts]
-            if all(isinstance(v, np.ndarray) for v in vals) and len({(v.dtype, v.shape[1:]) for v in vals}) == 1:
-                out[key] = np.concatenate(vals)[perm]
-            else:
-                flat = [x for v in vals for x in (list(v) if isinstance(v, np.ndarray) else v)]
-                out[key] = [flat[j] for j in perm]
-        return out
+    def _columns(self, plans: Sequence[BatchPlan], readers: list[DomainReader],
+                 batch_reader: BatchReader | None) -> tuple[dict[str, Any], np.ndarray]:
+        return run_columns(self.orders, self.seed, self.rank, self.domain_names, plans, readers, batch_reader)
 
     def prefetch_ahead(self, plan: BatchPlan, prefetcher: Prefetcher, readers: list[DomainReader],
                        horizon: np.ndarray) -> None:
@@ -128,10 +94,20 @@ class BatchComposer:
         ``horizon[k]`` is how far domain k has been looked ahead already; the look-ahead is renewed
         (twice as far) only when the read position comes within half of it, so this costs little per batch.
         """
-        ahead_all = np.ceil(self.predownload * plan.alpha).astype(np.int64) + 1
+        cached = self._look_ahead
+        if cached is None or cached[0] is not plan.alpha:  # new weights: once per segment, not per batch
+            ahead = np.ceil(self.predownload * plan.alpha).astype(np.int64) + 1
+            live = (plan.alpha > 0) & np.asarray(self.needs_prefetch, bool)
+            cached = self._look_ahead = (plan.alpha, ahead, np.where(live, ahead // 2, np.iinfo(np.int64).min // 2))
+        _, ahead_all, half = cached
         pos_all = plan.start + plan.quota
-        due = (plan.alpha > 0) & np.asarray(self.needs_prefetch, bool) & (pos_all + ahead_all // 2 >= horizon)
+        due = pos_all + half >= horizon
+        if not due.any():
+            return
         for k in np.flatnonzero(due).tolist():
+            if readers[k].all_ready:  # e.g. every shard decompressed or downloaded already: never due again
+                horizon[k] = np.iinfo(np.int64).max // 2
+                continue
             ahead = int(ahead_all[k])
             pos = int(pos_all[k])
             begin = max(pos, int(horizon[k]))
@@ -170,10 +146,16 @@ class BatchComposer:
                 f"the weights in force at batch {start} are no longer in the shared schedule; raise "
                 "schedule_capacity"
             ) from None
-        loop = _Loop(self, schedule, sched, next_seq, slot,
-                     self.planner(start, counts, default_on_spent(self.domain_names) if worker == 0 else None))
+        loop = _Loop(self, schedule, sched, next_seq, slot, start, counts,
+                     default_on_spent(self.domain_names) if worker == 0 else None)
         if main is not None and loop.prefetcher is not None:
             main.prefetchers.add(loop.prefetcher)
+        if batched and main is not None:
+            try:
+                yield from _main_batches(loop, schedule, start, main, packed=batched == "packed")
+            finally:
+                loop.close()
+            return
         if batched == "packed" and main is None and per_message > 1:
             try:
                 yield from _messages(loop, start, per_message, num_workers, worker)
@@ -189,11 +171,8 @@ class BatchComposer:
                 if plan_cols is None:
                     return
                 plan, cols = plan_cols
-                if batched:
-                    out = packed_batch(cols) if batched == "packed" else batch_tensors(cols)
-                    if main is not None:
-                        schedule.advance_cursor(batch + 1, plan.start + plan.quota)
-                    yield out
+                if batched:  # a worker (the main process composes runs: _main_batches)
+                    yield packed_batch(cols) if batched == "packed" else batch_tensors(cols)
                 else:
                     samples = samples_of(cols)
                     last = samples.pop()
@@ -217,6 +196,57 @@ def message_size(message: int, per_message: int, num_workers: int) -> int:
     return min(per_message, 1 << min(message // num_workers, 30))
 
 
+#: The main process (no DataLoader workers) composes runs of about this many samples at once (see
+#: :func:`_main_batches`); measured with bench/loader.py.
+SAMPLES_PER_RUN = 512
+
+
+def _main_batches(loop: "_Loop", schedule: WeightSchedule, start: int, main: MainProcess,
+                  packed: bool) -> Iterator[Any]:
+    """The main process's collated batches (or PackedBatches), composed in runs of consecutive batches.
+
+    Why runs: reading a run touches each shard once (:meth:`BatchComposer.gather_run`), where batch by
+    batch a small batch pays for every shard it touches. Why it stays exact: a run is composed ahead
+    with the weights known then, but nothing about a batch is published before it is handed out (its
+    claim, the cursor, the consumed count), so ``set_weights`` still sees only the batches handed out;
+    and when new weights were published since the run was composed, the rest of the run is dropped and
+    composed again from the planner's state before it (a pure function of it: the same batches as
+    without runs, whatever the timing). Runs grow 1, 2, 4, ... (the first batch is not delayed) up to
+    ``SAMPLES_PER_RUN // batch_size`` batches.
+    """
+    table = loop.table
+    per_run = max(1, SAMPLES_PER_RUN // loop.composer.batch_size)
+    batch, t = start, 0
+    while True:
+        size = message_size(t, per_run, 1)
+        seq = table.published
+        plans = []
+        for b in range(batch, batch + size):
+            plan = loop.plan(b, claim=False)
+            if plan is None:
+                break
+            plans.append(plan)
+        if not plans:
+            return
+        run = loop.composer.gather_run(plans, loop.readers, loop.batch_reader)
+        for j, plan in enumerate(plans):
+            if main.is_closed():
+                raise RuntimeError("the mixer was closed while it was being iterated")
+            if j and table.published != seq:  # new weights: batches from here on may change
+                loop.rewind(plan)
+                break
+            table.claim(loop.slot, plan.batch)
+            part = run.batch(j)
+            out = part if packed else part.tensors()
+            schedule.advance_cursor(plan.batch + 1, plan.start + plan.quota)
+            yield out
+            batch = plan.batch + 1
+        else:
+            if len(plans) < size:
+                return  # the stream ended inside this run
+        t += 1
+
+
 def _messages(loop: "_Loop", start: int, per_message: int, num_workers: int, worker: int) -> Iterator[PackedBatch]:
     """Worker ``worker``'s messages: messages ``worker, worker + W, ...`` (torch's round-robin), message
     ``t`` holding the :func:`message_size` batches that follow messages ``0..t-1``, from batch ``start``."""
@@ -224,10 +254,15 @@ def _messages(loop: "_Loop", start: int, per_message: int, num_workers: int, wor
     while True:
         size = message_size(t, per_message, num_workers)
         if t % num_workers == worker:
-            group = [c for c in map(loop.compose, range(begin, begin + size)) if c is not None]
-            if group:
-                yield packed_batches(group)
-            if len(group) < size:
+            plans = []
+            for b in range(begin, begin + size):
+                plan = loop.plan(b)
+                if plan is None:
+                    break
+                plans.append(plan)
+            if plans:
+                yield loop.composer.gather_run(plans, loop.readers, loop.batch_reader)
+            if len(plans) < size:
                 return
         begin += size
         t += 1
@@ -237,31 +272,40 @@ class _Loop:
     """One process's composing state: the planner, its readers and prefetcher, its view of the schedule."""
 
     def __init__(self, composer: BatchComposer, schedule: WeightSchedule, sched: EffectiveSchedule, next_seq: int,
-                 slot: int, planner: QuotaPlanner) -> None:
+                 slot: int, start: int, counts: np.ndarray, on_spent: Callable[[int, int], None] | None) -> None:
         self.composer, self.table, self.sched = composer, schedule.table, sched
         self.next_seq, self.slot = next_seq, slot
-        self.planner = planner
+        self.on_spent = on_spent
+        self.planner = composer.planner(start, counts, on_spent)
         self.readers = composer.readers()
         self.batch_reader = BatchReader(self.readers)
         self.prefetcher = Prefetcher(self.readers) if any(composer.needs_prefetch) else None
         self.horizon = np.zeros(len(composer.orders), np.int64)
 
-    def compose_plan(self, batch: int) -> tuple[BatchPlan, dict[str, Any]] | None:
-        """Batch ``batch``'s plan and columns (None once the stream is exhausted)."""
+    def plan(self, batch: int, claim: bool = True) -> BatchPlan | None:
+        """Batch ``batch``'s plan (None once the stream is exhausted), its shards asked for ahead; with
+        ``claim``, recorded in the shared table as started (see :meth:`SharedWeightTable.claim`)."""
         self.next_seq = self.table.read_into(self.sched, self.next_seq)
-        self.table.claim(self.slot, batch)
+        if claim:
+            self.table.claim(self.slot, batch)
         plan = self.planner.plan(batch, self.sched.segments)
         if plan is None:
             return None
-        cols = self.composer.gather(plan, self.readers, self.batch_reader)
         if self.prefetcher is not None:
             self.composer.prefetch_ahead(plan, self.prefetcher, self.readers, self.horizon)
         self.sched.prune_before(batch)
-        return plan, cols
+        return plan
 
-    def compose(self, batch: int) -> dict[str, Any] | None:
-        got = self.compose_plan(batch)
-        return None if got is None else got[1]
+    def rewind(self, plan: BatchPlan) -> None:
+        """Plan again from ``plan``'s batch (its read positions are where the planner stood before it)."""
+        self.planner = self.composer.planner(plan.batch, plan.start, self.on_spent)
+
+    def compose_plan(self, batch: int) -> tuple[BatchPlan, dict[str, Any]] | None:
+        """Batch ``batch``'s plan and columns (None once the stream is exhausted)."""
+        plan = self.plan(batch)
+        if plan is None:
+            return None
+        return plan, self.composer.gather(plan, self.readers, self.batch_reader)
 
     def close(self) -> None:
         if self.prefetcher is not None:
@@ -276,27 +320,6 @@ def packed_batch(cols: dict[str, Any]) -> PackedBatch:
     for i, key in enumerate(RESERVED_KEYS):
         meta[i] = cols[key]
     return PackedBatch({key: val for key, val in cols.items() if key not in RESERVED_KEYS}, meta, RESERVED_KEYS)
-
-
-def packed_batches(group: list[dict[str, Any]]) -> PackedBatch:
-    """Consecutive batches (equal sizes) as one PackedBatch: each column concatenated, ``batches`` = their number."""
-    if len(group) == 1:
-        return packed_batch(group[0])
-    n = len(group[0]["batch_index"])
-    meta = np.empty((len(RESERVED_KEYS), n * len(group)), np.int64)
-    for j, cols in enumerate(group):
-        for i, key in enumerate(RESERVED_KEYS):
-            meta[i, j * n:(j + 1) * n] = cols[key]
-    data: dict[str, Any] = {}
-    for key in group[0]:
-        if key in RESERVED_KEYS:
-            continue
-        vals = [cols[key] for cols in group]
-        if all(isinstance(v, np.ndarray) for v in vals) and len({(v.dtype, v.shape[1:]) for v in vals}) == 1:
-            data[key] = np.concatenate(vals)
-        else:
-            data[key] = [x for v in vals for x in v]
-    return PackedBatch(data, meta, RESERVED_KEYS, batches=len(group))
 
 
 def batch_tensors(cols: dict[str, Any]) -> dict[str, Any]:

@@ -249,6 +249,11 @@ class DomainReader:
             self._ready.add(shard_id)
         return needed
 
+    @property
+    def all_ready(self) -> bool:
+        """Every shard of the domain is local and stays so (no ``cache_limit``): nothing left to prefetch."""
+        return not self.dataset.cache_limit and len(self._ready) == len(self._is_mds)
+
     def close(self) -> None:
         while self._mapped:
             self._mapped.popitem()[1].close()

@@ -82,11 +82,11 @@ class MappedShard:
             return None
         return self.as_values({name: view[local] for name, view in self._views.items()})
 
-    def take_into(self, local: np.ndarray, out: dict[str, np.ndarray], a: int, b: int) -> None:
-        """Copy the records of samples ``local`` to rows ``a:b`` of ``out`` (from :meth:`empty_batch`)."""
+    def take_into(self, local: np.ndarray, out: dict[str, np.ndarray], rows: slice | np.ndarray) -> None:
+        """Copy the records of samples ``local`` to rows ``rows`` of ``out`` (from :meth:`empty_batch`)."""
         assert self._views is not None
         for name, view in self._views.items():
-            out[name][a:b] = view[local]
+            out[name][rows] = view[local]
 
     def empty_batch(self, n: int) -> dict[str, np.ndarray]:
         """Record arrays of ``n`` rows for :meth:`take_into`."""
