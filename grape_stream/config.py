@@ -93,6 +93,7 @@ class DataConfig:
     task_probe_split: str = "validation"  # what GRAPE probes (the paper: each task's validation set)
     task_test_split: str = "test"  # what evaluation reads (never the probe split)
     num_workers: int = 0  # DataLoader workers for training
+    batches_per_message: Optional[int] = None  # batches a worker sends at once (None: 512 // batch size, capped)
     mixer: dict[str, Any] = _free()  # extra WeightedStreamingMixer / StreamingDataset keyword arguments
     eval_batch_size: int = 16
     eval_num_workers: int = 0

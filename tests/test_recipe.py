@@ -166,3 +166,18 @@ def test_manifest_disagreement_is_an_error(data_dir):
     cfg = load_recipe("demo-cpu", [*_demo_overrides(data_dir, "/tmp/unused"), "model.vocab_size=100"])
     with pytest.raises(ValueError, match="'model.vocab_size' is 100 but .* vocab_size=300"):
         build(cfg)
+
+
+def test_batches_per_message_reaches_the_mixer_loader(tmp_path):
+    from _mds_fixtures import write_domains
+    from grape_stream.mixing import DomainStream, WeightedStreamingMixer
+    from grape_stream.recipe.data import train_dataloader
+
+    dirs = write_domains(tmp_path, [40, 30], samples_per_shard=10)
+    with WeightedStreamingMixer([DomainStream(f"d{k}", local=d) for k, d in enumerate(dirs)], batch_size=4) as m:
+        for extra, want in ((["data.batches_per_message=3"], 3), ([], 21)):  # None: 512 // 4, capped by depth 64
+            cfg = load_recipe("demo-cpu", ["data.num_workers=2", *extra])
+            assert train_dataloader(cfg, m, 4).batches_per_message == want
+        cfg = load_recipe("demo-cpu", ["data.num_workers=2", "data.batches_per_message=0"])
+        with pytest.raises(ValueError, match="batches_per_message must be a positive integer"):
+            train_dataloader(cfg, m, 4)

@@ -192,7 +192,7 @@ def train_dataloader(cfg: Mapping[str, Any], mixer: Any, per_rank: int) -> Any:
     make = getattr(mixer, "dataloader", None)
     workers = int(cfg["data"]["num_workers"])
     if callable(make):
-        return make(num_workers=workers)
+        return make(num_workers=workers, batches_per_message=cfg["data"].get("batches_per_message"))
     kwargs: dict[str, Any] = {"batch_size": per_rank, "num_workers": workers}
     collate = getattr(mixer, "collate_fn", None)
     if collate is not None:
