@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import inspect
 import weakref
 from typing import Any, Callable, Iterator, Optional, Protocol
 
@@ -131,16 +133,18 @@ class _ObservedHeadLoss(torch.autograd.Function):
 
 
 def observed_head_loss(h: Tensor, head: nn.Module, targets: Tensor, mask: Optional[Tensor],
-                       observer: HeadObserver, from_logits: Callable[[Tensor], Tensor]) -> Tensor:
-    """Per-sample mean next-token cross-entropy of `head(h)` (the same loss as
+                       observer: HeadObserver, from_logits: Callable[[Tensor], Tensor],
+                       call: Optional[Callable[[Tensor], Tensor]] = None) -> Tensor:
+    """Per-sample mean next-token cross-entropy of the logits h W^T, W = `head.weight` (the same loss as
     `models.per_sample_lm_loss_from_logits`), with the head's gradient handed to `observer`.
 
     h: (B, T, d_model) hidden states before the head; targets: (B, T) token ids; mask: (B, T) counted
     targets or None. Half-precision hidden states (or autocast) are scored the plain way,
-    ``from_logits(head(h))``: the chunked softmax runs at the hidden states' precision.
+    ``from_logits(call(h))`` (``call`` defaults to ``head``; an unembedding embedding passes its own):
+    the chunked softmax runs at the hidden states' precision.
     """
     if h.dtype not in (torch.float32, torch.float64) or torch.is_autocast_enabled(h.device.type):
-        return from_logits(head(h))
+        return from_logits((call or head)(h))
     if mask is None:
         tok_w = torch.full(targets.shape, 1.0 / targets.shape[1], dtype=h.dtype, device=h.device)
     else:
@@ -156,22 +160,37 @@ def observed_head_loss(h: Tensor, head: nn.Module, targets: Tensor, mask: Option
 _SPLIT_CHECKED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
 
 
-def _hf_split(model: nn.Module) -> Optional[tuple[nn.Module, nn.Module]]:
-    """(base model, bias-free Linear head) of a transformers ``*ForCausalLM``, duck-typed (no import)."""
+def _unembedding(head: nn.Module) -> Optional[Callable[[Tensor], Tensor]]:
+    """How output embeddings turn hidden states into logits, when that is F.linear(x, W): a bias-free
+    nn.Linear, or an embedding that unembeds with its own weight (llm-foundry's SharedEmbedding,
+    ``forward(x, unembed=True)``, MPT's tied head). None otherwise. (:func:`_split_is_exact` checks it.)"""
+    if type(head) is nn.Linear:
+        return head if head.bias is None else None
+    if isinstance(head, nn.Embedding) and "unembed" in inspect.signature(type(head).forward).parameters:
+        return functools.partial(head, unembed=True)
+    return None
+
+
+def _hf_split(model: nn.Module) -> Optional[tuple[nn.Module, nn.Module, Callable[[Tensor], Tensor]]]:
+    """(base model, head module, how the head is called) of a transformers ``*ForCausalLM``, duck-typed
+    (no import). The base is ``base_model``, or ``transformer`` where ``base_model`` is the model itself
+    (llm-foundry's MPTForCausalLM)."""
     get_head, base = getattr(model, "get_output_embeddings", None), getattr(model, "base_model", None)
+    if base is model:
+        base = getattr(model, "transformer", None)
     if not callable(get_head) or not isinstance(base, nn.Module) or base is model:
         return None
     head = get_head()
-    if type(head) is not nn.Linear or head.bias is not None:
-        return None
-    return base, head
+    call = _unembedding(head) if isinstance(head, nn.Module) else None
+    return None if call is None else (base, head, call)
 
 
-def _split_is_exact(model: nn.Module, base: nn.Module, head: nn.Module, kwargs: dict[str, Any],
-                    observer: HeadObserver) -> bool:
-    """Once per model, on one sample: do the model's logits equal head(base(...)[0]) bitwise? A model that
-    scales, soft-caps or biases its logits after the head (Gemma 2, Cohere, ...) fails and keeps the plain
-    path: the chunked loss would score other logits."""
+def _split_is_exact(model: nn.Module, base: nn.Module, head: nn.Module, call: Callable[[Tensor], Tensor],
+                    kwargs: dict[str, Any], observer: HeadObserver) -> bool:
+    """Once per model, on one sample: are the model's logits call(base(...)[0]), and is that F.linear(h, W)
+    of the head's weight, bitwise? A model that scales, soft-caps or biases its logits after the head
+    (Gemma 2, Cohere, MPT with logit_scale, ...) fails and keeps the plain path: the chunked loss would
+    score other logits."""
     ok = _SPLIT_CHECKED.get(model)
     if ok is None:
         one = {k: v[:1] if isinstance(v, Tensor) else v for k, v in kwargs.items()}
@@ -180,8 +199,12 @@ def _split_is_exact(model: nn.Module, base: nn.Module, head: nn.Module, kwargs: 
             with torch.no_grad():
                 out = model(**one)
                 full = out if isinstance(out, Tensor) else out.logits
-                part = head(base(**one)[0])
-            return full.shape == part.shape and bool(torch.equal(full, part))
+                hidden = base(**one)[0]
+                part = call(hidden)
+                weight = head.weight
+                assert isinstance(weight, Tensor)
+                linear = torch.nn.functional.linear(hidden, weight)
+            return full.shape == part.shape and bool(torch.equal(full, part)) and bool(torch.equal(part, linear))
 
         ok = bool(observer.quietly(both))
         _SPLIT_CHECKED[model] = ok
@@ -197,9 +220,9 @@ def observed_causal_lm_loss(model: nn.Module, kwargs: dict[str, Any], targets: T
     split = _hf_split(model)
     if split is None:
         return None
-    base, head = split
+    base, head, call = split
     observer = current_head_observer(head)
-    if observer is None or not _split_is_exact(model, base, head, kwargs, observer):
+    if observer is None or not _split_is_exact(model, base, head, call, kwargs, observer):
         return None
-    return observed_head_loss(base(**kwargs)[0], head, targets, mask, observer, from_logits)
+    return observed_head_loss(base(**kwargs)[0], head, targets, mask, observer, from_logits, call)
 

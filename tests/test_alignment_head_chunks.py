@@ -130,3 +130,65 @@ def test_logits_changed_after_the_head_keep_the_plain_path() -> None:
     gram, _, info = group_gram(model, loss, groups, return_info=True)
     assert rel_err(gram, want) <= 1e-10
     assert info.fast_path["lm.lm_head.weight"] == "dense" and info.timings["head_s"] == 0
+
+
+class _MPTTransformer(torch.nn.Module):
+    """MPTModel's call shape over the MPT copy's layers: input_ids -> (last_hidden_state,)."""
+
+    def __init__(self, mpt: torch.nn.Module) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.blocks, self.norm_f = mpt.wte, mpt.wpe, mpt.blocks, mpt.norm_f
+
+    def forward(self, input_ids, attention_mask=None, use_cache=None):
+        x = self.wte(input_ids) + self.wpe(torch.arange(input_ids.shape[1], device=input_ids.device))
+        for block in self.blocks:
+            x = block(x)
+        return (self.norm_f(x),)
+
+
+class _MPTForCausalLM(torch.nn.Module):
+    """llm-foundry 0.22 MPTForCausalLM's interface (what the probe sees of it): ``transformer``, the tied
+    SharedEmbedding as output embeddings (unembedding with ``wte(x, True)``), ``base_model`` the model
+    itself (MPT's base_model_prefix names no attribute), and an optional ``logit_scale``."""
+
+    def __init__(self, logit_scale=None) -> None:
+        super().__init__()
+        from grape_stream.testing.families import FamilySize, build_family
+
+        mpt, _, _ = build_family("mpt", FamilySize(vocab=VOCAB, seq=SEQ), torch.float64, seed=3, real_mpt=False)
+        self.transformer = _MPTTransformer(mpt)
+        self.logit_scale = logit_scale
+
+    @property
+    def base_model(self) -> torch.nn.Module:
+        return self
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.transformer.wte
+
+    def forward(self, input_ids, attention_mask=None, use_cache=None):
+        from types import SimpleNamespace
+
+        logits = self.transformer.wte(self.transformer(input_ids)[0], True)
+        return SimpleNamespace(logits=logits if self.logit_scale is None else logits * self.logit_scale)
+
+
+@pytest.mark.parametrize("logit_scale,label", [(None, "head+rows"), (0.5, "dense+rows")])
+def test_mpt_tied_shared_embedding_head_in_chunks(logit_scale, label) -> None:
+    """llm-foundry's MPT: the head is the input embedding unembedding with its own weight
+    (SharedEmbedding(x, unembed=True)) and the base is ``transformer``. Its head runs in chunks and the Gram
+    stays exact; with a logit_scale the one-sample check keeps the plain path (exact through the hooks)."""
+    from grape_stream.models import per_sample_causal_lm_loss
+
+    model = _MPTForCausalLM(logit_scale).eval()
+
+    def loss(m, batch):
+        return per_sample_causal_lm_loss(m, {"input_ids": batch["tokens"].long()[:, :-1]}, batch)
+
+    groups = lm_groups(SIZES, seed=4)
+    want, want_losses = truth_gram(model, loss, groups)
+    for micro in (None, 4):
+        gram, losses, info = group_gram(model, loss, groups, micro_batch_size=micro, return_info=True)
+        assert rel_err(gram, want) <= 1e-10 and rel_err(losses, want_losses) <= 1e-12
+        assert info.fast_path["transformer.wte.weight"] == label and info.fallback_params == []
+        assert (info.timings["head_s"] > 0) == (logit_scale is None)

@@ -297,10 +297,12 @@ def test_composer_gpt_loss_is_the_mean_per_sample_loss():
 
 
 
-@pytest.mark.parametrize("kind", ["gpt", "hf"])
+@pytest.mark.parametrize("kind", ["gpt", "hf", "hf-wrapper-llama", "hf-wrapper-gpt2"])
 def test_composer_probe_runs_the_head_in_chunks(kind):
-    """GrapeAlgorithm's default probe loss for ComposerGPT (our GPT, or a recipe's transformers LM) takes
-    the chunked head inside group_gram (no logits of the whole probe), and stays exact."""
+    """GrapeAlgorithm's default probe loss for ComposerGPT (our GPT, or a recipe's transformers LM) and for
+    a ComposerModel wrapping a transformers LM (Composer's HuggingFaceModel; llm-foundry's
+    ComposerHFCausalLM has the same shape) takes the chunked head inside group_gram (no logits of the
+    whole probe), and stays exact."""
     from _alignment_helpers import lm_groups, rel_err, truth_gram
     from grape_stream.grape.gram.group_gram import group_gram
     from grape_stream.integrations.composer import ComposerGPT
@@ -311,16 +313,23 @@ def test_composer_probe_runs_the_head_in_chunks(kind):
 
     if kind == "gpt":
         module = GPT(GPTConfig(vocab_size=300, seq_len=16, n_layer=1, n_head=2, d_model=16, d_ff=32)).double()
-        head = "model.tok_emb.weight"
-    else:
+        model, head = ComposerGPT(module.eval()), "model.tok_emb.weight"
+    elif kind == "hf":
         lm, _, _ = build_family("hf-llama", FamilySize(vocab=300, seq=16), torch.float64, seed=1)
-        module, head = HFTokensToLogits(lm), "model.lm.lm_head.weight"
-    model = ComposerGPT(module.eval())
+        model, head = ComposerGPT(HFTokensToLogits(lm).eval()), "model.lm.lm_head.weight"
+    else:
+        from composer.models import HuggingFaceModel
+
+        lm, _, _ = build_family(kind.removeprefix("hf-wrapper-").replace("llama", "hf-llama").replace(
+            "gpt2", "hf-gpt2"), FamilySize(vocab=300, seq=16), torch.float64, seed=1)
+        model = HuggingFaceModel(lm.eval(), tokenizer=None, use_logits=True)
+        head = "model.lm_head.weight" if kind.endswith("llama") else "model.transformer.wte.weight"
     groups = lm_groups([2, 3, 1, 2])
     want, _ = truth_gram(model, composer_per_sample_loss, groups)
     gram, _, info = group_gram(model, composer_per_sample_loss, groups, return_info=True)
     assert rel_err(gram, want) <= 1e-10
     assert "head" in info.fast_path[head] and info.timings["head_s"] > 0
+    assert not info.fallback_params
 
 @pytest.mark.parametrize("family", ["mpt", "hf-llama"])
 def test_a_prebuilt_model_trains_with_grape_on_the_fused_probe(data_dir, tmp_path, family):

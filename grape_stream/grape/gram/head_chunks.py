@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from grape_stream.grape.gram.accumulators import TensorContribution
+from grape_stream.grape.gram.capabilities import AUTO
 from grape_stream.grape.gram.hooks import FusedGramEngine
 
 __all__ = ["HeadChunks"]
@@ -31,8 +32,10 @@ class HeadChunks:
         self.engine = engine
         self.group_weights = group_weights  # (G,) float64: the weight of each group's mean loss (1 / size)
         self.enabled = enabled
+        # heads: bias-free linears, and capability-checked modules (an embedding that also unembeds: MPT)
         self.params: dict[int, nn.Parameter] = {
-            id(m): ps["weight"] for _, m, kind, ps in engine.modules if kind == "linear" and set(ps) == {"weight"}
+            id(m): ps["weight"] for _, m, kind, ps in engine.modules
+            if kind in ("linear", AUTO) and set(ps) == {"weight"}
         }
         self.buf: Optional[Tensor] = None  # (G_m, vocab, d_model) per-group gradient of this micro-batch
         self.seconds = 0.0

@@ -10,6 +10,7 @@ from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
 from composer.models import ComposerModel
 from torch import nn
 
+from grape_stream.head_loss import observed_causal_lm_loss
 from grape_stream.models import (
     lm_targets,
     per_sample_causal_lm_loss,
@@ -72,18 +73,33 @@ def composer_per_sample_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]
     """Default probe loss: Tensor[B] of mean next-token cross-entropy (``loss_mask`` honoured).
 
     * a model with ``per_sample_loss(batch)`` (ComposerGPT) uses it;
-    * another ComposerModel (llm-foundry's ComposerHFCausalLM / ComposerMPTCausalLM) is called the way
-      its trainer calls it, with ``{"input_ids", "attention_mask"}``, and its logits are scored here;
+    * another ComposerModel (llm-foundry's ComposerHFCausalLM / ComposerMPTCausalLM, Composer's
+      HuggingFaceModel) is called the way its trainer calls it, with ``{"input_ids", "attention_mask"}``,
+      and its logits are scored here; inside the fused probe, when it wraps a transformers causal LM
+      (``.model``) whose logits are exactly ``lm_head(base_model(...)[0])``, that LM's head runs in sample
+      chunks instead (:func:`grape_stream.models.per_sample_causal_lm_loss`): no logits of the whole probe;
     * a plain ``tokens -> logits`` module goes through :func:`grape_stream.models.per_sample_lm_loss`.
     """
     fn = getattr(model, "per_sample_loss", None)
     if callable(fn):
         return fn(batch)
     if isinstance(model, ComposerModel):
-        tokens = batch["tokens"].long()
-        out = model({"input_ids": tokens, "attention_mask": torch.ones_like(tokens)})
+        # The inputs are tokens[:, :-1] (a causal LM's logits there do not depend on the last token): the
+        # same shapes on both paths, which the fused probe's layout check needs.
+        inputs = batch["tokens"].long()[:, :-1]
+        inner = getattr(model, "model", None)
+        if isinstance(inner, nn.Module):
+            kwargs: dict[str, Any] = {"input_ids": inputs, "attention_mask": torch.ones_like(inputs)}
+            if getattr(getattr(inner, "config", None), "use_cache", None) is not None:
+                kwargs["use_cache"] = False
+            targets, mask = lm_targets(batch)
+            chunked = observed_causal_lm_loss(inner, kwargs, targets, mask,
+                                              lambda logits: per_sample_lm_loss_from_logits(logits, batch))
+            if chunked is not None:
+                return chunked
+        out = model({"input_ids": inputs, "attention_mask": torch.ones_like(inputs)})
         logits = out.logits if hasattr(out, "logits") else out
         if isinstance(logits, Mapping):
             logits = logits["logits"]
-        return per_sample_lm_loss_from_logits(logits[:, :-1], batch)
+        return per_sample_lm_loss_from_logits(logits, batch)
     return per_sample_lm_loss(model, batch)
