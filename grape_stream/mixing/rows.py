@@ -30,7 +30,8 @@ def emission(orders: Sequence[DomainOrder], seed: int, rank: int,
     """(domain, sample id, epoch) of every row of ``plans``, batch after batch.
 
     Emission slot ``j`` of a batch holds the ``perm[j]``-th sample of the batch grouped by domain
-    (domains in index order, each in its read order), ``perm`` = :func:`slot_permutation`. When the
+    (domains in index order, each in its read order), ``perm`` =
+    :func:`~grape_stream.mixing.quotas.slot_permutation` (the same hash, computed here for all batches). When the
     plans continue one another (each domain's read position is where the previous batch left it, as
     for the batches one process composes in a row), each domain's ids for the whole run are one
     window of its order and every index below is computed for all batches at once.
@@ -68,6 +69,7 @@ def emission(orders: Sequence[DomainOrder], seed: int, rank: int,
     src = grouped[rows]
     return dom_grouped[rows], ids[src], epochs[src]
 
+
 def run_columns(orders: Sequence[DomainOrder], seed: int, rank: int, names: Sequence[str], plans: Sequence[BatchPlan],
                 readers: Sequence[DomainReader], batch_reader: BatchReader | None) -> tuple[dict[str, Any], np.ndarray]:
     """Data columns and the (len(RESERVED_KEYS), rows) metadata of ``plans``' rows (see :func:`emission`).
@@ -79,13 +81,14 @@ def run_columns(orders: Sequence[DomainOrder], seed: int, rank: int, names: Sequ
     cols = batch_reader.read(dom, ids) if batch_reader is not None else None
     data: dict[str, Any] = read_by_domain(dom, ids, readers, names) if cols is None else cols
     n = len(ids) // len(plans)
+    rows = {"domain": dom, "sample_index": ids, "epoch": epochs,
+            "weights_version": np.repeat(np.array([p.version for p in plans], np.int64), n),
+            "batch_index": np.repeat(np.array([p.batch for p in plans], np.int64), n)}
     meta = np.empty((len(RESERVED_KEYS), len(ids)), np.int64)
-    meta[0] = dom
-    meta[1] = np.repeat(np.array([p.version for p in plans], np.int64), n)
-    meta[2] = np.repeat(np.array([p.batch for p in plans], np.int64), n)
-    meta[3] = ids
-    meta[4] = epochs
+    for i, key in enumerate(RESERVED_KEYS):
+        meta[i] = rows[key]
     return data, meta
+
 
 def read_by_domain(dom: np.ndarray, ids: np.ndarray, readers: Sequence[DomainReader],
                    names: Sequence[str]) -> dict[str, Any]:
