@@ -11,7 +11,7 @@ import contextlib
 import contextvars
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -240,17 +240,28 @@ def per_sample_lm_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> t
     return per_sample_lm_loss_from_logits(logits, batch, inplace_grad=isinstance(model, GPT))
 
 
+def causal_lm_kwargs(model: nn.Module, input_ids: torch.Tensor, **extra: Any) -> dict[str, Any]:
+    """Keyword arguments of a probe's call of a transformers-style causal LM: the KV cache off where the
+    model's config has one (a probe never decodes)."""
+    kwargs: dict[str, Any] = {"input_ids": input_ids, **extra}
+    if getattr(getattr(model, "config", None), "use_cache", None) is not None:
+        kwargs["use_cache"] = False
+    return kwargs
+
+
 def per_sample_causal_lm_loss(
-    model: nn.Module, kwargs: dict[str, Any], batch: Mapping[str, torch.Tensor]
+    model: nn.Module, kwargs: dict[str, Any], batch: Mapping[str, torch.Tensor],
+    forward: Optional[Callable[[], Any]] = None,
 ) -> torch.Tensor:
     """Per-sample loss (as above) of a model called as ``model(**kwargs)`` returning logits or an output with
     ``.logits`` (any HF ``*ForCausalLM``; ``kwargs["input_ids"]`` = ``tokens[:, :-1]``). Inside the fused
     probe a transformers causal LM whose logits are exactly ``lm_head(base_model(...)[0])`` runs its head
-    in sample chunks (`head_loss.py`): no tokens x vocab array."""
+    in sample chunks (`head_loss.py`): no tokens x vocab array. ``forward`` replaces ``model(**kwargs)``
+    on the plain path (a wrapper called the way its trainer calls it)."""
     targets, mask = lm_targets(batch)
     chunked = observed_causal_lm_loss(model, kwargs, targets, mask,
                                       lambda logits: per_sample_lm_loss_from_logits(logits, batch))
     if chunked is not None:
         return chunked
-    out = model(**kwargs)
+    out = model(**kwargs) if forward is None else forward()
     return per_sample_lm_loss_from_logits(out if isinstance(out, torch.Tensor) else out.logits, batch)

@@ -17,7 +17,7 @@ from grape_stream.grape.controller import filter_reweighter_options
 from grape_stream.grape.tasks import TaskStream
 from grape_stream.mixing.loader import MixerDataLoader
 from grape_stream.mixing.mixer import WeightedStreamingMixer
-from grape_stream.models import per_sample_causal_lm_loss
+from grape_stream.models import causal_lm_kwargs, per_sample_causal_lm_loss
 
 __all__ = [
     "CONTROLLER_OPTIONS",
@@ -115,10 +115,7 @@ def logits_per_sample_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) 
     returns logits or an output with ``.logits`` (any HF ``*ForCausalLM``). Scores the same loss as
     :func:`grape_stream.models.per_sample_lm_loss` (``loss_mask`` honoured); the KV cache is turned off,
     as a probe never decodes."""
-    kwargs: dict[str, Any] = {"input_ids": batch["tokens"].long()[:, :-1]}
-    if getattr(getattr(model, "config", None), "use_cache", None) is not None:
-        kwargs["use_cache"] = False
-    return per_sample_causal_lm_loss(model, kwargs, batch)
+    return per_sample_causal_lm_loss(model, causal_lm_kwargs(model, batch["tokens"].long()[:, :-1]), batch)
 
 
 class MixerTrainLoader:

@@ -220,12 +220,7 @@ def _main_batches(loop: "_Loop", schedule: WeightSchedule, start: int, main: Mai
     while True:
         size = message_size(t, per_run, 1)
         seq = table.published
-        plans = []
-        for b in range(batch, batch + size):
-            plan = loop.plan(b, claim=False)
-            if plan is None:
-                break
-            plans.append(plan)
+        plans = loop.plans(batch, size, claim=False)
         if not plans:
             return
         run = loop.composer.gather_run(plans, loop.readers, loop.batch_reader)
@@ -254,12 +249,7 @@ def _messages(loop: "_Loop", start: int, per_message: int, num_workers: int, wor
     while True:
         size = message_size(t, per_message, num_workers)
         if t % num_workers == worker:
-            plans = []
-            for b in range(begin, begin + size):
-                plan = loop.plan(b)
-                if plan is None:
-                    break
-                plans.append(plan)
+            plans = loop.plans(begin, size)
             if plans:
                 yield loop.composer.gather_run(plans, loop.readers, loop.batch_reader)
             if len(plans) < size:
@@ -295,6 +285,16 @@ class _Loop:
             self.composer.prefetch_ahead(plan, self.prefetcher, self.readers, self.horizon)
         self.sched.prune_before(batch)
         return plan
+
+    def plans(self, begin: int, size: int, claim: bool = True) -> list[BatchPlan]:
+        """The plans of batches ``begin ... begin + size - 1`` (fewer where the stream ends)."""
+        out: list[BatchPlan] = []
+        for b in range(begin, begin + size):
+            plan = self.plan(b, claim)
+            if plan is None:
+                break
+            out.append(plan)
+        return out
 
     def rewind(self, plan: BatchPlan) -> None:
         """Plan again from ``plan``'s batch (its read positions are where the planner stood before it)."""

@@ -10,8 +10,8 @@ from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
 from composer.models import ComposerModel
 from torch import nn
 
-from grape_stream.head_loss import observed_causal_lm_loss
 from grape_stream.models import (
+    causal_lm_kwargs,
     lm_targets,
     per_sample_causal_lm_loss,
     per_sample_lm_loss,
@@ -48,8 +48,8 @@ class ComposerGPT(ComposerModel):
         `per_sample_causal_lm_loss` (a transformers LM), so that inside the fused probe the head runs in
         sample chunks (grape_stream/head_loss.py) instead of forming the logits of the whole probe."""
         if isinstance(self.model, HFTokensToLogits):
-            kwargs = {"input_ids": batch["tokens"].long()[:, :-1], "use_cache": False}
-            return per_sample_causal_lm_loss(self.model.lm, kwargs, batch)
+            lm = self.model.lm
+            return per_sample_causal_lm_loss(lm, causal_lm_kwargs(lm, batch["tokens"].long()[:, :-1]), batch)
         return per_sample_lm_loss(self.model, batch)
 
     def loss(self, outputs: torch.Tensor, batch: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -87,19 +87,16 @@ def composer_per_sample_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]
         # The inputs are tokens[:, :-1] (a causal LM's logits there do not depend on the last token): the
         # same shapes on both paths, which the fused probe's layout check needs.
         inputs = batch["tokens"].long()[:, :-1]
+        ones = torch.ones_like(inputs)
+
+        def forward() -> torch.Tensor:
+            out = model({"input_ids": inputs, "attention_mask": ones})
+            logits = out.logits if hasattr(out, "logits") else out
+            return logits["logits"] if isinstance(logits, Mapping) else logits
+
         inner = getattr(model, "model", None)
         if isinstance(inner, nn.Module):
-            kwargs: dict[str, Any] = {"input_ids": inputs, "attention_mask": torch.ones_like(inputs)}
-            if getattr(getattr(inner, "config", None), "use_cache", None) is not None:
-                kwargs["use_cache"] = False
-            targets, mask = lm_targets(batch)
-            chunked = observed_causal_lm_loss(inner, kwargs, targets, mask,
-                                              lambda logits: per_sample_lm_loss_from_logits(logits, batch))
-            if chunked is not None:
-                return chunked
-        out = model({"input_ids": inputs, "attention_mask": torch.ones_like(inputs)})
-        logits = out.logits if hasattr(out, "logits") else out
-        if isinstance(logits, Mapping):
-            logits = logits["logits"]
-        return per_sample_lm_loss_from_logits(logits, batch)
+            return per_sample_causal_lm_loss(inner, causal_lm_kwargs(inner, inputs, attention_mask=ones), batch,
+                                             forward=forward)
+        return per_sample_lm_loss_from_logits(forward(), batch)
     return per_sample_lm_loss(model, batch)
