@@ -30,6 +30,7 @@ from composer.models import ComposerModel
 from composer.optim import DecoupledAdamW
 from composer.utils import dist, format_name_with_dist, parse_uri, reproducibility
 
+from grape_stream.console import LEVELS, configure_logging, is_quiet, level_given
 from grape_stream.errors import ConfigError
 from grape_stream.integrations.composer.algorithm import GrapeAlgorithm
 from grape_stream.integrations.composer.callbacks import GrapeTrajectoryCallback, JSONLMetricsLogger, TaskEvalSummary
@@ -323,6 +324,15 @@ def _build_trainer(built: Built, world: int, extra_callbacks: Sequence[Any], ext
     built.callbacks, built.loggers, built.trainer = callbacks, loggers, trainer
 
 
+def _recipe_log_level(level: str | None) -> None:
+    """llm-foundry's ``python_log_level``: grape_stream's and Composer's level, unless --log-level was given."""
+    if level is None or level_given():
+        return
+    if str(level).lower() not in LEVELS:
+        raise ConfigError(f"recipe key 'python_log_level' must be one of {', '.join(LEVELS)}, got {level!r}")
+    configure_logging(str(level).lower(), quiet=is_quiet(), also=("composer",))
+
+
 # ---------------------------------------------------------------------------------------------------
 # CLI (run under grape_stream.cli / errors.run_cli: a ConfigError / DataError / StorageError is one line)
 # ---------------------------------------------------------------------------------------------------
@@ -340,12 +350,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="print the resolved recipe as YAML and exit (nothing is built or trained)")
     # intermixed: `grape-stream train RECIPE --dry-run key=value` works as well as options first
     args = parser.parse_intermixed_args(list(argv) if argv is not None else None)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_recipe(args.recipe, args.overrides)
+    _recipe_log_level(cfg.get("python_log_level"))
     if args.print_config:  # print and stop: a user asking to see the recipe did not ask to train
         print(yaml.safe_dump(cfg, sort_keys=False))
         return 0
     built = build(cfg, dry_run=args.dry_run)
+    if is_quiet():
+        built.algorithm.progress.enabled = False
     print(json.dumps(built.describe(), indent=2))
     if args.dry_run:
         return 0
