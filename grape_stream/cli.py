@@ -26,12 +26,14 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "plot": ("grape_stream.apps.plots", "main", "plot a weight trajectory (JSONL) to PNG"),
     "inspect": ("grape_stream.apps.inspect", "main", "summarise an MDS output directory or a trajectory"),
     "mixture": ("grape_stream.apps.mixture", "main", "baseline mixtures: CRISP (embeddings), RegMix (proxies)"),
+    "export-schedule": ("grape_stream.apps.export_schedule", "main",
+                        "a run's alpha(t) as a schedule for other loaders (JSON, torchtitan, Megatron-Energon)"),
 }
 
 
 def _usage() -> str:
     lines = ["usage: grape-stream COMMAND [options]", "", "commands:"]
-    lines += [f"  {name:<9} {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    lines += [f"  {name:<15} {help_}" for name, (_, _, help_) in COMMANDS.items()]
     lines += ["", "Run `grape-stream COMMAND --help` for a command's options. Any command takes:",
               "  --debug            an error shows its full traceback instead of one line (or GRAPE_STREAM_DEBUG=1)",
               "  --log-level LEVEL  debug, info (default), warning or error: grape_stream's messages at LEVEL,",
