@@ -107,6 +107,8 @@ METHODS: dict[str, tuple[str, Callable[..., list[str]]]] = {
     "grape_final_static": ("static",
                            lambda lr, d, s, r: [f"algorithm.options.weights={_vec(_prev(r, 'grape', s)['alpha'])}"]),
 }
+#: Methods whose weights come from the search (the others run before it has finished).
+NEEDS_SEARCH = {"oracle", "regmix", "crisp"}
 DEFAULT_METHODS = ["uniform", "oracle", "grape", "grape_paper", "grape_demo_tuned", "doge", "regmix", "crisp",
                    "grape_adam", "grape_ema", "grape_replay", "grape_final_static"]
 
@@ -381,12 +383,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     out, corpus = Path(args.out), Path(args.data)
     out.mkdir(parents=True, exist_ok=True)
     mds = prepare(out, corpus)
-    docs = search(out, mds, corpus, proxies=args.proxies, steps=args.steps, candidates=args.candidates,
-                  fresh=args.fresh)
-    print(f"oracle ({docs['oracle']['details']['chosen']}): {json.dumps(docs['oracle']['alpha'])}", flush=True)
+    methods = [m for m in args.methods.split(",") if m]
+    docs: dict[str, Any] = {}
+    if args.stage == "search" or set(methods) & NEEDS_SEARCH or (out / "search.json").is_file():
+        docs = search(out, mds, corpus, proxies=args.proxies, steps=args.steps, candidates=args.candidates,
+                      fresh=args.fresh)
+        print(f"oracle ({docs['oracle']['details']['chosen']}): {json.dumps(docs['oracle']['alpha'])}", flush=True)
     if args.stage == "search":
         return 0
-    methods = [m for m in args.methods.split(",") if m]
     bad = [m for m in methods if m not in METHODS]
     if bad:
         p.error(f"unknown methods {bad}; choose from {list(METHODS)}")
