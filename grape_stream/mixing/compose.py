@@ -284,10 +284,10 @@ class _Loop:
         self.prefetcher = Prefetcher(self.readers) if any(composer.needs_prefetch) else None
         self.horizon = np.zeros(len(composer.orders), np.int64)
 
-    def plan(self, batch: int, claim: bool = True) -> RankBatch | None:
+    def plan(self, batch: int, claim: bool = True, prune: bool = True) -> RankBatch | None:
         """Loader batch ``batch``: its global batch's plan and its slots (None once the stream is exhausted),
         its shards asked for ahead; with ``claim``, recorded in the shared table as started (see
-        :meth:`SharedWeightTable.claim`)."""
+        :meth:`SharedWeightTable.claim`); with ``prune``, weight pieces that ended before it forgotten."""
         self.next_seq = self.table.read_into(self.sched, self.next_seq)
         if claim:
             self.table.claim(self.slot, batch)
@@ -299,17 +299,20 @@ class _Loop:
             return None
         if fresh and self.prefetcher is not None:
             self.composer.prefetch_ahead(plan, self.prefetcher, self.readers, self.horizon)
-        self.sched.prune_before(gb)
+        if prune:
+            self.sched.prune_before(gb)
         return RankBatch(batch, plan, topo.first_slot(batch), topo.ends_global_batch(batch))
 
     def plans(self, begin: int, size: int, claim: bool = True) -> list[RankBatch]:
-        """Loader batches ``begin ... begin + size - 1`` (fewer where the stream ends)."""
+        """Loader batches ``begin ... begin + size - 1`` (fewer where the stream ends). The weight pieces
+        are kept from ``begin`` on: the main process may :meth:`rewind` to any batch of the run."""
         out: list[RankBatch] = []
         for b in range(begin, begin + size):
-            rb = self.plan(b, claim)
+            rb = self.plan(b, claim, prune=False)
             if rb is None:
                 break
             out.append(rb)
+        self.sched.prune_before(self.topology.global_batch(begin))
         return out
 
     def rewind(self, rb: RankBatch) -> None:
