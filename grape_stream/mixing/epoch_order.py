@@ -51,6 +51,9 @@ class DomainOrder:
         self._layouts: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._blocks: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
         self._cache_blocks = max(2, int(cache_blocks))
+        self.window = 4096
+        self._win_start = 0
+        self._win_ids = self._win_epochs = np.empty(0, np.int64)
 
     # ------------------------------------------------------------------------------------------------
     def _rng(self, *coords: int) -> np.random.Generator:
@@ -77,7 +80,7 @@ class DomainOrder:
             return hit
         begin = block * self.block_size
         size = min(self.block_size, self.num_samples - begin)
-        perm = self._rng(epoch, 1, block).permutation(size).astype(np.int64)
+        perm = self._rng(epoch, 1, block).permutation(size).astype(np.int32 if size < 1 << 31 else np.int64)
         self._blocks[key] = perm
         while len(self._blocks) > self._cache_blocks:
             self._blocks.popitem(last=False)
@@ -122,6 +125,22 @@ class DomainOrder:
             if sel.any():
                 ids[sel] = self.epoch_map(e, p[sel] - e * n)
         return ids, epochs
+
+    def window_ids(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`sample_ids` for a reader that walks forward: computed ``window`` positions at a time.
+
+        A rank that reads most positions of a stretch of the stream (few ranks, large batches) reads it in
+        small consecutive steps; computing the order for thousands of positions at once makes the cost of
+        a step a slice. The returned arrays are read-only views of the cached window.
+        """
+        i = start - self._win_start
+        if not (0 <= i and i + count <= len(self._win_ids)):
+            self._win_ids, self._win_epochs = self.sample_ids(start, max(count, self.window))
+            self._win_ids.flags.writeable = False
+            self._win_epochs.flags.writeable = False
+            self._win_start = start
+            i = 0
+        return self._win_ids[i:i + count], self._win_epochs[i:i + count]
 
     def shard_of(self, sample_ids: np.ndarray) -> np.ndarray:
         return np.searchsorted(self.shard_offsets, np.asarray(sample_ids, dtype=np.int64), side="right") - 1
