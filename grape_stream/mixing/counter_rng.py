@@ -13,6 +13,9 @@ whatever the topology: the coordinates are ``(seed, global batch, purpose, ...)`
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import numpy as np
 
 __all__ = [
@@ -23,7 +26,9 @@ __all__ = [
     "TAG_REFILL",
     "TAG_STRATA",
     "hash64",
+    "hash_int",
     "keyed_permutation",
+    "keyed_permutation_at",
     "slot_permutation",
     "uniform01",
 ]
@@ -89,12 +94,24 @@ def hash64(*keys: int | np.integer | np.ndarray) -> np.ndarray:
         return np.atleast_1d(h)
 
 
+def hash_int(*keys: int, state: int = 0) -> int:
+    """:func:`hash64` of scalar keys as a Python int (the same value, no numpy). ``state``: the hash of
+    leading keys already mixed (``hash_int(a, b, c) == hash_int(c, state=hash_int(a, b))``)."""
+    h = state
+    for k in keys:
+        v = int(k)
+        if not -(1 << 63) <= v < (1 << 63):
+            raise OverflowError(f"hash key {v} does not fit in int64")
+        h = _mix_int(h ^ (v & _MASK))
+    return h
+
+
 def uniform01(h: np.ndarray) -> np.ndarray:
     """Map uint64 hashes to floats in [0, 1) (53 random bits)."""
     return (h >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
 
 
-def _feistel(x: np.ndarray, round_keys: list[np.ndarray], half: np.uint64, mask: np.uint64) -> np.ndarray:
+def _feistel(x: np.ndarray, round_keys: list[Any], half: np.uint64, mask: np.uint64) -> np.ndarray:
     """The rounds ``(L, R) -> (R, L ^ F_k(R))``, ``F_k(R) = mix(k ^ R)`` cut to ``half`` bits (1-d uint64 arrays:
     their arithmetic wraps modulo 2**64 without warnings)."""
     left, right = x >> half, x & mask
@@ -130,17 +147,46 @@ def keyed_permutation(key: np.ndarray | int, n: int, x: np.ndarray) -> np.ndarra
     shape = xs.shape
     flat = xs.reshape(-1).astype(np.uint64)
     k = np.asarray(key, dtype=np.uint64)
-    if k.size == 1:  # one key: the round keys as Python ints (numpy broadcasts a scalar for free)
-        k0 = int(k.reshape(-1)[0])
-        rks = [np.full(flat.shape, _mix_int(k0 ^ t), np.uint64) for t in _ROUNDS]
+    rks: list[Any]
+    if k.size == 1:  # one key: the round keys as Python ints (numpy takes them as uint64 scalars)
+        rks = list(_round_keys(int(k.reshape(-1)[0])))
     else:
         rks = [np.broadcast_to(_mix(np.atleast_1d(k) ^ np.uint64(t)), shape).reshape(-1) for t in _ROUNDS]
     y = _feistel(flat, rks, half, mask)
     bad = np.flatnonzero(y >= np.uint64(n))
     while bad.size:
-        y[bad] = _feistel(y[bad], [rk[bad] for rk in rks], half, mask)
+        y[bad] = _feistel(y[bad], [rk if isinstance(rk, int) else rk[bad] for rk in rks], half, mask)
         bad = bad[y[bad] >= np.uint64(n)]
     return y.astype(np.int64).reshape(shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def _round_keys(key: int) -> tuple[int, ...]:
+    return tuple(_mix_int(key ^ t) for t in _ROUNDS)
+
+
+def keyed_permutation_at(key: int, n: int, x: int) -> int:
+    """:func:`keyed_permutation` at one point with one key, in Python ints (bit-identical; no numpy call
+    overhead: what a planner needs when it looks up one digit)."""
+    x, n = int(x), int(n)
+    if not 0 <= x < n:
+        raise ValueError(f"point {x} outside [0, {n})")
+    bits = max(2, int(n - 1).bit_length())
+    bits += bits & 1
+    half = bits // 2
+    mask = (1 << half) - 1
+    rks = _round_keys(int(key) & _MASK)
+    y = x
+    while True:
+        left, right = y >> half, y & mask
+        for rk in rks:
+            z = rk ^ right
+            z = ((z ^ (z >> 30)) * _M1_I) & _MASK
+            z = ((z ^ (z >> 27)) * _M2_I) & _MASK
+            left, right = right, left ^ ((z ^ (z >> 31)) & mask)
+        y = (left << half) | right
+        if y < n:
+            return y
 
 
 def slot_permutation(seed: int, batch: int, slots: int) -> np.ndarray:

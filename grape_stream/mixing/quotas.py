@@ -38,7 +38,15 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from grape_stream.mixing.counter_rng import TAG_MULTI, TAG_STRATA, hash64, keyed_permutation, uniform01
+from grape_stream.mixing.counter_rng import (
+    TAG_MULTI,
+    TAG_STRATA,
+    hash64,
+    hash_int,
+    keyed_permutation,
+    keyed_permutation_at,
+    uniform01,
+)
 
 __all__ = [
     "COMPOSITIONS",
@@ -146,32 +154,40 @@ class PieceQuotas:
         #: batch gets edge floor_k + 1 when U < threshold_k (u < frac_k, up to 2**-52)
         self.threshold = np.ceil(frac * float(1 << U_BITS)).astype(np.int64)
         self.seed, self.origin, self.slots = int(seed), int(origin), int(slots)
-        self._perms: dict[tuple[int, int], np.ndarray] = {}
+        self._state = hash_int(self.seed, self.origin, TAG_STRATA)  # the keys' common prefix, mixed once
+        self._block: tuple[int, np.ndarray] | None = None  # (level-0 block, U of its 1024 batches)
 
     # -- the offsets ---------------------------------------------------------------------------------
-    def _perm(self, level: int, block: int) -> np.ndarray:
-        """The keyed permutation of level ``level``'s digit inside block ``block`` (cached; a process walks on)."""
-        hit = self._perms.get((level, block))
-        if hit is None:
-            key = hash64(self.seed, self.origin, TAG_STRATA, level, block)
-            hit = keyed_permutation(key, STRATA, np.arange(STRATA, dtype=np.int64))
-            if len(self._perms) >= 4 * LEVELS:
-                self._perms.pop(next(iter(self._perms)))
-            self._perms[(level, block)] = hit
-        return hit
+    def _key(self, level: int, block: int) -> int:
+        return hash_int(level, block, state=self._state)
+
+    def _digits(self, level: int, block: int, upto: int) -> np.ndarray:
+        """The permuted values of digits ``0 .. upto - 1`` of level ``level`` in block ``block``."""
+        return keyed_permutation(self._key(level, block), STRATA, np.arange(upto, dtype=np.int64))
+
+    def _digit(self, level: int, block: int, digit: int) -> int:
+        return keyed_permutation_at(self._key(level, block), STRATA, digit)
 
     def _low(self, level: int, d: int) -> int:
         """The bits below the top ``10 * level`` of ``U`` shared by batch ``d``'s aligned block of
         ``1024**level`` batches (``level`` 0: ``U_d`` itself)."""
         top = d >> (DIGIT_BITS * LEVELS)
-        low = int(hash64(self.seed, self.origin, TAG_STRATA, LEVELS, top)[0]) >> (64 - _TOP_BITS)
+        low = hash_int(LEVELS, top, state=self._state) >> (64 - _TOP_BITS)
         for lv in range(LEVELS - 1, level - 1, -1):
             digit = (d >> (DIGIT_BITS * lv)) & (STRATA - 1)
-            low |= int(self._perm(lv, d >> (DIGIT_BITS * (lv + 1)))[digit]) << (U_BITS - DIGIT_BITS * (lv + 1))
+            low |= self._digit(lv, d >> (DIGIT_BITS * (lv + 1)), digit) << (U_BITS - DIGIT_BITS * (lv + 1))
         return low
+
+    def _offsets(self, block: int) -> np.ndarray:
+        """``U`` of the 1024 batches of level-0 block ``block`` (cached: a process walks forward)."""
+        if self._block is None or self._block[0] != block:
+            perm = keyed_permutation(self._key(0, block), STRATA, np.arange(STRATA, dtype=np.int64))
+            self._block = (block, (perm << (U_BITS - DIGIT_BITS)) | self._low(1, block << DIGIT_BITS))
+        return self._block[1]
 
     def prefix_hits(self, d: int) -> np.ndarray:
         """(K,) how many of the piece's batches ``0 .. d - 1`` have ``U < threshold_k``."""
+        d = int(d)
         f = self.threshold
         top = d >> (DIGIT_BITS * LEVELS)
         shift = _TOP_BITS
@@ -185,7 +201,10 @@ class PieceQuotas:
             if not n:
                 continue
             split = U_BITS - DIGIT_BITS * lv  # a block's U: free top bits above `split`, its `lows` below
-            lows = (self._perm(lv, d >> (DIGIT_BITS * (lv + 1)))[:n] << (split - DIGIT_BITS)) | self._low(lv + 1, d)
+            if lv == 0 and self._block is not None and self._block[0] == d >> DIGIT_BITS:
+                lows = self._block[1][:n]
+            else:
+                lows = (self._digits(lv, d >> (DIGIT_BITS * (lv + 1)), n) << (split - DIGIT_BITS)) | self._low(lv + 1, d)
             out = out + n * (f >> split) + (lows[:, None] < (f & ((1 << split) - 1))[None, :]).sum(axis=0)
         return out
 
@@ -197,7 +216,9 @@ class PieceQuotas:
 
     def quota(self, d: int) -> np.ndarray:
         """Quotas (K,) of the piece's batch ``d`` (offset from the origin)."""
-        return np.diff(self.floor + (self._low(0, d) < self.threshold), prepend=0)
+        d = int(d)
+        u = int(self._offsets(d >> DIGIT_BITS)[d & (STRATA - 1)])
+        return np.diff(self.floor + (u < self.threshold), prepend=0)
 
 
 @dataclass(frozen=True)
