@@ -21,9 +21,9 @@ change every 100 batches, and reports per world size:
 Simulated ranks (to keep the run within ~20 minutes on a shared 2-core machine): ranks 0 and R-1 over all
 batches (each with its 8 workers, messages and batch split exactly as ``MixerDataLoader`` makes them),
 node 0's ranks (8, or all of a smaller world) over a window of ``--node-window`` batches from the middle
-of the run (the planner jumps there in closed form), and every rank's slice on the checked batches. Then one row times a resume at batch
-10^6 of a K=20 run with weights changing every 100 batches (10^4 schedule entries), real mixer, real
-shards: ``load_state_dict`` and the first batch, with 0 and 2 workers.
+of the run (the planner jumps there in closed form), and every rank's slice on the checked batches. Then
+one row times a resume at batch 10^6 of a K=20 run with weights changing every 100 batches (10^4 schedule
+entries), real mixer, real shards: ``load_state_dict`` and the first batch, with 0 and 2 workers.
 
     .venv/bin/python bench/scale.py [--batches 100000] [--quick] [--out bench/results/scale.json]
 """
@@ -315,18 +315,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def format_table(result: dict[str, Any]) -> str:
     c = result["config"]
-    lines = [f"K={c['K']} domains, global batch {c['global_batch_size']}, {c['batches']} batches, {c['workers_per_rank']}"
-             f" workers/rank, {c['samples_per_shard']} samples/shard, {c['steps_per_second']} steps/s",
+    lines = [f"K={c['K']} domains, global batch {c['global_batch_size']}, {c['batches']} batches, "
+             f"{c['workers_per_rank']} workers/rank, {c['samples_per_shard']} samples/shard, "
+             f"{c['steps_per_second']} steps/s",
              "| ranks | B/rank | lost | dup | shards/1k rank | shards/1k node | GET/s busiest prefix (all) "
              "| plan us/batch/rank | MB/worker |", "|---|---|---|---|---|---|---|---|---|"]
     for r in result["worlds"]:
         lines.append(f"| {r['world_size']} | {r['batch_size']} | {r['lost']} | {r['duplicated']} | "
                      f"{r['shards_per_rank_per_1k']:.0f} | {r['shards_per_node_per_1k']:.0f} | "
-                     f"{r['get_per_s_busiest_prefix']:.1f} ({r['get_per_s_all_prefixes']:.0f}) vs {S3_GET_PER_PREFIX} | "
+                     f"{r['get_per_s_busiest_prefix']:.1f} ({r['get_per_s_all_prefixes']:.0f}) "
+                     f"vs {S3_GET_PER_PREFIX} | "
                      f"{r['plan_us_per_batch_per_rank']:.0f} | {r['peak_mb_per_worker']:.1f} |")
     w, res = result["global_walk"], result["resume"]
     lines.append(f"global walk: {w['bad_batches']} bad batches, {w['walk_us_per_batch']:.0f} us/batch; closed form to "
-                 f"batch {c['batches']}: {w['closed_form_s'] * 1e3:.1f} ms; epochs per domain {w['epochs_per_domain_min_max']}")
+                 f"batch {c['batches']}: {w['closed_form_s'] * 1e3:.1f} ms; epochs per domain "
+                 f"{w['epochs_per_domain_min_max']}")
     lines.append(f"resume at batch {res['at_batch']} ({res['schedule_entries']} schedule entries): position "
                  f"{res['position_s']:.2f} s; load_state_dict + first batch: "
                  f"{res['workers0']['total_s']:.2f} s (0 workers), {res['workers2']['total_s']:.2f} s (2 workers)")

@@ -65,7 +65,8 @@ def _launch(cfg: dict, world: int, tmp: Path, name: str) -> list[subprocess.Pope
     for r in range(world):
         env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
                "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+               "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
         procs.append(subprocess.Popen([sys.executable, str(HERE / "_elastic_run.py"), str(path)], env=env,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True))
     return procs

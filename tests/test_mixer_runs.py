@@ -11,8 +11,8 @@ import pytest
 from _mds_fixtures import batch_identities, identity, write_domains
 from grape_stream.mixing import compose
 from grape_stream.mixing.batch_read import BatchReader
-from grape_stream.mixing.mixer import DomainStream, WeightedStreamingMixer
 from grape_stream.mixing.counter_rng import slot_permutation
+from grape_stream.mixing.mixer import DomainStream, WeightedStreamingMixer
 from grape_stream.mixing.topology import RankBatch
 
 B = 12

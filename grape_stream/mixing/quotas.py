@@ -140,8 +140,10 @@ class PieceQuotas:
     takes every value of its top ``10 j`` bits once, so how many of them have ``U < F`` is
     ``(F >> (52 - 10 j)) + [their common low bits < F mod 2**(52 - 10 j)]``: counting over ``d`` batches
     adds at most 3 x 1024 terms, and no domain drifts from ``d G alpha_k`` however long the piece (each
-    level is exact over its blocks; inside a block of 1024 the gap is that of a random stratified prefix). Comparisons are on integers, so a
-    batch's quota and the counts over its piece agree bit for bit.
+    level is exact over its blocks; inside a block of 1024 the gap is that of a random stratified
+    prefix). Comparisons are on integers, so a batch's quota and the counts over its piece agree bit for
+    bit. Digits are looked up one at a time in Python ints (:func:`keyed_permutation_at`) and a block's
+    1024 offsets are computed at once when a process walks through it.
     """
 
     def __init__(self, seed: int, origin: int, alpha: np.ndarray, slots: int) -> None:
@@ -193,9 +195,9 @@ class PieceQuotas:
         shift = _TOP_BITS
         out = top * (f >> shift)
         if top:  # whole blocks of 1024**3 batches: one random low part each
-            lows = hash64(self.seed, self.origin, TAG_STRATA, LEVELS, np.arange(top, dtype=np.int64)) >> np.uint64(
-                64 - _TOP_BITS)
-            out = out + (lows.astype(np.int64)[:, None] < (f & ((1 << shift) - 1))[None, :]).sum(axis=0)
+            tops = hash64(self.seed, self.origin, TAG_STRATA, LEVELS, np.arange(top, dtype=np.int64))
+            top_lows = (tops >> np.uint64(64 - _TOP_BITS)).astype(np.int64)
+            out = out + (top_lows[:, None] < (f & ((1 << shift) - 1))[None, :]).sum(axis=0)
         for lv in range(LEVELS - 1, -1, -1):  # whole blocks of 1024**lv batches under each digit before d's
             n = (d >> (DIGIT_BITS * lv)) & (STRATA - 1)
             if not n:
@@ -204,7 +206,8 @@ class PieceQuotas:
             if lv == 0 and self._block is not None and self._block[0] == d >> DIGIT_BITS:
                 lows = self._block[1][:n]
             else:
-                lows = (self._digits(lv, d >> (DIGIT_BITS * (lv + 1)), n) << (split - DIGIT_BITS)) | self._low(lv + 1, d)
+                digits = self._digits(lv, d >> (DIGIT_BITS * (lv + 1)), n)
+                lows = (digits << (split - DIGIT_BITS)) | self._low(lv + 1, d)
             out = out + n * (f >> split) + (lows[:, None] < (f & ((1 << split) - 1))[None, :]).sum(axis=0)
         return out
 
