@@ -83,7 +83,8 @@ class WeightedStreamingMixer(IterableDataset):
     ``torch.utils.data.DataLoader(mixer, batch_size=batch_size, num_workers=W)``. The DataLoader's batch
     size must equal ``batch_size``. Every sample is a dict with the dataset's columns (``tokens`` as an
     int64 tensor) plus ``domain`` (index), ``weights_version`` (the schedule entry that composed its
-    batch), ``batch_index``, ``sample_index`` (id within the domain) and ``epoch`` (of the domain).
+    batch), ``batch_index`` (this rank's loader batch; the global batch is ``batch_index // micro``),
+    ``sample_index`` (id within the domain) and ``epoch`` (of the domain).
 
     Args:
         domains: the K domains: DomainStream objects, dicts of their fields, or mosaicml-streaming ``Stream``
