@@ -10,12 +10,14 @@ change every 100 batches, and reports per world size:
                   ``--check-every``-th batch with *all* ranks' slices, plus the worker split of the
                   simulated ranks (every loader batch composed once) and the global walk (every batch
                   exactly G samples, each domain's positions contiguous)
-  shards/1k       distinct shards one rank touches per 1,000 global batches (mean over windows)
+  shards/1k       distinct shards one rank touches per 1,000 global batches (mean over every
+                  ``--log-every``-th window of 1,000)
   node shards/1k  the same for a node of 8 ranks (one shard cache)
   GET/s/prefix    object-store GETs per second on the busiest domain prefix, all nodes together, at
                   ``--steps-per-second`` global batches per second, each node fetching each shard it
                   touches once (vs S3's documented 5,500 GET/s per prefix)
-  plan us/batch   planning CPU per global batch per rank (its 8 workers together)
+  plan us/batch   planning CPU per global batch per rank (its 8 workers together: their plans and rows,
+                  not the script's bookkeeping)
   MB/worker       peak Python/numpy memory of one worker's planning state (tracemalloc)
 
 Simulated ranks (to keep the run within ~20 minutes on a shared 2-core machine): ranks 0 and R-1 over all
@@ -89,7 +91,8 @@ class Stream:
 class ShardLog:
     """The (window of 1,000 batches, domain, shard) keys a rank or node touched, deduplicated as they come."""
 
-    def __init__(self) -> None:
+    def __init__(self, every: int = 1) -> None:
+        self.every = every  # log windows 0, every, 2 * every, ...
         self.keys = np.empty(0, np.int64)
         self.pending: list[np.ndarray] = []
         self.size = 0
@@ -129,19 +132,23 @@ def simulate_rank(stream: Stream, topo: Topology, first: int, last: int, shard_l
     per = per_message(topo.batch_size)
     composed: list[int] = []
     rows: dict[int, np.ndarray] = {}
+    cpu = 0.0  # planning only: the plans and the rows (not this script's bookkeeping)
     for w in range(WORKERS):
         orders, planner = stream.orders(), stream.planner()
         begin, t = first, 0
         while begin < last:
             size = min(message_size(t, per, WORKERS), last - begin)
             if t % WORKERS == w:
+                t0 = time.process_time()
                 run = []
                 for j in range(begin, begin + size):
                     plan = planner.plan(topo.global_batch(j), stream.schedule.segments)
                     run.append(RankBatch(j, plan, topo.first_slot(j), topo.ends_global_batch(j)))
                 dom, ids, _ = emission(orders, SEED, topo.batch_size, G, run)
+                cpu += time.process_time() - t0
                 composed += [rb.batch for rb in run]
-                if shard_log is not None:  # keys: window << 40 | domain << 32 | shard
+                if shard_log is not None and (begin // 1000) % shard_log.every == 0:
+                    # keys: window << 40 | domain << 32 | shard
                     shard = np.searchsorted(stream.first_ids, dom * (1 << 40) + ids, side="right") - stream.base[dom]
                     win = np.repeat(np.array([rb.batch // 1000 for rb in run], np.int64), topo.batch_size)
                     shard_log.add(np.unique((win << 40) | (dom << 32) | shard))
@@ -152,7 +159,7 @@ def simulate_rank(stream: Stream, topo: Topology, first: int, last: int, shard_l
                             rows[rb.batch] = np.stack([dom[i * b:(i + 1) * b], ids[i * b:(i + 1) * b]])
             begin += size
             t += 1
-    return {"composed": composed, "rows": rows}
+    return {"composed": composed, "rows": rows, "cpu": cpu}
 
 
 def check_batches(stream: Stream, world: int, batches: list[int]) -> tuple[int, int, dict[int, list[np.ndarray]]]:
@@ -205,10 +212,9 @@ def scale_row(stream: Stream, world: int, args: argparse.Namespace) -> dict[str,
     sampled = sorted({0, world - 1})
     shards_per_rank, cpu, split_bad = [], [], 0
     for r in sampled:
-        log = ShardLog()
-        t0 = time.process_time()
+        log = ShardLog(every=args.log_every)
         out = simulate_rank(stream, Topology.of(r, world, b, G), 0, n, log, set(check))
-        cpu.append((time.process_time() - t0) / n)
+        cpu.append(out["cpu"] / n)
         split_bad += len(out["composed"]) - len(set(out["composed"])) + (n - len(set(out["composed"])))
         for i in check:  # the workers' runs hold exactly the slices computed all at once
             split_bad += int(not np.array_equal(out["rows"][i], slices[i][r]))
@@ -284,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights-every", type=int, default=100)
     ap.add_argument("--check-every", type=int, default=100)
     ap.add_argument("--node-window", type=int, default=2000)
+    ap.add_argument("--log-every", type=int, default=10, help="count a rank's shards in every n-th 1k window")
     ap.add_argument("--steps-per-second", type=float, default=2.0, help="global batches trained per second")
     ap.add_argument("--resume-at", type=int, default=1_000_000)
     ap.add_argument("--quick", action="store_true", help="10^4 batches, worlds 1, 8, 1024; resume at 10^5")
