@@ -107,6 +107,10 @@ def test_grape_trainer_refuses_what_cannot_work(data, tmp_path):
             GrapeTrainer(model=model, args=args(per_device_train_batch_size=4), mixer=mixer)
         with pytest.raises(ConfigError, match="max_steps"):
             GrapeTrainer(model=model, args=args(max_steps=-1), mixer=mixer)
+        # 2 micro-batches a step are 16 samples, the mixer's global batch is 8: its stream would not be the steps'
+        with pytest.raises(ConfigError, match="= 16 samples a step, but the mixer's global_batch_size is 8") as err:
+            GrapeTrainer(model=model, args=args(gradient_accumulation_steps=2), mixer=mixer)
+        assert "\n" not in str(err.value)
         with pytest.raises(ConfigError, match="not both"):
             GrapeTrainer(model=model, args=args(), mixer=mixer, train_dataset=[1, 2])
         with pytest.raises(ConfigError, match="needs train_dataset= a grape_stream.WeightedStreamingMixer, got list"):

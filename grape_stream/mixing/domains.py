@@ -19,7 +19,7 @@ import numpy as np
 import torch.distributed as dist
 
 from grape_stream.mixing.compose import RESERVED_KEYS
-from grape_stream.mixing.quotas import hash64
+from grape_stream.mixing.counter_rng import hash64
 from grape_stream.streaming_compat.local_index import (
     DomainUnavailableError,
     RemoteMismatchError,

@@ -122,5 +122,7 @@ class GrapeLightningCallback(Callback):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         self.loop.load_state_dict(state_dict, where="the Lightning checkpoint")
-        self._batches = int(state_dict["batches"])
+        # the loader batches of *this* topology up to the saved global batch (a resume may change world
+        # size or micro-batches; the checkpoint's "batches" counted the writer's)
+        self._batches = self.mixer.consumed_batches
         self._step = self._restored_step = int(state_dict["step"])
