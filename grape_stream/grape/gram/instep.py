@@ -40,7 +40,9 @@ from grape_stream.grape.gram.instep_scope import check_model, hooked_modules, st
 from grape_stream.grape.gram.layouts import probe_layouts
 from grape_stream.loss_watch import watching_losses
 
-__all__ = ["StepAlignments"]
+__all__ = ["INSTEP_STATE_FORMAT", "StepAlignments"]
+
+INSTEP_STATE_FORMAT = "grape_stream.instep/1"
 
 PerSampleLoss = Callable[[nn.Module, Any], Tensor]
 
@@ -299,6 +301,30 @@ class StepAlignments:
         self.sums = packed[: k * d].reshape(k, d).clone()
         self.weights = packed[k * d : k * d + k].clone()
         self.samples = packed[k * d + k :].clone()
+
+    # -------------------------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The directions (by parameter name, on CPU) and the accumulated sums: tensors and plain types only."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return {
+            "format": INSTEP_STATE_FORMAT,
+            "num_domains": self.num_domains,
+            "num_directions": getattr(self, "num_directions", 0),
+            "directions": {names[k]: t.detach().cpu().clone() for k, t in self.engine.directions.items()},
+            "sums": self.sums.cpu().clone(), "weights": self.weights.cpu().clone(),
+            "samples": self.samples.cpu().clone(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("format") != INSTEP_STATE_FORMAT or int(state["num_domains"]) != self.num_domains:
+            raise ValueError(f"not an in-step alignment state for {self.num_domains} domains "
+                             f"(format {state.get('format')!r})")
+        d = int(state["num_directions"])
+        stacks = state["directions"]
+        self.set_directions([{n: t[i] for n, t in stacks.items()} for i in range(d)])
+        self.sums = state["sums"].to(self.device, torch.float64).clone()
+        self.weights = state["weights"].to(self.device, torch.float64).clone()
+        self.samples = state["samples"].to(self.device, torch.float64).clone()
 
     def memory_elements(self) -> int:
         """Elements held for the directions (D gradient-sized copies)."""

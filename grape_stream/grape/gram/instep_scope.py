@@ -25,9 +25,9 @@ def check_model(model: nn.Module) -> nn.Module:
     """The module whose calls are hooked (DDP / DataParallel unwrapped); refused when hooks cannot see its
     training forward or its per-sample gradients are not separable."""
     if isinstance(getattr(model, "_orig_mod", None), nn.Module) or _compiled(model):
-        raise ConfigError("in-step alignments cannot see inside a torch.compile'd model (the compiled graph does not "
-                          f"run the module hooks they add each observed step); compile nothing or use alignments: "
-                          f"probe ({_WHERE})")
+        raise ConfigError("in-step alignments do not take a torch.compile'd model: dynamo traces their module hooks "
+                          "with graph breaks and recompiles at every observed step (exact, but no longer compiled); "
+                          f"compile nothing or use alignments: probe ({_WHERE})")
     try:
         inner = unwrap_for_probe(model)
         _check_batch_coupling(inner)
