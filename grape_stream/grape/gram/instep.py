@@ -80,6 +80,7 @@ class _Engine(FusedGramEngine):
         self.calls_in_backward = 0
         self.in_backward = False
         self.handled = False
+        self.keep_inputs = False  # the graph will be backpropagated again (retain_graph)
 
     def _make_post_hook(self, name: str, module: nn.Module, kind: str, params: dict[str, nn.Parameter]):
         base = super()._make_post_hook(name, module, kind, params)
@@ -134,7 +135,8 @@ class _Engine(FusedGramEngine):
             grads, dots = use_grads(gu, grad, dict(use.params), parts, dirs, self.compute_dtype(grad.dtype))
         if dots is not None and self.sums is not None and parts is not None:
             self.sums.index_add_(0, parts.domains, dots.to(torch.float64))
-        gu.inp = None  # type: ignore[assignment]  # free the input as soon as it is used
+        if not self.keep_inputs:
+            gu.inp = None  # type: ignore[assignment]  # free the input as soon as it is used
         return tuple(grads.get(n) for n in use.param_order)  # type: ignore[attr-defined]
 
 
@@ -165,6 +167,7 @@ class StepAlignments:
         self.samples = torch.zeros(self.num_domains, dtype=torch.float64, device=self.device)
         self._layouts: dict[tuple, Any] = {}
         self._watched = 0
+        self._handles: list[Any] = []
 
     # -------------------------------------------------------------------------------------------- state
     def set_directions(self, directions: Sequence[Mapping[Any, Tensor]]) -> None:
@@ -202,11 +205,14 @@ class StepAlignments:
 
     # -------------------------------------------------------------------------------------------- observing
     @contextlib.contextmanager
-    def observe(self, batch: Any, domains: Optional[Tensor] = None) -> Iterator["StepAlignments"]:
+    def observe(self, batch: Any, domains: Optional[Tensor] = None, auto_watch: bool = True,
+                retain_graph: bool = False) -> Iterator["StepAlignments"]:
         """Hooks for ONE forward + backward of a (micro-)batch inside the block; the per-sample loss of that
-        forward must be watched (automatic through grape_stream's per-sample LM loss, else :meth:`watch`).
+        forward must be watched once (automatic through grape_stream's per-sample LM loss, else :meth:`watch`;
+        ``auto_watch=False``: only explicit :meth:`watch` calls count).
 
         ``domains``: (B,) domain of each sample (default ``batch["domain"]``, the mixer's column).
+        ``retain_graph``: the graph will be backpropagated again after the block (gradients only).
         """
         if domains is None:
             domains = batch["domain"] if isinstance(batch, Mapping) and "domain" in batch else None
@@ -220,12 +226,15 @@ class StepAlignments:
             self._layouts_for(batch, parts.batch_size)
             eng.begin(MicroBatch(torch.zeros(parts.batch_size, dtype=torch.long), is_last=True), None)
             eng.parts, eng.sums, eng.errors, eng.in_backward = parts, self.sums, [], False
-            eng.processing = True
+            eng.processing, eng.keep_inputs = True, retain_graph
             self._watched = 0
-            with watching_losses(self):
+            with watching_losses(self) if auto_watch else contextlib.nullcontext():
                 yield self
             self._finish(parts)
         finally:
+            for h in self._handles:  # a later backward of the same graph (retain_graph) is not this step's
+                h.remove()
+            self._handles = []
             eng.processing = False
             eng.parts = None
             eng.remove()
@@ -249,7 +258,7 @@ class StepAlignments:
         def capture(g: Tensor) -> None:
             self.weights.index_add_(0, domains, g.detach().to(torch.float64))
 
-        losses.register_hook(capture)
+        self._handles.append(losses.register_hook(capture))
 
     def _layouts_for(self, batch: Any, size: int) -> None:
         eng = self.engine
