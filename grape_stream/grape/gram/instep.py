@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from grape_stream.errors import ConfigError
 from grape_stream.grape.gram.batches import MicroBatch, batch_signature, map_tensors
 from grape_stream.grape.gram.hooks import FusedGramEngine, Use
-from grape_stream.grape.gram.instep_grads import DomainParts, GradUse, use_grads
+from grape_stream.grape.gram.instep_grads import DomainParts, GradUse, PartStore, use_grads
 from grape_stream.grape.gram.instep_scope import check_model, hooked_modules, stray_uses
 from grape_stream.grape.gram.layouts import probe_layouts
 from grape_stream.loss_watch import watching_losses
@@ -81,6 +81,7 @@ class _Engine(FusedGramEngine):
         self.in_backward = False
         self.handled = False
         self.keep_inputs = False  # the graph will be backpropagated again (retain_graph)
+        self.store: Optional[PartStore] = None  # also keep each domain's part of every gradient
 
     def _make_post_hook(self, name: str, module: nn.Module, kind: str, params: dict[str, nn.Parameter]):
         base = super()._make_post_hook(name, module, kind, params)
@@ -132,7 +133,8 @@ class _Engine(FusedGramEngine):
         with torch.autocast(device_type=grad.device.type, enabled=False):
             dirs = {n: self.directions.get(id(p)) for n, p in use.params.items()}
             parts = self.parts if self.processing else None
-            grads, dots = use_grads(gu, grad, dict(use.params), parts, dirs, self.compute_dtype(grad.dtype))
+            grads, dots = use_grads(gu, grad, dict(use.params), parts, dirs, self.compute_dtype(grad.dtype),
+                                    self.store if parts is not None else None)
         if dots is not None and self.sums is not None and parts is not None:
             self.sums.index_add_(0, parts.domains, dots.to(torch.float64))
         if not self.keep_inputs:
@@ -206,13 +208,14 @@ class StepAlignments:
     # -------------------------------------------------------------------------------------------- observing
     @contextlib.contextmanager
     def observe(self, batch: Any, domains: Optional[Tensor] = None, auto_watch: bool = True,
-                retain_graph: bool = False) -> Iterator["StepAlignments"]:
+                retain_graph: bool = False, store: Optional[PartStore] = None) -> Iterator["StepAlignments"]:
         """Hooks for ONE forward + backward of a (micro-)batch inside the block; the per-sample loss of that
         forward must be watched once (automatic through grape_stream's per-sample LM loss, else :meth:`watch`;
         ``auto_watch=False``: only explicit :meth:`watch` calls count).
 
         ``domains``: (B,) domain of each sample (default ``batch["domain"]``, the mixer's column).
         ``retain_graph``: the graph will be backpropagated again after the block (gradients only).
+        ``store``: also keep each domain's part of every parameter's gradient there (K gradient copies).
         """
         if domains is None:
             domains = batch["domain"] if isinstance(batch, Mapping) and "domain" in batch else None
@@ -226,7 +229,7 @@ class StepAlignments:
             self._layouts_for(batch, parts.batch_size)
             eng.begin(MicroBatch(torch.zeros(parts.batch_size, dtype=torch.long), is_last=True), None)
             eng.parts, eng.sums, eng.errors, eng.in_backward = parts, self.sums, [], False
-            eng.processing, eng.keep_inputs = True, retain_graph
+            eng.processing, eng.keep_inputs, eng.store = True, retain_graph, store
             self._watched = 0
             with watching_losses(self) if auto_watch else contextlib.nullcontext():
                 yield self
@@ -235,7 +238,7 @@ class StepAlignments:
             for h in self._handles:  # a later backward of the same graph (retain_graph) is not this step's
                 h.remove()
             self._handles = []
-            eng.processing = False
+            eng.processing, eng.store = False, None
             eng.parts = None
             eng.remove()
             eng.capturing = False

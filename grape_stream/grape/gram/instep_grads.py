@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["DomainParts", "use_grads"]
+__all__ = ["DomainParts", "GradUse", "PartStore", "use_grads"]
 
 
 class DomainParts:
@@ -85,6 +85,29 @@ class GradUse:
     normalized_shape: tuple[int, ...] = ()
 
 
+class PartStore:
+    """Keeps each domain's part of every parameter's gradient: store[id(p)] (K, *shape), summed over calls.
+
+    The task probe of in-step alignments uses it (domains = tasks) to get every task's gradient from one
+    backward; it costs K gradient copies while it lives."""
+
+    def __init__(self, num_domains: int) -> None:
+        self.num_domains = num_domains
+        self.grads: dict[int, Tensor] = {}
+
+    def _buf(self, p: Tensor, dtype: torch.dtype) -> Tensor:
+        buf = self.grads.get(id(p))
+        if buf is None:
+            buf = self.grads[id(p)] = torch.zeros((self.num_domains, *p.shape), dtype=dtype, device=p.device)
+        return buf
+
+    def add(self, p: Tensor, domain: int, part: Tensor) -> None:
+        self._buf(p, part.dtype)[domain] += part.reshape(p.shape)
+
+    def add_rows(self, p: Tensor, domain: int, ids: Tensor, vecs: Tensor) -> None:
+        self._buf(p, vecs.dtype)[domain].index_add_(0, ids, vecs)
+
+
 def _dots(part: Tensor, u: Optional[Tensor]) -> Optional[Tensor]:
     """(K_m, *shape) per-domain parts . (D, *shape) directions -> (K_m, D), or None without a direction."""
     if u is None:
@@ -92,32 +115,50 @@ def _dots(part: Tensor, u: Optional[Tensor]) -> Optional[Tensor]:
     return part.reshape(part.shape[0], -1) @ u.reshape(u.shape[0], -1).to(part.dtype).t()
 
 
-def _matmul_weight(use: GradUse, x: Tensor, dy: Tensor, parts: Optional[DomainParts],
-                   u: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
+def _keep(store: Optional[PartStore], p: Tensor, parts: DomainParts, per: Tensor) -> None:
+    if store is not None:
+        for j, k in enumerate(parts.domains.tolist()):
+            store.add(p, k, per[j])
+
+
+def _matmul_weight(use: GradUse, x: Tensor, dy: Tensor, parts: Optional[DomainParts], u: Optional[Tensor],
+                   store: Optional[PartStore], p: Tensor) -> tuple[Tensor, Optional[Tensor]]:
     """Weight gradient of a matmul layer (Linear: dY^T X; Conv1D: X^T dY), and its per-domain dots."""
     left, right = (dy, x) if use.kind == "linear" else (x, dy)
     if parts is None or use.rows is None:
         return left.t() @ right, None
     left, right = parts.sorted_rows(left, use.rows), parts.sorted_rows(right, use.rows)
+    flat_u = None if u is None else u.reshape(u.shape[0], -1).to(left.dtype)
     grad: Optional[Tensor] = None
     dots = []
-    for a, b in parts.segments:
+    for j, (a, b) in enumerate(parts.segments):
         part = left[a * use.rows : b * use.rows].t() @ right[a * use.rows : b * use.rows]
-        if u is not None:
-            dots.append(part.reshape(1, -1) @ u.reshape(u.shape[0], -1).to(part.dtype).t())
+        if flat_u is not None:
+            dots.append(flat_u @ part.reshape(-1))
+        if store is not None:
+            store.add(p, int(parts.domains[j]), part)
         grad = part if grad is None else grad.add_(part)
     assert grad is not None, "a micro-batch has at least one sample"
-    return grad, (torch.cat(dots) if dots else None)
+    return grad, (torch.stack(dots) if dots else None)
 
 
-def _embedding(use: GradUse, ids: Tensor, dy: Tensor, num_rows: int, parts: Optional[DomainParts],
-               u: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
+def _embedding(use: GradUse, ids: Tensor, dy: Tensor, p: Tensor, parts: Optional[DomainParts],
+               u: Optional[Tensor], store: Optional[PartStore]) -> tuple[Tensor, Optional[Tensor]]:
+    num_rows = p.shape[0]
     ids = ids.reshape(-1).long()
     vecs = dy.reshape(ids.numel(), -1)
     keep = None if use.padding_idx is None else ids != (use.padding_idx % num_rows)
     grad = torch.zeros((num_rows, vecs.shape[1]), dtype=vecs.dtype, device=vecs.device)
     grad.index_add_(0, ids if keep is None else ids[keep], vecs if keep is None else vecs[keep])
-    if parts is None or use.rows is None or u is None:
+    if parts is None or use.rows is None:
+        return grad, None
+    if store is not None:
+        sids = parts.sorted_rows(ids.unsqueeze(1), use.rows).squeeze(1)
+        svecs = parts.sorted_rows(vecs if keep is None else vecs * keep.unsqueeze(1).to(vecs.dtype), use.rows)
+        for j, (a, b) in enumerate(parts.segments):
+            r0, r1 = a * use.rows, b * use.rows
+            store.add_rows(p, int(parts.domains[j]), sids[r0:r1], svecs[r0:r1])
+    if u is None:
         return grad, None
     tok = torch.einsum("nf,dnf->nd", vecs, u.to(vecs.dtype)[:, ids])  # (n, D): dY_t . u[id_t]
     if keep is not None:
@@ -130,18 +171,19 @@ def _basis(use: GradUse, x: Tensor) -> Tensor:
     if use.kind == "affine":
         return x
     if use.kind == "layernorm":
-        return F.layer_norm(x, use.normalized_shape, None, None, use.eps)
+        return F.layer_norm(x, use.normalized_shape, None, None, 1e-5 if use.eps is None else use.eps)
     eps = use.eps if use.eps is not None else torch.finfo(x.dtype).eps
     return F.rms_norm(x, use.normalized_shape, None, eps)
 
 
 def use_grads(use: GradUse, grad: Tensor, params: dict[str, Tensor], parts: Optional[DomainParts],
-              directions: dict[str, Optional[Tensor]], dtype: torch.dtype,
+              directions: dict[str, Optional[Tensor]], dtype: torch.dtype, store: Optional[PartStore] = None,
               ) -> tuple[dict[str, Tensor], Optional[Tensor]]:
     """({name: gradient of this call for each parameter}, (K_m, D) per-domain alignments or None).
 
     ``grad`` is dY of the call; ``params`` its (in-scope) parameters; ``directions[name]`` the (D, *shape)
-    directions of each parameter (None: none); ``dtype`` the dtype the maths runs in.
+    directions of each parameter (None: none); ``dtype`` the dtype the maths runs in; ``store``: also keep
+    each domain's part of every gradient there.
     """
     out: dict[str, Tensor] = {}
     total: Optional[Tensor] = None
@@ -156,14 +198,14 @@ def use_grads(use: GradUse, grad: Tensor, params: dict[str, Tensor], parts: Opti
         x = inp.reshape(-1, inp.shape[-1]).to(dtype)
         dy = grad.reshape(-1, grad.shape[-1]).to(dtype)
         if "weight" in params:
-            out["weight"], d = _matmul_weight(use, x, dy, parts, directions.get("weight"))
+            out["weight"], d = _matmul_weight(use, x, dy, parts, directions.get("weight"), store, params["weight"])
             add(d)
         if "bias" in params:
-            out["bias"], d = _bias(dy, use, parts, directions.get("bias"))
+            out["bias"], d = _bias(dy, use, parts, directions.get("bias"), store, params["bias"])
             add(d)
     elif use.kind == "embedding":
-        w = params["weight"]
-        out["weight"], d = _embedding(use, inp, grad.to(dtype), w.shape[0], parts, directions.get("weight"))
+        out["weight"], d = _embedding(use, inp, grad.to(dtype), params["weight"], parts, directions.get("weight"),
+                                      store)
         add(d)
     else:  # layernorm / rmsnorm / affine: y = w * n(x) + b over the trailing dims
         shape = use.normalized_shape
@@ -177,16 +219,19 @@ def use_grads(use: GradUse, grad: Tensor, params: dict[str, Tensor], parts: Opti
                 per = parts.per_domain(q, use.rows)
                 out["weight"] = per.sum(0).reshape(shape)
                 add(_dots(per, directions.get("weight")))
+                _keep(store, params["weight"], parts, per)
         if "bias" in params:
-            out["bias"], d = _bias(dy, use, parts, directions.get("bias"))
+            out["bias"], d = _bias(dy, use, parts, directions.get("bias"), store, params["bias"])
             out["bias"] = out["bias"].reshape(shape)
             add(d)
     grads = {k: g.to(params[k].dtype).reshape(params[k].shape) for k, g in out.items()}
     return grads, total
 
 
-def _bias(dy: Tensor, use: GradUse, parts: Optional[DomainParts], u: Optional[Tensor]) -> tuple[Tensor, Any]:
+def _bias(dy: Tensor, use: GradUse, parts: Optional[DomainParts], u: Optional[Tensor], store: Optional[PartStore],
+          p: Tensor) -> tuple[Tensor, Any]:
     if parts is None or use.rows is None:
         return dy.sum(0), None
     per = parts.per_domain(dy, use.rows)
+    _keep(store, p, parts, per)
     return per.sum(0), _dots(per, u)
