@@ -140,8 +140,8 @@ def step_sums(model: Any, v: dict, batches: int, args: argparse.Namespace) -> tu
         batch = _domain_batch(rng, rng.integers(0, K, args.batch), args)
         with sa.observe(batch):
             per_sample_lm_loss(model, batch).mean().backward()
-        sums.append(sa.sums[:, 0].cpu().numpy())
-        weights.append(sa.weights.cpu().numpy())
+        sums.append(sa.sums[:, 0].cpu().numpy().copy())  # copies: reset() zeroes the tensors in place
+        weights.append(sa.weights.cpu().numpy().copy())
     model.zero_grad(set_to_none=True)
     return np.array(sums), np.array(weights)
 
