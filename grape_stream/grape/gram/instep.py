@@ -40,11 +40,22 @@ from grape_stream.grape.gram.instep_scope import check_model, hooked_modules, st
 from grape_stream.grape.gram.layouts import probe_layouts
 from grape_stream.loss_watch import watching_losses
 
-__all__ = ["INSTEP_STATE_FORMAT", "StepAlignments"]
+__all__ = ["INSTEP_STATE_FORMAT", "StepAlignments", "sort_by_domain"]
 
 INSTEP_STATE_FORMAT = "grape_stream.instep/1"
 
 PerSampleLoss = Callable[[nn.Module, Any], Tensor]
+
+
+def sort_by_domain(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The batch with its samples in domain order (stable): every tensor with the batch's leading size is
+    reordered. A training loss that is a mean over the batch is unchanged; the observed step's per-domain
+    gradients then take views of contiguous rows instead of gathering them."""
+    domains = torch.as_tensor(batch["domain"])
+    order = torch.sort(domains, stable=True).indices
+    n = domains.shape[0]
+    return {k: (v.index_select(0, order.to(v.device)) if isinstance(v, Tensor) and v.dim() and v.shape[0] == n else v)
+            for k, v in batch.items()}
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
