@@ -6,7 +6,6 @@ onto the uninterrupted trajectory."""
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
