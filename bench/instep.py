@@ -222,6 +222,48 @@ def costs(model: Any, opt: Any, v: dict, args: argparse.Namespace) -> dict[str, 
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def overhead_runs(args: argparse.Namespace) -> dict[str, Any]:
+    """Full Composer runs (bench/overhead.py's set-up, our GPT): uniform, GRAPE with probes, GRAPE with in-step
+    alignments at each --overhead-steps, interleaved --overhead-repeats times. Per variant: the update time over
+    the rest of the run ("accounted"; it misses what observed steps add) and the run's CPU over (steps x its
+    median step without an update), against the uniform run before it ("within": everything GRAPE adds)."""
+    import tempfile
+
+    import overhead
+
+    o = argparse.Namespace(**vars(args))  # the same names as bench/overhead.py's options
+    o.steps, o.every, o.threads = args.overhead_run_steps, args.every, 1
+    variants: dict[str, tuple[str, dict]] = {"uniform": ("uniform", {}), "probe": ("grape", {})}
+    for n in args.overhead_steps:
+        variants[f"steps {n}"] = ("grape", {"alignments": "steps", "alignment_steps": n})
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = os.path.join(tmp, "data")
+        overhead.write_data(root, o.vocab, o.seq_len, per_domain=max(2000, o.steps * o.batch // K + 64))
+        warm = argparse.Namespace(**{**vars(o), "steps": 10, "every": 5})
+        for method, extra in variants.values():
+            if method != "uniform":
+                overhead.run_once(method, "gpt", root, tmp, warm, extra)
+        for _ in range(args.overhead_repeats):
+            for name, (method, extra) in variants.items():
+                r = overhead.run_once(method, "gpt", root, tmp, o, extra)
+                runs[name].append(r)
+                print(f"  {name:<10} {r['seconds']:8.2f} s wall {r['cpu_seconds']:8.2f} s cpu ({r['updates']} updates)",
+                      flush=True)
+
+    def excess(r: dict) -> float:
+        return r["cpu_seconds"] / (o.steps * r["plain_step_cpu_median"])
+
+    out = {}
+    for name, rs in runs.items():
+        paired = [excess(b) / excess(a) - 1.0 for a, b in zip(runs["uniform"], rs)]
+        acc = [r["update_seconds"]["total"] / max(r["seconds"] - r["update_seconds"]["total"], 1e-9) for r in rs]
+        out[name] = {"within_cpu": statistics.median(paired), "within_cpu_all": paired,
+                     "accounted": statistics.median(acc), "cpu_seconds": [r["cpu_seconds"] for r in rs],
+                     "updates": rs[0]["updates"]}
+    return {"steps": o.steps, "every": o.every, "variants": out}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--warm", type=int, default=150)
@@ -237,6 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, default=200, help="observed training batches for the in-step noise")
     p.add_argument("--cost-repeats", type=int, default=15)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--overhead", action="store_true", help="also time full Composer runs (bench/overhead.py's set-up)")
+    p.add_argument("--overhead-steps", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4, 10],
+                   help="alignment_steps values of the in-step runs")
+    p.add_argument("--overhead-repeats", type=int, default=3)
+    p.add_argument("--overhead-run-steps", type=int, default=500)
+    p.add_argument("--skip-noise", action="store_true", help="only the full runs (keeps the noise rows of --out)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "instep.json"))
     args = p.parse_args(argv)
     if args.quick:
@@ -245,6 +293,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
+    if args.skip_noise:
+        with open(args.out, encoding="utf-8") as f:
+            result = json.load(f)
+        result["overhead"] = overhead_runs(args)
+        print_overhead(result["overhead"])
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+        return 0
     model, opt = build(args)
     v, task_losses = target_direction(model, args)
     probes = {b: probe_scores(model, v, b, args.repeats, args) for b in (8, 16, 32)}
@@ -279,11 +335,24 @@ def main(argv: list[str] | None = None) -> int:
                          "cpu": platform.processor() or platform.machine(), "load_avg": os.getloadavg()},
               "costs_cpu_s": cost, "signal_var": signal, "task_losses": task_losses.tolist(),
               "b_pooled_centred": cmean.tolist(), "rows": rows}
+    if args.overhead:
+        result["overhead"] = overhead_runs(args)
+        print_overhead(result["overhead"])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {args.out}")
     return 0
+
+
+def print_overhead(res: dict) -> None:
+    print(f"\nfull Composer runs ({res['steps']} steps, an update every {res['every']}): overhead against uniform")
+    print(f"{'variant':<12}{'CPU within runs':>16}{'accounted':>11}   per repeat")
+    for name, r in res["variants"].items():
+        each = " ".join(f"{100 * x:+.2f}%" for x in r["within_cpu_all"])
+        print(f"{name:<12}{100 * r['within_cpu']:>+15.2f}%{100 * r['accounted']:>10.2f}%   {each}")
+    print("CPU within runs: a run's CPU over (steps x its median step without an update), over the same for the "
+          "uniform run before it; accounted: update time over the rest of the run (it misses the observed steps)")
 
 
 def print_table(rows: list[dict], cost: dict, args: argparse.Namespace) -> None:

@@ -125,7 +125,7 @@ class AlgorithmConfig:
     # in-step alignments (docs/alignment.md): "steps" takes the domain side from alignment_steps training steps
     # per update (their own backwards, evenly spaced) instead of K domain probes per update; "probe" is the paper's
     alignments: str = "probe"  # probe | steps
-    alignment_steps: int = 10
+    alignment_steps: int = 4
     trajectory: bool = True  # write <output_dir>/grape_trajectory.jsonl (+ .png at fit end)
     plots: bool = True
     summary: bool = True  # print the end-of-run summary table (and write grape_summary.txt, log it as an artifact)
