@@ -110,8 +110,7 @@ def task_probe(model: nn.Module, per_sample_loss: PerSampleLoss, groups: Sequenc
                                                                                    dtype=torch.float64, device=device)
     if world > 1:
         loss_sums, counts, r_sums, r_weights, gram = _all_reduce_sum([loss_sums, counts, r_sums, r_weights, gram])
-        if store is not None:
-            r_weights = r_weights / world  # kept parts are per-rank means: their alignments add up to R times
+        if store is not None:  # (r: per-rank means with weight 1 each, so sums / weights is their mean)
             gram = gram / world  # the Grams of the ranks' probes, averaged (as the fused probe does)
     mean_losses = (loss_sums / counts).cpu().numpy()
     r = (r_sums / r_weights.unsqueeze(1)).cpu().numpy()
