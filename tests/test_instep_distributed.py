@@ -110,6 +110,6 @@ def test_task_probe_over_two_ranks_is_the_probe_of_all_samples(tmp_path: Path) -
         np.testing.assert_allclose(got["losses"], losses, rtol=1e-13)
         np.testing.assert_allclose(got["r"][:, 0], r, rtol=1e-10)
         np.testing.assert_allclose(got["c"], c, rtol=1e-10)
-        for i, p in enumerate(params):
+        for i in range(len(params)):
             want = sum(float(c[n]) * grads[n][i] for n in range(2))
             assert float((got["v"][i] - want).abs().max()) <= 1e-10 * float(want.abs().max())

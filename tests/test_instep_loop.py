@@ -26,9 +26,11 @@ def _run(data: str, steps: int, resume: dict | None, **options) -> dict:
     model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=1, n_head=2, d_model=16, d_ff=32))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     try:
-        grape = GrapeController(mixer, tasks, method="grape", probe_domain_batch=4, probe_task_batch=4,
-                                **{"alpha_every": 4, "z_every": 4, "mu_alpha": 1e-3, "mu_z": 1e-3,
-                                   "alignments": "steps", **options})
+        mus = {"mu_alpha": 1e-3} if str(options.get("method", "")).startswith("doge") else {"mu_alpha": 1e-3,
+                                                                                          "mu_z": 1e-3}
+        grape = GrapeController(mixer, tasks, probe_domain_batch=4, probe_task_batch=4,
+                                **{"method": "grape", "alpha_every": 4, "z_every": 4, **mus, "alignments": "steps",
+                                   **options})
     except Exception:
         mixer.close()
         raise
@@ -88,3 +90,18 @@ def test_steps_mode_refuses_what_it_cannot_measure(tmp_path: Path) -> None:
                             ({"alignment_steps": 0}, "alignment_steps"), ({"alignments": "both"}, "alignments")):
         with pytest.raises(ConfigError, match=needle):
             _run(data, 0, None, **options)
+
+
+@pytest.mark.parametrize("method, options", [("grape_ema", {}), ("doge_pcgrad", {}), ("grape", {"geometry": "adam"})],
+                         ids=["grape_ema", "doge_pcgrad", "grape-adam"])
+def test_steps_mode_serves_every_method_and_the_adam_geometry(tmp_path: Path, method: str, options: dict) -> None:
+    data = str(tmp_path / "data")
+    write_dataset(data, domains=3, tasks=(0, 2), n_domain=64, n_val=16, n_test=4)
+    end = _run(data, 4, None, method=method, alpha_every=2, z_every=2, alignment_steps=1, **options)
+    history = end["grape"]["history"]
+    updates = [r for r in history if not r.get("initial")]
+    assert [r["step"] for r in updates] == [2, 4] and all(r.get("skipped") is None for r in updates)
+    assert updates[-1]["alpha"] != history[0]["alpha"]
+    assert (updates[-1]["z"] != history[0]["z"]) == (not method.startswith("doge"))
+    if options.get("geometry") == "adam":
+        assert updates[-1]["geometry"].startswith("adam")
