@@ -103,6 +103,7 @@ class InstepMode:
         self.per_sample_loss: Callable[[nn.Module, Any], torch.Tensor] = controller.per_sample_loss
         self.geometry = geometry
         self.alignments: Optional[StepAlignments] = None
+        self._tasks: Optional[StepAlignments] = None
         self.has_direction = False
         self.totals = {k: torch.zeros(num_domains, dtype=torch.float64) for k in _STATS}
         self.observed_steps = 0
@@ -122,6 +123,8 @@ class InstepMode:
     def _engine(self, model: nn.Module) -> StepAlignments:
         inner = unwrap_for_probe(model)
         if self.alignments is None or self.alignments.model is not inner:
+            if self.alignments is not None:  # another module object trains now (re-wrapped): keep the direction
+                self._pending_state = self.alignments.state_dict()
             self.alignments = StepAlignments(model, self.per_sample_loss, self.num_domains)
             if self._pending_state is not None:
                 self.alignments.load_state_dict(self._pending_state)
@@ -216,7 +219,7 @@ class InstepMode:
         t1 = time.perf_counter()
         with probe_context(model, self.controller.probe_train_mode, autocast):
             probe = task_probe(model, self.per_sample_loss, groups, fixed=fixed, coefficients=coefficients,
-                               reduce=self.controller.probe_mode == "sharded")
+                               reduce=self.controller.probe_mode == "sharded", engine=self._task_engine(model))
         self._set_direction(probe.direction, pre)
         seconds["gram"] = time.perf_counter() - t1
         last = rw.history[-1] if rw.history else {}
@@ -235,10 +238,17 @@ class InstepMode:
         rw = self.reweighter
         groups = self.controller.probe_batches(step, module_device(model), tasks_only=True)
         with probe_context(model, self.controller.probe_train_mode, autocast):
-            probe = task_probe(model, self.per_sample_loss, groups, fixed=[],
+            probe = task_probe(model, self.per_sample_loss, groups, fixed=[], engine=self._task_engine(model),
                                reduce=self.controller.probe_mode == "sharded",
                                coefficients=lambda losses, r, gram: rw.target_coefficients(losses, gram))
         self._set_direction(probe.direction, self._preconditioner(optimizer, model, {}))
+
+    def _task_engine(self, model: nn.Module) -> StepAlignments:
+        """The task probe's hooks (one "domain" per task), kept: their layouts are learnt once."""
+        inner = unwrap_for_probe(model)
+        if self._tasks is None or self._tasks.model is not inner:
+            self._tasks = StepAlignments(model, self.per_sample_loss, len(self.controller.task_names))
+        return self._tasks
 
     def _preconditioner(self, optimizer: Any, model: nn.Module, rec: dict[str, Any]) -> Optional[dict]:
         if self.geometry != "adam" or optimizer is None:  # (the first direction may come before any optimizer)

@@ -63,11 +63,12 @@ def _all_reduce_sum(tensors: list[Tensor]) -> list[Tensor]:
 
 def task_probe(model: nn.Module, per_sample_loss: PerSampleLoss, groups: Sequence[Any], *,
                fixed: Sequence[Mapping[Any, Tensor]], coefficients: Coefficients, reduce: bool = True,
-               keep_gradients: bool = True) -> TaskProbe:
+               keep_gradients: bool = True, engine: Optional[StepAlignments] = None) -> TaskProbe:
     """Losses, alignments with the ``fixed`` directions and (when kept) the Gram of the N task gradients,
     then the direction sum_n c_n h_n with c = ``coefficients(losses, alignments, task_gram)``. ``reduce``: over
     ranks when torch.distributed is initialised (every rank must call it; each rank's groups are its own
     samples, of the same sizes). Leaves ``.grad`` untouched; run it in the probe's mode / RNG context.
+    ``engine``: hooks to reuse across calls (built for this model with one "domain" per task).
     """
     model = unwrap_for_probe(model)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -82,7 +83,7 @@ def task_probe(model: nn.Module, per_sample_loss: PerSampleLoss, groups: Sequenc
         import torch.distributed as dist
 
         world = dist.get_world_size()
-    sa = StepAlignments(model, per_sample_loss, n_tasks)
+    sa = engine if engine is not None else StepAlignments(model, per_sample_loss, n_tasks)
     sa.set_directions([] if keep_gradients else fixed)
     store = PartStore(n_tasks) if keep_gradients else None
     with no_inplace_loss_grad():  # (the second backward of keep_gradients=False reads the logits again)
