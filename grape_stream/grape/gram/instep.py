@@ -27,6 +27,7 @@ checkpointing, and a backward whose per-sample loss was not watched. docs/alignm
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
@@ -62,12 +63,20 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+@dataclass(eq=False)
+class _StepUse(Use):
+    """A hooked call of an observed step: what its backward needs, and its parameters in the Function's order."""
+
+    grad_use: Optional[GradUse] = None
+    param_order: tuple[str, ...] = ()
+
+
 class _AlignedGrad(torch.autograd.Function):
     """Identity on a hooked call's output; its backward hands dY to the engine and returns the gradients of
     the call's (detached-in-forward) parameters to autograd, so ``.grad`` and DDP see them as usual."""
 
     @staticmethod
-    def forward(ctx: Any, engine: "_Engine", use: Use, output: Tensor, *params: Tensor) -> Tensor:
+    def forward(ctx: Any, engine: "_Engine", use: _StepUse, output: Tensor, *params: Tensor) -> Tensor:
         ctx.engine, ctx.use = engine, use
         return output.view_as(output)
 
@@ -88,7 +97,6 @@ class _Engine(FusedGramEngine):
         self.sums: Optional[Tensor] = None  # (K, D) float64: sum_{s in k} w_s <grad l_s, u_d>
         self.parts: Optional[DomainParts] = None
         self.errors: list[str] = []
-        self.calls_in_backward = 0
         self.in_backward = False
         self.handled = False
         self.keep_inputs = False  # the graph will be backpropagated again (retain_graph)
@@ -120,27 +128,24 @@ class _Engine(FusedGramEngine):
             return None  # the post hook re-runs this call
         else:  # rows not attributable: gradients only; the error is raised after the backward
             self.errors.append(self.layout_errors.get(id(next(iter(params.values()))), f"{name}: layout"))
-        ckind = kind
-        gu = GradUse(kind=ckind, inp=inp.detach(), rows=rows, padding_idx=getattr(mod, "padding_idx", None))
-        if ckind in ("layernorm", "rmsnorm"):
+        gu = GradUse(kind=kind, inp=inp.detach(), rows=rows, padding_idx=getattr(mod, "padding_idx", None))
+        if kind in ("layernorm", "rmsnorm"):
             gu.normalized_shape, gu.eps = tuple(mod.normalized_shape), mod.eps
-        elif ckind == "affine":
+        elif kind == "affine":
             gu.normalized_shape = tuple(mod._parameters["weight"].shape)
-        use = Use(name=name, kind=ckind, module=mod, params=params, inp=None, rows_per_sample=rows or 0)
-        use.keep_ids = None
-        use.grad_use = gu  # type: ignore[attr-defined]
-        names = list(params)
-        out = _AlignedGrad.apply(self, use, output, *[params[n] for n in names])
-        use.param_order = names  # type: ignore[attr-defined]
+        use = _StepUse(name=name, kind=kind, module=mod, params=params, inp=None, rows_per_sample=rows or 0,
+                       grad_use=gu, param_order=tuple(params))
+        out = _AlignedGrad.apply(self, use, output, *[params[n] for n in use.param_order])
         use.node = out.grad_fn
         self.uses.append(use)
         self.handled = True
         return out
 
-    def backward_use(self, use: Use, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+    def backward_use(self, use: _StepUse, grad: Tensor) -> tuple[Optional[Tensor], ...]:
         self.in_backward = True
         use.fired = True
-        gu: GradUse = use.grad_use  # type: ignore[attr-defined]
+        gu = use.grad_use
+        assert gu is not None, "_capture sets it"
         with torch.autocast(device_type=grad.device.type, enabled=False):
             dirs = {n: self.directions.get(id(p)) for n, p in use.params.items()}
             parts = self.parts if self.processing else None
@@ -150,14 +155,14 @@ class _Engine(FusedGramEngine):
             self.sums.index_add_(0, parts.domains, dots.to(torch.float64))
         if not self.keep_inputs:
             gu.inp = None  # type: ignore[assignment]  # free the input as soon as it is used
-        return tuple(grads.get(n) for n in use.param_order)  # type: ignore[attr-defined]
+        return tuple(grads.get(n) for n in use.param_order)
 
 
 class StepAlignments:
     """Per-domain alignments with fixed directions, accumulated over observed training backwards.
 
-    ``model``: the module the training step differentiates (a DDP or torch.compile wrapper is refused at
-    :meth:`observe` if it hides the modules: pass the training model, it is unwrapped like the probe's).
+    ``model``: the module the training step differentiates (a DDP / DataParallel wrapper is unwrapped as for the
+    probe; a torch.compile'd model is refused, see ``instep_scope.check_model``).
     ``per_sample_loss``: the probe's ``f(model, batch) -> Tensor[B]``, run under no_grad on one and two samples of
     the first observed batch of each shape to learn which rows of each call belong to which sample.
     ``num_domains``: K. Directions are set with :meth:`set_directions`.
