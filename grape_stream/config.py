@@ -108,8 +108,10 @@ class AlgorithmConfig:
     z_every: int = 100
     probe_domain_batch: int = 8
     probe_task_batch: int = 8
-    mu_alpha: Optional[float] = PAPER_MU_ALPHA
-    mu_z: Optional[float] = PAPER_MU_Z
+    # the paper's step (eta = lr / mu) with options.step_size=lr_over_mu (None: the paper's mu); the default step
+    # rule, options.step_size=trust_region, sizes each update by a KL divergence instead (kl_alpha, kl_z)
+    mu_alpha: Optional[float] = None
+    mu_z: Optional[float] = None
     seed: int = 0
     probe_mode: str = "sharded"  # sharded | replicated (only matters with several ranks)
     schedule_path: Optional[str] = None  # method=schedule: a trajectory JSONL to replay

@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
-from grape_stream.grape.reweighting import noise
+from grape_stream.grape.reweighting import noise, step_rule
 from grape_stream.grape.reweighting.from_scores import FromScores
 from grape_stream.grape.reweighting.gram_input import (
     GRAM_ASYMMETRY_RTOL,
@@ -103,6 +103,7 @@ class Reweighter(FromScores):
         self._z = probs_from_log(self._log_z)
         self._loss_ema: np.ndarray | None = None
         self._gram_ema: np.ndarray | None = None  # option gram_ema: the running Gram the alignments use
+        self._lr_peak: float | None = None  # the trust region's lr reference (the largest lr seen)
 
     # -- options -------------------------------------------------------------------------------------
     def _resolve_options(self, opts: dict[str, Any]) -> dict[str, Any]:
@@ -156,20 +157,13 @@ class Reweighter(FromScores):
         )
 
     # -- the update ----------------------------------------------------------------------------------
-    def step_sizes(self, lr: float | None) -> tuple[float, float]:
-        """(eta_alpha, eta_z) for this learning rate; 0 for a side the method never moves."""
-        o = self._options
-        etas = []
-        for side, moves in (("alpha", self.moves_alpha), ("z", self.moves_z)):
-            if not moves:
-                etas.append(0.0)
-            elif o["step_size"] == "constant":
-                etas.append(float(o[f"eta_{side}"]))
-            elif lr is None:  # update() checks this first (_check_lr); same message for a direct call
-                raise ValueError("lr is required with step_size='lr_over_mu' (eta = lr / mu)")
-            else:
-                etas.append(float(lr) / o[f"mu_{side}"])
-        return etas[0], etas[1]
+    def step_sizes(self, lr: float | None, a: Any = None, b: Any = None) -> tuple[float, float]:
+        """(eta_alpha, eta_z) for this learning rate (and, under the trust region, these exponents a, b);
+        0 for a side the method never moves (grape.reweighting.step_rule)."""
+        o, peak = self._options, max(self._lr_peak or 0.0, lr or 0.0) or None
+        return (step_rule.side_eta(o, "alpha", lr, peak, self._log_alpha, b) if self.moves_alpha else 0.0,
+                step_rule.side_eta(o, "z", lr, peak, self._log_z, None if a is None else -np.asarray(a))
+                if self.moves_z else 0.0)
 
     def update(
         self,
@@ -202,9 +196,7 @@ class Reweighter(FromScores):
         if losses.shape[0] != n:
             raise ValueError(f"task_losses has {losses.shape[0]} entries, expected num_tasks = {n}")
         lr_value = self._check_lr(lr)
-        eta_alpha, eta_z = self.step_sizes(lr_value)
-        eta_alpha = eta_alpha if update_alpha else 0.0
-        eta_z = eta_z if update_z else 0.0
+        eta_alpha, eta_z = self.step_sizes(lr_value)  # provisional under the trust region (needs a, b)
 
         nonfinite = ~np.isfinite(g)
         if nonfinite.any():
@@ -235,6 +227,9 @@ class Reweighter(FromScores):
                       b: np.ndarray, eta_alpha: float, eta_z: float, update_alpha: bool, update_z: bool,
                       new_ema: np.ndarray | None, gram_ema: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """The multiplicative steps from the exponents' vectors a (tasks) and b (domains), then commit and record."""
+        if self._options.get("step_size") == "trust_region" and np.all(np.isfinite(a)) and np.all(np.isfinite(b)):
+            eta_alpha, eta_z = self.step_sizes(lr_value, a, b)
+        eta_alpha, eta_z = (eta_alpha if update_alpha else 0.0), (eta_z if update_z else 0.0)
         try:
             log_z = exp_gradient_step(self._log_z, -a, eta_z) if (self.moves_z and update_z) else self._log_z
             moves = self.moves_alpha and update_alpha
@@ -247,6 +242,8 @@ class Reweighter(FromScores):
                 a=a, b=b,
             )
         self._commit(log_alpha, log_z, update_alpha, update_z)
+        if lr_value is not None:
+            self._lr_peak = max(self._lr_peak or 0.0, lr_value)
         self._loss_ema = new_ema
         self._gram_ema = gram_ema
         self._record(index, step, lr_value, losses, a, b, eta_alpha, eta_z, None)
@@ -254,7 +251,7 @@ class Reweighter(FromScores):
         return self._alpha.copy(), self._z.copy()
 
     def _check_lr(self, lr: Any) -> float | None:
-        constant = self._options.get("step_size") == "constant" or not (self.moves_alpha or self.moves_z)
+        constant = self._options.get("step_size") != "lr_over_mu" or not (self.moves_alpha or self.moves_z)
         if lr is None:
             if constant:
                 return None
@@ -367,6 +364,7 @@ class Reweighter(FromScores):
             "history_dropped": self._history_dropped,
             **({"gram_ema": None if self._gram_ema is None else self._gram_ema.tolist()}
                if "gram_ema" in self._options else {}),
+            **({"lr_peak": self._lr_peak} if self._options.get("step_size") == "trust_region" else {}),
         }
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
@@ -414,6 +412,7 @@ class Reweighter(FromScores):
         self._loss_ema = ema
         self._gram_ema = noise.gram_ema_from_state(state.get("gram_ema"), self.num_domains + self.num_tasks)
         self._num_updates = num_updates
+        self._lr_peak = None if state.get("lr_peak") is None else float(state["lr_peak"])
         self._num_skipped = int(state.get("num_skipped", 0))
         self._history = deque(history, maxlen=self._options["history_limit"])
         self._history_dropped = int(state.get("history_dropped", 0)) + max(0, len(history) - len(self._history))

@@ -57,7 +57,7 @@ class DogeReweighter(Reweighter):
     method = "doge"
     description = "DoGE: z fixed uniform, alpha_k *= exp(eta_alpha * mean_n <g_k, h_n>) (raw alignment)"
     options_accepted: ClassVar[tuple[str, ...]] = (
-        "mu_alpha", "step_size", "eta_alpha", "clip_norm", "alpha0", "alpha_floor", "history_limit",
+        "mu_alpha", "step_size", "eta_alpha", "kl_alpha", "clip_norm", "alpha0", "alpha_floor", "history_limit",
         "alignment", "gram_ema", "alpha_ema",
     )
     moves_alpha = True

@@ -24,7 +24,7 @@ class GrapeReweighter(Reweighter):
     method = "grape"
     description = "GRAPE with rate-of-improvement (RoI): both sides use grad log l_n = h_n / l_n"
     options_accepted: ClassVar[tuple[str, ...]] = (
-        "mu_alpha", "mu_z", "step_size", "eta_alpha", "eta_z", "clip_norm", "z_smoothing",
+        "mu_alpha", "mu_z", "step_size", "eta_alpha", "eta_z", "kl_alpha", "kl_z", "clip_norm", "z_smoothing",
         "alpha0", "z0", "alpha_floor", "history_limit", "alignment", "gram_ema", "alpha_ema",
     )
     moves_alpha = True

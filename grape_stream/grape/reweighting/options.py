@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from grape_stream.config import PAPER_MU_ALPHA, PAPER_MU_Z  # the one statement of the paper's defaults
+from grape_stream.grape.reweighting.step_rule import DEFAULT_KL, STEP_SIZES
 from grape_stream.simplex import check_simplex
 
 __all__ = [
@@ -24,9 +25,6 @@ __all__ = [
     "resolve_step_options",
 ]
 
-
-#: "lr_over_mu": the paper's eta = lr / mu; "constant": the authors' released code, eta given directly.
-STEP_SIZES = ("lr_over_mu", "constant")
 
 
 def positive_int(value: Any, name: str) -> int:
@@ -53,9 +51,27 @@ def resolve_history_limit(limit: Any) -> int | None:
     return int(limit)
 
 
+def _side_kl(opts: dict[str, Any], side: str) -> float:
+    """kl_<side> of step_size='trust_region' (mu and eta belong to the other rules)."""
+    for other in (f"mu_{side}", f"eta_{side}"):
+        if opts.pop(other, None) is not None:
+            rule = "lr_over_mu" if other.startswith("mu") else "constant"
+            raise ValueError(
+                f"{other} is used only with step_size='{rule}'; step_size='trust_region' sizes each "
+                f"update by kl_{side} (a KL divergence per update, default {DEFAULT_KL[side]}); set "
+                f"step_size='{rule}' for {'the paper' if rule == 'lr_over_mu' else 'the authors'}'s step"
+            )
+    kl = real(opts.pop(f"kl_{side}", DEFAULT_KL[side]), f"kl_{side}")
+    if not (math.isfinite(kl) and kl >= 0):
+        raise ValueError(f"kl_{side} must be a finite number >= 0 (nats per update), got {kl!r}")
+    return kl
+
+
 def _side_step(opts: dict[str, Any], side: str, step_size: str) -> tuple[float | None, float | None]:
     """(mu, eta) of one side: exactly one of them is set, the one `step_size` uses."""
     defaults = {"alpha": PAPER_MU_ALPHA, "z": PAPER_MU_Z}
+    if opts.pop(f"kl_{side}", None) is not None:
+        raise ValueError(f"kl_{side} is used only with step_size='trust_region', not {step_size!r}")
     mu, eta = opts.pop(f"mu_{side}", None), opts.pop(f"eta_{side}", None)
     if step_size == "lr_over_mu":
         if eta is not None:
@@ -82,12 +98,18 @@ def _side_step(opts: dict[str, Any], side: str, step_size: str) -> tuple[float |
 def resolve_step_options(opts: dict[str, Any], sides: tuple[str, ...], num_domains: int) -> dict[str, Any]:
     """Pop and check the options of a method that moves `sides`: step sizes, clipping, alpha0, floor."""
     out: dict[str, Any] = {}
-    step_size = opts.pop("step_size", "lr_over_mu")
+    # unset: giving mu (the paper's knob) asks for the paper's step; otherwise the trust region (the default)
+    given_mu = any(opts.get(f"mu_{side}") is not None for side in sides)
+    step_size = opts.pop("step_size", None) or ("lr_over_mu" if given_mu else STEP_SIZES[0])
     if step_size not in STEP_SIZES:
-        raise ValueError(f"step_size must be 'lr_over_mu' (paper) or 'constant' (authors' code), got {step_size!r}")
+        raise ValueError(f"step_size must be 'trust_region' (default: a KL divergence per update), 'lr_over_mu' "
+                         f"(paper) or 'constant' (authors' code), got {step_size!r}")
     out["step_size"] = step_size
     for side in sides:
-        out[f"mu_{side}"], out[f"eta_{side}"] = _side_step(opts, side, step_size)
+        if step_size == "trust_region":
+            out[f"kl_{side}"] = _side_kl(opts, side)
+        else:
+            out[f"mu_{side}"], out[f"eta_{side}"] = _side_step(opts, side, step_size)
     clip = opts.pop("clip_norm", None)
     if clip is not None:
         clip = real(clip, "clip_norm")
