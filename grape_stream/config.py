@@ -124,6 +124,10 @@ class AlgorithmConfig:
     geometry: str = "sgd"  # sgd | adam
     probe_rse: Optional[float] = None
     probe_batch_bounds: list[int] = field(default_factory=lambda: [4, 64])
+    # in-step alignments (docs/alignment.md): "steps" takes the domain side from alignment_steps training steps
+    # per update (their own backwards, evenly spaced) instead of K domain probes per update; "probe" is the paper's
+    alignments: str = "probe"  # probe | steps
+    alignment_steps: int = 4
     trajectory: bool = True  # write <output_dir>/grape_trajectory.jsonl (+ .png at fit end)
     plots: bool = True
     summary: bool = True  # print the end-of-run summary table (and write grape_summary.txt, log it as an artifact)

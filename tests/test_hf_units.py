@@ -123,6 +123,26 @@ def test_grape_trainer_refuses_what_cannot_work(data, tmp_path):
         mixer.close()
 
 
+def test_grape_trainer_refuses_in_step_alignments_in_one_line(data, tmp_path):
+    """The HF Trainer computes its loss inside the model (no watchable per-sample losses): refused at train()."""
+    from transformers import TrainingArguments
+
+    from grape_stream.integrations.hf import GrapeTrainer, GrapeTrainerCallback
+
+    mixer = _mixer(data)
+    try:
+        grape = GrapeTrainerCallback(method="grape", tasks=_tasks(data), alpha_every=2, z_every=2,
+                                     alignments="steps", alignment_steps=1, trajectory=False)
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, report_to=[],
+                                 use_cpu=True)
+        trainer = GrapeTrainer(model=_llama(), args=args, mixer=mixer, callbacks=[grape])
+        with pytest.raises(ConfigError, match="not available with the Hugging Face Trainer") as err:
+            trainer.train()
+        assert "\n" not in str(err.value)
+    finally:
+        mixer.close()
+
+
 def test_grape_trainer_takes_the_mixer_as_train_dataset_and_its_batch_size(data, tmp_path):
     """`GrapeTrainer(train_dataset=mixer)`, as any Trainer; the batch size is said once, by the mixer."""
     from transformers import TrainingArguments

@@ -18,6 +18,7 @@ recorded trajectory (grape.replay). Nothing here imports Composer; docs/design.m
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -29,8 +30,10 @@ import torch
 from torch import nn
 
 from grape_stream.config import AlgorithmConfig
+from grape_stream.errors import ConfigError
 from grape_stream.grape.checkpoint import STATE_FORMAT, check_state_format, from_plain, history_tail, to_plain
 from grape_stream.grape.collectives import agree_with_rank_zero
+from grape_stream.grape.instep_mode import ALIGNMENTS, InstepMode
 from grape_stream.grape.methods import controller_methods, filter_reweighter_options
 from grape_stream.grape.metrics import update_metrics
 from grape_stream.grape.mixer_port import mixer_domain_names, push_weights
@@ -79,6 +82,8 @@ class GrapeController:
         geometry, probe_rse, probe_batch_bounds: options beyond the paper (grape.probe_options): "adam"
             preconditions the alignments by AdamW's second moment (pass ``optimizer=`` to maybe_update);
             ``probe_rse`` sizes each probe from the previous one's measured noise (grape.probe_size).
+        alignments, alignment_steps: ``"steps"`` takes the domain side from ``alignment_steps`` training steps per
+            update (wrap each forward + backward in :meth:`observe`) instead of K domain probes (grape.instep_mode).
         **reweighter_options: passed to ``build_reweighter`` (``mu_alpha``, ``mu_z``, ``step_size``,
             ``clip_norm``, ``z_smoothing``, initial weights, ...).
     """
@@ -103,6 +108,8 @@ class GrapeController:
         geometry: str = _DEFAULTS.geometry,
         probe_rse: float | None = _DEFAULTS.probe_rse,
         probe_batch_bounds: Sequence[int] | None = None,
+        alignments: str = _DEFAULTS.alignments,
+        alignment_steps: int = _DEFAULTS.alignment_steps,
         **reweighter_options: Any,
     ) -> None:
         for name, val in (("alpha_every", alpha_every), ("z_every", z_every),
@@ -156,6 +163,10 @@ class GrapeController:
         self.needs_probe = self.reweighter is not None and self.reweighter.needs_probe
         if self.needs_probe and not self.task_names:
             raise ValueError(f"method {self.method!r} needs at least one target task")
+        if alignments not in ALIGNMENTS:
+            raise ConfigError(f"alignments must be one of {ALIGNMENTS}, got {alignments!r}")
+        self.instep = InstepMode(self, alignment_steps, geometry, probe_rse) if alignments == "steps" and \
+            self.needs_probe else None
 
     def _build_reweighter(self) -> Reweighter:
         opts = dict(self.reweighter_options)
@@ -185,19 +196,11 @@ class GrapeController:
 
     def meta(self) -> dict[str, Any]:
         """The trajectory's first line: what the records belong to."""
-        return {
-            "type": "meta",
-            "method": self.method,
-            "domains": self.domain_names,
-            "tasks": self.task_names,
-            "alpha_every": self.alpha_every,
-            "z_every": self.z_every,
-            "probe_domain_batch": self.probe_domain_batch,
-            "probe_task_batch": self.probe_task_batch,
-            "seed": self.seed,
-            "options": {k: jsonable(v) for k, v in self.reweighter_options.items()},
-            **self.probe_options.meta(),
-        }
+        return {"type": "meta", "method": self.method, "domains": self.domain_names, "tasks": self.task_names,
+                "alpha_every": self.alpha_every, "z_every": self.z_every, "probe_domain_batch": self.probe_domain_batch,
+                "probe_task_batch": self.probe_task_batch, "seed": self.seed,
+                "options": {k: jsonable(v) for k, v in self.reweighter_options.items()}, **self.probe_options.meta(),
+                **({} if self.instep is None else {"alignments": "steps", "alignment_steps": self.instep.steps})}
 
     def metrics(self, record: Mapping[str, Any] | None = None, *, alignment: bool = True) -> dict[str, float]:
         """The flat ``{"grape/alpha/<domain>": ..., ...}`` dict of an update record (default: the last),
@@ -235,6 +238,14 @@ class GrapeController:
             return False, False
         return step % self.alpha_every == 0, step % self.z_every == 0
 
+    def observe(self, model: nn.Module, step: int, batch: Any, domains: torch.Tensor | None = None, *,
+                optimizer: Any = None, autocast: Callable[[], ContextManager[Any]] | None = None) -> ContextManager:
+        """``alignments: steps``: wrap the forward + backward of each (micro-)batch of optimizer step ``step``
+        (1-based: the step being trained) in it (grape.instep_mode); a no-op otherwise and on other steps."""
+        if self.instep is None:
+            return contextlib.nullcontext()
+        return self.instep.observe(model, step, batch, domains, optimizer=optimizer, autocast=autocast)
+
     # ------------------------------------------------------------------------------------------------
     def maybe_update(
         self,
@@ -257,6 +268,8 @@ class GrapeController:
         training optimizer, read (never changed) by ``geometry="adam"``.
         """
         self._consumed = consumed_batches
+        if self.instep is not None:
+            self.instep.after_step()
         if not self._started:
             self.start()
         if self.replay is not None:
@@ -269,7 +282,9 @@ class GrapeController:
         rank, world = collective_rank_size()
         device = module_device(model)
         rec: dict[str, Any] = {"type": "update", "step": int(step), "lr": float(lr), "method": self.method}
-        if self.needs_probe:
+        if self.instep is not None:
+            self.instep.update(model, step, lr, optimizer, autocast, rec, seconds)
+        elif self.needs_probe:
             self._probe_and_reweight(model, step, lr, a_due, z_due, autocast, rank, world, device, rec, seconds,
                                      optimizer)
         alpha, z = self.alpha, self.z
@@ -305,7 +320,7 @@ class GrapeController:
         K = len(self.domain_names)
         probe_model = unwrap_for_probe(model)
         t = time.perf_counter()
-        groups = self._probe_batches(step, rank, world, device)
+        groups = self.probe_batches(step, device)
         seconds["probe_data"] = time.perf_counter() - t
         t = time.perf_counter()
         # Sharded: every rank probed different samples; group_gram averages Gram and losses over the
@@ -332,19 +347,16 @@ class GrapeController:
             log.warning("GRAPE update at step %d skipped: %s", step, last["skipped"])
 
     # ------------------------------------------------------------------------------------------------
-    def probe_batches(self, step: int, device: torch.device | str | None = None) -> list[dict[str, torch.Tensor]]:
-        """The K domain + N task probe batches this rank uses at ``step`` (a pure function of the seed,
-        the step and, in sharded mode, the rank)."""
+    def probe_batches(self, step: int, device: torch.device | str | None = None, *,
+                      tasks_only: bool = False) -> list[dict[str, torch.Tensor]]:
+        """The K domain (unless ``tasks_only``) + N task probe batches this rank uses at ``step`` (a pure function
+        of the seed, the step and, in sharded mode, the rank)."""
         rank, world = collective_rank_size()
-        return self._probe_batches(step, rank, world, torch.device(device if device is not None else "cpu"))
-
-    def _probe_batches(self, step: int, rank: int, world: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
         domain_batch, task_batch = self.probe_options.sizes(self.probe_domain_batch, self.probe_task_batch)
         return draw_probe_groups(
-            self.mixer, len(self.domain_names), self.tasks, step, seed=self.seed,
-            domain_batch=domain_batch, task_batch=task_batch,
-            rank=rank, world=world, sharded=self.probe_mode == "sharded", device=device,
-        )
+            self.mixer, 0 if tasks_only else len(self.domain_names), self.tasks, step, seed=self.seed,
+            domain_batch=domain_batch, task_batch=task_batch, rank=rank, world=world,
+            sharded=self.probe_mode == "sharded", device=torch.device(device if device is not None else "cpu"))
 
     def _replay(self, step: int) -> dict[str, Any] | None:
         assert self.replay is not None
@@ -379,19 +391,14 @@ class GrapeController:
             "history": json.loads(json.dumps(tail)),
             "history_dropped": dropped,
             **({} if self.probe_options.sizer is None else {"probe_size": self.probe_options.state_dict()}),
+            **({} if self.instep is None else {"instep": self.instep.state_dict()}),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a checkpoint (this format or the older int 1). The mixer's weights are restored by the
         mixer's own state (the data position and the weights that composed each batch belong together),
         so nothing is pushed here."""
-        check_state_format(state)
-        for key, mine in (("method", self.method), ("domains", self.domain_names), ("tasks", self.task_names)):
-            if state.get(key) != mine:
-                raise ValueError(
-                    f"checkpoint was written with {key}={state.get(key)!r} but this run has {key}={mine!r}; "
-                    "resume with the same recipe"
-                )
+        check_state_format(state, method=self.method, domains=self.domain_names, tasks=self.task_names)
         if self.reweighter is not None:
             self.reweighter.load_state_dict(from_plain(state["reweighter"]))
         if self.replay is not None:
@@ -400,6 +407,8 @@ class GrapeController:
         self.history = list(state.get("history", []))
         self.history_dropped = int(state.get("history_dropped", 0))
         self.probe_options.load_state_dict(state.get("probe_size"))
+        if self.instep is not None and state.get("instep") is not None:
+            self.instep.load_state_dict(state["instep"])
         self._resumed = True
 
     def write_trajectory(self, path: str | os.PathLike[str]) -> str:

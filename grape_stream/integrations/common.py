@@ -39,7 +39,7 @@ BatchTransform = Callable[[Mapping[str, Any]], Mapping[str, Any]]
 
 #: Keyword options of an algorithm that go to GrapeController itself (everything else: the reweighter).
 CONTROLLER_OPTIONS = frozenset({"probe_mode", "probe_train_mode", "schedule_path", "schedule_stretch", "gram_options",
-                                "geometry", "probe_rse", "probe_batch_bounds"})
+                                "geometry", "probe_rse", "probe_batch_bounds", "alignments", "alignment_steps"})
 
 _DEFAULTS = AlgorithmConfig()
 

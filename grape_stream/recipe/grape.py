@@ -33,6 +33,8 @@ def algorithm_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
     controller_opts: dict[str, Any] = {"probe_mode": a["probe_mode"]}
     if a.get("geometry", "sgd") != "sgd":  # options beyond the paper: passed only when set
         controller_opts["geometry"] = a["geometry"]
+    if a.get("alignments", "probe") != "probe":
+        controller_opts.update(alignments=a["alignments"], alignment_steps=a["alignment_steps"])
     if a.get("probe_rse") is not None:
         controller_opts.update(probe_rse=a["probe_rse"], probe_batch_bounds=list(a["probe_batch_bounds"]))
     if method == REPLAY_METHOD:

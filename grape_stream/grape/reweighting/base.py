@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Mapping
 import numpy as np
 
 from grape_stream.grape.reweighting import noise, step_rule
+from grape_stream.grape.reweighting.from_scores import FromScores
 from grape_stream.grape.reweighting.gram_input import (
     GRAM_ASYMMETRY_RTOL,
     check_and_symmetrise,
@@ -56,7 +57,7 @@ __all__ = ["BOOKKEEPING_OPTIONS", "GRAM_ASYMMETRY_RTOL", "Reweighter"]
 BOOKKEEPING_OPTIONS = ("history_limit",)
 
 
-class Reweighter:
+class Reweighter(FromScores):
     """Domain weights alpha (K) and task weights z (N), moved by one Gram matrix per update.
 
     Subclasses set which options they take and implement :meth:`_alignments`, which returns the
@@ -219,16 +220,20 @@ class Reweighter:
             alignment = g[:k, k:]
             task_gram = g[k:, k:]
             a, b, new_ema = self._alignments(alignment, task_gram, losses, index)
+        return self._apply_scores(index, step, lr_value, losses, a, b, eta_alpha, eta_z, update_alpha, update_z,
+                                  new_ema, gram_ema)
+
+    def _apply_scores(self, index: int, step: int | None, lr_value: float | None, losses: np.ndarray, a: np.ndarray,
+                      b: np.ndarray, eta_alpha: float, eta_z: float, update_alpha: bool, update_z: bool,
+                      new_ema: np.ndarray | None, gram_ema: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """The multiplicative steps from the exponents' vectors a (tasks) and b (domains), then commit and record."""
         if self._options.get("step_size") == "trust_region" and np.all(np.isfinite(a)) and np.all(np.isfinite(b)):
             eta_alpha, eta_z = self.step_sizes(lr_value, a, b)
         eta_alpha, eta_z = (eta_alpha if update_alpha else 0.0), (eta_z if update_z else 0.0)
         try:
             log_z = exp_gradient_step(self._log_z, -a, eta_z) if (self.moves_z and update_z) else self._log_z
-            log_alpha = (
-                exp_gradient_step(self._log_alpha, b, eta_alpha)
-                if (self.moves_alpha and update_alpha)
-                else self._log_alpha
-            )
+            moves = self.moves_alpha and update_alpha
+            log_alpha = exp_gradient_step(self._log_alpha, b, eta_alpha) if moves else self._log_alpha
         except FloatingPointError:
             return self._skip(
                 index, step, lr_value, losses, eta_alpha, eta_z,

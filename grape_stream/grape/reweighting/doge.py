@@ -70,6 +70,9 @@ class DogeReweighter(Reweighter):
     def _alignments(self, alignment, task_gram, losses, index):
         return alignment.T @ self._alpha, alignment.mean(axis=1), self._loss_ema
 
+    def target_coefficients(self, task_losses, task_gram):
+        return np.full(self.num_tasks, 1.0 / self.num_tasks)
+
 
 @register
 class DogePCGradReweighter(DogeReweighter):
@@ -84,6 +87,12 @@ class DogePCGradReweighter(DogeReweighter):
         out = super()._resolve_options(opts)
         out["seed"] = int(seed)
         return out
+
+    def target_coefficients(self, task_losses, task_gram):
+        if task_gram is None:
+            raise ValueError("doge_pcgrad needs the task Gram for its target direction")
+        orders = pcgrad_task_orders(self._options["seed"], self._num_updates, self.num_tasks)
+        return pcgrad_coefficients(np.asarray(task_gram, dtype=np.float64), orders).mean(axis=0)
 
     def _alignments(self, alignment, task_gram, losses, index):
         orders = pcgrad_task_orders(self._options["seed"], index, self.num_tasks)

@@ -47,6 +47,13 @@ class GrapeReweighter(Reweighter):
     def _domain_side_divisor(self, losses: np.ndarray) -> np.ndarray:
         return losses
 
+    def target_coefficients(self, task_losses, task_gram):
+        return self._z / self._domain_side_divisor(np.asarray(task_losses, dtype=np.float64))
+
+    def task_scores(self, task_alignment, task_losses):
+        task_div, new_ema = self._task_side_divisor(np.asarray(task_losses, dtype=np.float64))
+        return np.asarray(task_alignment, dtype=np.float64) / task_div, new_ema
+
     def _alignments(self, alignment, task_gram, losses, index):
         task_div, new_ema = self._task_side_divisor(losses)
         a = (alignment / task_div[None, :]).T @ self._alpha  # a_n = sum_k alpha_k A_z[k, n]

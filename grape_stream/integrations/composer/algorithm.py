@@ -32,12 +32,16 @@ from torch import nn
 from grape_stream.config import AlgorithmConfig
 from grape_stream.errors import ConfigError
 from grape_stream.grape.controller import REPLAY_METHOD, GrapeController
+from grape_stream.grape.gram.instep import sort_by_domain
 from grape_stream.integrations.common import as_task, find_mixer, split_algorithm_options
 from grape_stream.integrations.composer.model import composer_per_sample_loss
 from grape_stream.integrations.progress import UpdateProgress
 from grape_stream.integrations.sharded import is_sharded, probe_skeleton, unsharded_replica
 
 __all__ = ["GrapeAlgorithm"]
+
+#: The events of an observed training step (alignments: steps): the batch, each micro-batch's forward and backward.
+_STEP_EVENTS = (Event.AFTER_DATALOADER, Event.BEFORE_FORWARD, Event.AFTER_BACKWARD)
 
 #: The constructor's defaults are the recipe's (grape_stream.config), stated once.
 _DEFAULTS = AlgorithmConfig()
@@ -91,6 +95,8 @@ class GrapeAlgorithm(Algorithm):
 
     # -- Composer hooks ------------------------------------------------------------------------------
     def match(self, event: Event, state: State) -> bool:
+        if event in _STEP_EVENTS:  # alignments: steps observes the training forward / backward itself
+            return self.controller is not None and self.controller.instep is not None
         return event in (Event.INIT, Event.FIT_START, Event.BATCH_END)
 
     def apply(self, event: Event, state: State, logger: Logger) -> Optional[int]:
@@ -102,7 +108,12 @@ class GrapeAlgorithm(Algorithm):
             self._fit_start(state)
             return None
         assert self.controller is not None, "FIT_START builds the controller"
+        if event in _STEP_EVENTS:
+            self._observe(event, state)
+            return None
         step = int(state.timestamp.batch)
+        if self.controller.instep is not None:
+            self.controller.instep.after_step()  # an observed step's sums join the interval's (over ranks)
         if not any(self.controller.due(step)) and self.controller.method != REPLAY_METHOD:
             return None
         lr = float(state.optimizers[0].param_groups[0]["lr"]) if state.optimizers else 0.0
@@ -122,13 +133,29 @@ class GrapeAlgorithm(Algorithm):
             logger.log_metrics(self._metrics(rec))
         return None
 
+    def _observe(self, event: Event, state: State) -> None:
+        """alignments: steps. The batch of an observed step is put in domain order (its samples' order within
+        the batch: contiguous rows per domain make the per-domain gradients plain matmuls of views); each
+        micro-batch's forward + backward is observed (step = the optimizer step being trained, 1-based)."""
+        instep = self.controller.instep if self.controller is not None else None
+        assert instep is not None
+        step = int(state.timestamp.batch) + 1
+        if event == Event.AFTER_DATALOADER:
+            if instep.observed(step) and isinstance(state.batch, Mapping) and "domain" in state.batch:
+                state.batch = sort_by_domain(state.batch)
+        elif event == Event.BEFORE_FORWARD:
+            instep.begin(state.model, step, state.batch, optimizer=state.optimizers[0] if state.optimizers else None,
+                         autocast=self._autocast(state))
+        else:
+            instep.end()
+
     def _progress(self, index: int, step: int) -> Any:
         """The progress context of the update at ``step`` (nothing for methods that do not probe)."""
         ctl = self.controller
         assert ctl is not None
         if not ctl.needs_probe or not any(ctl.due(step)):
             return contextlib.nullcontext()
-        K, N = len(ctl.domain_names), len(ctl.task_names)
+        K, N = 0 if ctl.instep is not None else len(ctl.domain_names), len(ctl.task_names)  # steps: tasks only
         return self.progress.update(index, step, K, N, K * ctl.probe_domain_batch + N * ctl.probe_task_batch)
 
     def _fit_start(self, state: State) -> None:
@@ -138,6 +165,9 @@ class GrapeAlgorithm(Algorithm):
                 "algorithms= (it keeps the architecture at Event.INIT), not to a Trainer whose model is already "
                 "wrapped."
             )
+        if self._skeleton is not None and self.controller_options.get("alignments", "probe") != "probe":
+            raise ConfigError("alignments: steps is not supported under FSDP: each rank's backward sees a shard of "
+                              "every weight gradient; use alignments: probe (docs/alignment.md, 'In-step alignments')")
         if self._skeleton is not None and self.controller_options.get("geometry", "sgd") != "sgd":
             raise ConfigError(
                 "geometry='adam' is not supported under FSDP: the probe runs on an unsharded replica whose "
