@@ -11,10 +11,13 @@ from grape_stream.grape.reweighting import build_reweighter
 K, N = 4, 3
 
 
+@pytest.mark.parametrize("step", ["lr_over_mu", "trust_region"])
 @pytest.mark.parametrize("method", ["grape", "grape_gap", "grape_ema", "doge", "doge_pcgrad"])
-def test_scores_reproduce_the_gram_update(method: str) -> None:
+def test_scores_reproduce_the_gram_update(method: str, step: str) -> None:
     rng = np.random.default_rng(0)
     opts = {"mu_alpha": 1e-2} if method.startswith("doge") else {"mu_alpha": 1e-2, "mu_z": 1e-2}
+    if step == "trust_region":  # the default step (a KL trust region, solved from a and b): no mu
+        opts = {}
     by_gram, by_scores = (build_reweighter(method, num_domains=K, num_tasks=N, **opts) for _ in range(2))
     for update in range(3):
         v = rng.normal(size=(K + N, 20))
