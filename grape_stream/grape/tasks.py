@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from grape_stream.streaming_compat.local_index import check_s3_credentials, default_local_for, sync_local_index
-from grape_stream.streaming_compat.shm import create_registered, release_streaming_dataset
+from grape_stream.streaming_compat.registration import create_registered
+from grape_stream.streaming_compat.shm import release_streaming_dataset
 from grape_stream.world import dist_active, streaming_world
 
 __all__ = ["TaskStream", "collate_task_samples", "probe_indices", "task_names"]

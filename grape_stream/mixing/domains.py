@@ -28,10 +28,10 @@ from grape_stream.streaming_compat.local_index import (
     default_local_for,
     sync_local_index,
 )
+from grape_stream.streaming_compat.registration import create_registered
 from grape_stream.streaming_compat.shard_state import check_dataset, require_supported_streaming
 from grape_stream.streaming_compat.shm import (
     cleanup_stale_streaming_shm,
-    create_registered,
     describe_local_users,
     detach_scanner_attachments,
     record_owner,
