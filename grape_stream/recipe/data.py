@@ -10,12 +10,13 @@ import os
 import tempfile
 from typing import Any, Mapping
 
-from streaming.base.storage.download import CloudDownloader
 from torch.utils.data import DataLoader
 
-from grape_stream.errors import ConfigError, DataError
+from grape_stream.errors import ConfigError, DataError, StorageError
 from grape_stream.grape.tasks import TaskStream
 from grape_stream.mixing.mixer import DomainStream, WeightedStreamingMixer
+from grape_stream.retry import classify
+from grape_stream.streaming_compat.local_index import fetch_remote_file
 
 __all__ = ["build_mixer", "check_local_data", "join_location", "manifest_vocab_size", "read_manifest", "recipe_streams",
            "resolved_sizes", "train_dataloader"]
@@ -45,12 +46,17 @@ def read_manifest(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
             return None
         with open(path, encoding="utf-8") as f:
             return json.load(f)
+    url = str(join_location(data["remote"], "manifest.json"))
     with tempfile.TemporaryDirectory() as tmp:
         dest = os.path.join(tmp, "manifest.json")
-        try:
-            CloudDownloader.direct_download(join_location(data["remote"], "manifest.json"), dest, 60)
-        except Exception as exc:  # no manifest is allowed when sizes are given explicitly
-            log.info("no manifest at %s: %s", data["remote"], exc)
+        try:  # an outage is ridden out and refused credentials are one line, under the retry policy
+            fetch_remote_file(url, dest, what=f"cannot read {url}")
+        except StorageError:
+            raise
+        except Exception as exc:
+            if classify(exc) != "missing":
+                raise
+            log.info("no manifest at %s: %s", data["remote"], exc)  # allowed when sizes are given explicitly
             return None
         with open(dest, encoding="utf-8") as f:
             return json.load(f)
