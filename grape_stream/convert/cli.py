@@ -13,6 +13,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from grape_stream.console import is_quiet
 from grape_stream.convert.pipeline import convert
 from grape_stream.convert.readers import REGISTRY, reader_options
 from grape_stream.errors import ConfigError, DataError, StorageError, UserFacingError
@@ -84,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "report.json (default: repair)")
     w.add_argument("--overwrite", action="store_true", help="discard a previous conversion in --out and start over")
     w.add_argument("--max-examples", type=int, default=5, help="examples per bad-input kind and file in report.json")
-    w.add_argument("--no-progress", action="store_true", help="no progress bars")
+    w.add_argument("--no-progress", action="store_true",
+                   help="no progress (bars on a terminal, else a line every 5 s; --quiet implies it)")
     return p
 
 
@@ -117,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             shard_size=args.shard_size, hashes=[h for h in args.hashes.split(",") if h],
             local=args.local, keep_local=args.keep_local, strict=args.strict, text_policy=args.text_errors,
             overwrite=args.overwrite,
-            max_examples=args.max_examples, progress=not args.no_progress,
+            max_examples=args.max_examples, progress=not (args.no_progress or is_quiet()),
             **{name: getattr(args, name) for name in reader_options()},
         )
     except (ValueError, FileNotFoundError, ConnectionError) as exc:

@@ -81,7 +81,8 @@ class WeightedStreamingMixer(IterableDataset):
     batch), ``batch_index``, ``sample_index`` (id within the domain) and ``epoch`` (of the domain).
 
     Args:
-        domains: the K domains.
+        domains: the K domains: DomainStream objects, dicts of their fields, or mosaicml-streaming ``Stream``
+            objects (``streams=`` is the same list: named by their path, ``proportion`` is the initial weight).
         weights: initial mixture (K non-negative numbers summing to 1); default uniform.
         batch_size: samples per batch per rank (the DataLoader's batch size).
         seed: seeds the batch composition and every domain's shuffle.
@@ -111,7 +112,7 @@ class WeightedStreamingMixer(IterableDataset):
 
     def __init__(
         self,
-        domains: Sequence[DomainStream | Mapping[str, Any]],
+        domains: Sequence[DomainStream | Mapping[str, Any] | Any] | None = None,
         weights: Sequence[float] | np.ndarray | None = None,
         batch_size: int | None = None,
         seed: int = 0,
@@ -125,18 +126,18 @@ class WeightedStreamingMixer(IterableDataset):
         s3_dummy_credentials: bool = False,
         prefetch: bool = True,
         retry_deadline: float | None = None,
+        streams: Sequence[Any] | None = None,
         **streaming_kwargs: Any,
     ) -> None:
         super().__init__()
         check_streaming_kwargs(streaming_kwargs)
-        if batch_size is None or isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
-                or batch_size < 1:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         if composition not in COMPOSITIONS:
             raise ValueError(f"composition must be one of {COMPOSITIONS}, got {composition!r}")
         if lag is not None and (not isinstance(lag, (int, np.integer)) or lag < 0):
             raise ValueError(f"lag must be a non-negative integer or None, got {lag!r}")
-        self.domains = as_domains(domains)
+        self.domains, weights = as_domains(domains, weights, streams)
         self.domain_names = [d.name for d in self.domains]
         self.K = len(self.domains)
         self.batch_size = int(batch_size)
