@@ -204,3 +204,23 @@ def test_segments_removed_behind_a_jobs_back_neither_warn_nor_take_another_jobs(
                 s.unlink()
             except FileNotFoundError:
                 pass
+
+
+@pytest.mark.timeout(120)
+def test_a_lock_left_by_an_earlier_holder_of_a_prefix_is_swept(dirs, tmp_path):
+    """A job with its own TMPDIR beside a shared /dev/shm: its locks outlive its (swept) segments, and another
+    job takes the prefix number. Such a lock is older than the prefix's live owner: it goes."""
+    locks_dir = tmp_path / "jobtmp"
+    locks_dir.mkdir()
+    for p in range(300):  # the dead job's locks, for whatever number the next job takes
+        (locks_dir / f"{p:06}_cache_filelock").write_text("")
+    time.sleep(1.5)  # the next job starts strictly later than these locks
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, json.dumps(dirs), "close"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        prefixes = json.loads(proc.stdout.readline())[:-1]  # the mixer's (owner-recorded) prefixes
+        removed = cleanup_stale_streaming_shm(lock_dir=str(locks_dir))["locks"]
+        assert {f"{p:06}_cache_filelock" for p in prefixes} <= set(removed)
+        proc.communicate("go\n", timeout=60)
+    finally:
+        proc.kill()

@@ -191,7 +191,8 @@ def cleanup_stale_streaming_shm(*, shm_dir: str = SHM_DIR, lock_dir: str | None 
     its whole life, and a segment's creator holds its descriptor from the instant the name exists, so
     a segment being created is never taken for a stale one (candidates are listed before the
     processes are inspected). In this process only the prefixes of live datasets count. Only entries
-    of this user are touched; file locks of a prefix go only when no segment of it is alive. Safe to
+    of this user are touched; file locks of a prefix go only when no segment of it is alive, or when they
+    are older than the prefix's live owner (an earlier holder's: see :func:`_lock_is_stale`). Safe to
     call on every rank at any time. Returns ``{"shm": [...], "locks": [...], "owners": [...]}``.
     """
     lock_dir = lock_dir or tempfile.gettempdir()
@@ -203,10 +204,13 @@ def cleanup_stale_streaming_shm(*, shm_dir: str = SHM_DIR, lock_dir: str | None 
         return removed
     recorded = _read_owner_records(shm_dir, owners)
     live = _live_prefixes(shm_dir, shm, recorded)
-    for kind, entries, folder in (("shm", shm, shm_dir), ("locks", locks, lock_dir)):
-        for name, prefix, inode in entries:  # by inode: a new job may have taken the name since the listing
-            if prefix not in live and unlink_if_unchanged(os.path.join(folder, name), inode):
-                removed[kind].append(name)
+    for name, prefix, inode in shm:  # by inode: a new job may have taken the name since the listing
+        if prefix not in live and unlink_if_unchanged(os.path.join(shm_dir, name), inode):
+            removed["shm"].append(name)
+    for name, prefix, inode in locks:
+        path = os.path.join(lock_dir, name)
+        if _lock_is_stale(path, prefix, live, recorded) and unlink_if_unchanged(path, inode):
+            removed["locks"].append(name)
     for name, prefix, inode in owners:
         if prefix in recorded and not recorded[prefix][0]:
             if unlink_if_unchanged(os.path.join(shm_dir, name), inode):
@@ -237,22 +241,39 @@ def _listing(directory: str, pattern: re.Pattern[str]) -> list[tuple[str, str, i
     return out
 
 
-def _read_owner_records(shm_dir: str, owners: list[tuple[str, str, int]]) -> dict[str, tuple[bool, set[int]]]:
-    """Owner records: prefix -> (owner alive?, inodes of the segments it created)."""
-    recorded: dict[str, tuple[bool, set[int]]] = {}
+_Record = tuple[bool, set[int], float]  # owner alive?, inodes it created, when it registered them (the record's mtime)
+
+
+def _read_owner_records(shm_dir: str, owners: list[tuple[str, str, int]]) -> dict[str, _Record]:
+    """Owner records: prefix -> (owner alive?, inodes of the segments it created, when it wrote the record)."""
+    recorded: dict[str, _Record] = {}
     for name, prefix, _ in owners:
         try:
-            with open(os.path.join(shm_dir, name)) as f:
+            path = os.path.join(shm_dir, name)
+            with open(path) as f:
                 rec = json.load(f)
             alive = process_alive(int(rec["pid"]), rec.get("start_time"))
-            recorded[prefix] = (alive, set(rec.get("inodes", {}).values()))
+            recorded[prefix] = (alive, set(rec.get("inodes", {}).values()), os.stat(path).st_mtime)
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return recorded
 
 
-def _live_prefixes(shm_dir: str, shm: list[tuple[str, str, int]],
-                   recorded: dict[str, tuple[bool, set[int]]]) -> set[str]:
+def _lock_is_stale(path: str, prefix: str, live: set[str], recorded: dict[str, _Record]) -> bool:
+    """A lock file is stale when no live process uses its prefix, or when it is older than the prefix's live
+    owner (its record is written as it registers the segments; its own locks come later): a lock left by an
+    earlier holder of the number (seen with a per-job TMPDIR beside a shared /dev/shm: another job swept
+    the dead job's segments, not its locks, and took the number)."""
+    if prefix not in live:
+        return True
+    registered = recorded[prefix][2] if prefix in recorded and recorded[prefix][0] else None
+    try:
+        return registered is not None and os.stat(path).st_mtime < registered - 1.0
+    except OSError:
+        return False
+
+
+def _live_prefixes(shm_dir: str, shm: list[tuple[str, str, int]], recorded: dict[str, _Record]) -> set[str]:
     """Prefixes some live process still uses (see :func:`cleanup_stale_streaming_shm` for the rules)."""
     me = os.getpid()
     mapped = mapped_shm_names()
@@ -271,7 +292,7 @@ def _live_prefixes(shm_dir: str, shm: list[tuple[str, str, int]],
             live.add(prefix)
         else:
             own_only.add(prefix)
-    for prefix, (alive, _) in recorded.items():
+    for prefix, (alive, _, _) in recorded.items():
         if alive:
             live.add(prefix)
     if own_only - live:
