@@ -348,7 +348,10 @@ def main(argv: list[str] | None = None) -> int:
             }
     finally:
         proc_moto.terminate()
-        proc_moto.wait(timeout=10)
+        try:
+            proc_moto.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc_moto.kill()
     _print(result)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -35,7 +35,6 @@ from grape_stream.streaming_compat.shm import (
     cleanup_stale_streaming_shm,
     describe_local_users,
     detach_scanner_attachments,
-    record_owner,
     release_streaming_dataset,
 )
 from grape_stream.world import dist_active, process_world
@@ -339,7 +338,6 @@ def open_datasets(domains: Sequence[DomainStream], locals_: Sequence[str], *, ba
                                                      predownload=predownload, opts=opts),
                                    enabled=local_rank == 0)
             datasets.append(ds)
-            record_owner(ds)
             check_dataset(ds)
             _check_columns(d.name, ds)
     except BaseException:

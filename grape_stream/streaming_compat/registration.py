@@ -22,7 +22,7 @@ import time
 from typing import Any, Callable, Iterator, TypeVar
 
 from grape_stream.streaming_compat.processes import flock_holder
-from grape_stream.streaming_compat.shm import live_streaming_datasets, release_streaming_dataset
+from grape_stream.streaming_compat.shm import live_streaming_datasets, record_owner, release_streaming_dataset
 
 __all__ = ["create_registered", "registration_lock"]
 
@@ -98,6 +98,7 @@ def create_registered(factory: Callable[[], T], *, enabled: bool = True, attempt
         try:
             with registration_lock(enabled=enabled):
                 dataset = factory()
+            record_owner(dataset)  # every dataset's segments are judged by their owner, not by who maps them
             _release_before_streaming_at_exit(dataset)
             return dataset
         except FileExistsError as exc:
