@@ -171,8 +171,9 @@ def search(out: Path, mds: Path, corpus: Path, *, proxies: int, steps: int, cand
     scored = []
     for name, w in cands:
         res = run_method("static", mds=mds, out_dir=out / "candidates" / name, settings=settings(steps), seed=0,
-                         progress=False, reuse=not fresh, extra_overrides=[*overrides, f"algorithm.options.weights={_vec(w)}",
-                                                          "data.task_test_split=probe", "data.task_probe_split=test"])
+                         progress=False, reuse=not fresh,
+                         extra_overrides=[*overrides, f"algorithm.options.weights={_vec(w)}",
+                                          "data.task_test_split=probe", "data.task_probe_split=test"])
         scored.append({"name": name, "weights": w, "probe_avg": res["final_avg"], "probe_worst": res["final_worst"],
                        "probe": res["final"], "seconds": res["seconds"]["total"]})
         print(f"candidate {name}: probe avg {res['final_avg']:.4f} worst {res['final_worst']:.4f}", flush=True)
@@ -329,6 +330,13 @@ def _run(method: str, seed: int, steps: int, mds: Path, out: Path, docs: Mapping
         prev = json.loads(res_path.read_text())
         if prev.get("overrides") == want:
             return prev
+    twin = None if fresh else _twin(out, run_dir, want)
+    if twin is not None:  # e.g. the oracle search chose RegMix's weights: the same run under another name
+        res = {**twin, "method": method, "run_dir": str(run_dir), "overrides": want, "same_run_as": twin["run_dir"]}
+        run_dir.mkdir(parents=True, exist_ok=True)
+        res_path.write_text(json.dumps(res, indent=1))
+        print(f"{method} seed {seed}: the same run as {twin['run_dir']}", flush=True)
+        return res
     t0 = time.perf_counter()
     res = run_method(base, mds=mds, out_dir=run_dir, settings=s, seed=seed, progress=False, extra_overrides=extra_o)
     res["method"], res["run_dir"] = method, str(run_dir)
@@ -336,6 +344,24 @@ def _run(method: str, seed: int, steps: int, mds: Path, out: Path, docs: Mapping
     print(f"{method} seed {seed}: avg {res['final_avg']:.4f} worst {res['final_worst']:.4f} "
           f"({time.perf_counter() - t0:.0f} s)", flush=True)
     return res
+
+
+def _twin(out: Path, run_dir: Path, want: Sequence[str]) -> dict[str, Any] | None:
+    """A finished run of another bench method with exactly these settings (runs are deterministic)."""
+    def strip(o: Sequence[str]) -> list[str]:
+        return [x for x in o if not x.startswith(("run_name=", "output_dir="))]
+
+    key = strip(want)
+    for path in sorted(out.glob("*-seed*/result.json")):
+        if path.parent == run_dir:
+            continue
+        try:
+            prev = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if "same_run_as" not in prev and strip(prev.get("overrides", [])) == key:
+            return prev
+    return None
 
 
 def write(path: Path, runs: Mapping[str, Mapping[int, Mapping[str, Any]]], docs: Mapping[str, Any], args: Any,
