@@ -391,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--proxies", type=int, default=24, help="RegMix proxies of the oracle search")
-    p.add_argument("--candidates", type=int, default=3, help="best proxies retrained at the full budget")
+    p.add_argument("--candidates", type=int, default=1, help="best proxies retrained at the full budget")
     p.add_argument("--stage", choices=("all", "search"), default="all")
     p.add_argument("--out", default=str(REPO / "runs" / "bench_value"))
     p.add_argument("--data", default=str(REPO / "data" / "demo"))
