@@ -15,8 +15,8 @@ The setting (``docs/results.md`` says why each choice was made):
   seed spread was 5-10x larger), 10% warm-up, cosine to 0.1.
 - **Oracle (best static mixture)**: RegMix-style search on the *probe* split: ``--proxies`` Dirichlet mixtures
   trained for a quarter of the budget, a LightGBM regressor, its predicted argmin; then the candidates
-  (uniform, the regressor's argmin, the best proxies' mixtures) trained at the full budget (seed 0) and scored
-  on the probe split; the best becomes ``oracle``.
+  (uniform, the regressor's argmin, CRISP's weights, the best proxies' mixtures) trained at the full budget
+  (seed 0) and scored on the probe split; the best becomes ``oracle``.
 
 Every run is the product path (``grape-stream convert`` shards -> recipe -> Composer Trainer with
 ``GrapeAlgorithm``) through :func:`grape_stream.apps.demo_run.run_method`. Runs already finished with identical
@@ -53,12 +53,20 @@ DATA = [f"data.seq_len={SEQ_LEN}", f"data.domains=[{','.join(SOURCES)}]", f"data
         "data.eval_batch_size=64"]
 
 
+_RUN = {"steps": STEPS}  # this invocation's --steps (main sets it)
+
+
+def _every() -> int:
+    """Training steps between two alpha/z updates at this invocation's budget."""
+    return max(_RUN["steps"] // 16, 1)
+
+
 def settings(steps: int) -> Any:
     """The demo's runner at this benchmark's size: an alpha/z update every steps/16, the test curve every steps/16."""
     from grape_stream.apps.demo_settings import DEMO
     from grape_stream.config import AlgorithmConfig
 
-    every = max(steps // 16, 1)
+    every = max(steps // 16, 1)  # = _every() for the invocation's budget
     lib = AlgorithmConfig()  # GRAPE's step sizes: the library's defaults (the demo's tuned ones are a method)
     return DEMO.replace(steps=steps, global_batch=32, lr=LR, warmup=max(steps // 10, 1), update_every=every,
                         curve_every=every, curve_samples=48, final_eval=False, final_samples=256,
@@ -98,6 +106,10 @@ METHODS: dict[str, tuple[str, Callable[..., list[str]]]] = {
     "grape_paper": ("grape", lambda lr, d, s, r: _paper_step(lr)),
     "grape_demo_tuned": ("grape", lambda lr, d, s, r: _demo_step(lr)),
     "grape_adam": ("grape", lambda lr, d, s, r: ["algorithm.geometry=adam"]),
+    # in-step alignments: the domain side from every training step of the update's interval (25 steps x
+    # 32 samples, ~60 per domain) instead of one 8-sample probe per domain
+    "grape_steps": ("grape", lambda lr, d, s, r: ["algorithm.alignments=steps",
+                                                  f"algorithm.alignment_steps={_every()}"]),
     "grape_ema": ("grape_ema", lambda lr, d, s, r: []),
     "grape_gap": ("grape_gap", lambda lr, d, s, r: []),
     "doge": ("doge", lambda lr, d, s, r: []),
@@ -152,7 +164,7 @@ def search(out: Path, mds: Path, corpus: Path, *, proxies: int, steps: int, cand
     from grape_stream.mixture.regmix import dirichlet_mixtures
 
     path = out / "search.json"
-    key = {"proxies": proxies, "steps": steps, "candidates": candidates, "mds": mds.name}
+    key = {"proxies": proxies, "steps": steps, "candidates": candidates, "mds": mds.name, "crisp_candidate": True}
     if path.is_file() and not fresh:
         doc = json.loads(path.read_text())
         if doc.get("key") == key:
@@ -166,7 +178,10 @@ def search(out: Path, mds: Path, corpus: Path, *, proxies: int, steps: int, cand
     regmix["details"]["proxy_steps"] = proxy_steps
     print(f"regmix: {json.dumps(regmix['alpha'])} ({regmix['seconds']:.0f} s)", flush=True)
     ranked = sorted(runs, key=lambda r: r["loss"])
-    cands = [("uniform", [1.0 / len(SOURCES)] * len(SOURCES)), ("regmix", regmix["weights"])]
+    crisp = crisp_from_corpus(corpus, SOURCES, TARGETS, samples=64, seed=0)
+    # every static answer we can compute is a candidate for the best static mixture (scored on probe text)
+    cands = [("uniform", [1.0 / len(SOURCES)] * len(SOURCES)), ("regmix", regmix["weights"]),
+             ("crisp", crisp["weights"])]
     cands += [(f"proxy{i}", list(r["mixture"])) for i, r in enumerate(ranked[:candidates])]
     scored = []
     for name, w in cands:
@@ -181,7 +196,6 @@ def search(out: Path, mds: Path, corpus: Path, *, proxies: int, steps: int, cand
     oracle = weights_document("oracle", SOURCES, best["weights"], time.perf_counter() - t0,
                               {"chosen": best["name"], "criterion": "probe-split average at the full budget, seed 0",
                                "candidates": scored})
-    crisp = crisp_from_corpus(corpus, SOURCES, TARGETS, samples=64, seed=0)
     doc = {"key": key, "regmix": regmix, "oracle": oracle, "crisp": crisp}
     path.write_text(json.dumps(doc, indent=1))
     return doc
@@ -405,6 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out, args.results = args.out + "_quick", str(Path(args.results).with_name("value_quick.json"))
     import torch
 
+    _RUN["steps"] = args.steps
     torch.set_num_threads(1)
     out, corpus = Path(args.out), Path(args.data)
     out.mkdir(parents=True, exist_ok=True)
