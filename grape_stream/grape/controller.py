@@ -33,7 +33,7 @@ from grape_stream.grape.checkpoint import STATE_FORMAT, check_state_format, from
 from grape_stream.grape.collectives import agree_with_rank_zero
 from grape_stream.grape.methods import controller_methods, filter_reweighter_options
 from grape_stream.grape.metrics import update_metrics
-from grape_stream.grape.mixer_port import mixer_domain_names, push_weights
+from grape_stream.grape.mixer_port import MixerPort, check_mixer, push_weights
 from grape_stream.grape.probe_options import ProbeOptions
 from grape_stream.grape.probes import draw_probe_groups, module_device, unwrap_for_probe
 from grape_stream.grape.replay import REPLAY_METHOD, ScheduleReplay
@@ -59,8 +59,8 @@ class GrapeController:
     """Drives the mixture: every ``alpha_every`` / ``z_every`` optimizer steps, probe -> Gram -> weights.
 
     Args:
-        mixer: the :class:`~grape_stream.mixing.mixer.WeightedStreamingMixer` feeding training (anything with
-            ``domain_names`` or ``domains``, ``probe(k, n, key)`` and ``set_weights(alpha)``).
+        mixer: the :class:`~grape_stream.mixing.mixer.WeightedStreamingMixer` feeding training (any
+            :class:`~grape_stream.grape.mixer_port.MixerPort`).
         tasks: the target tasks (probe split = validation).
         method: a reweighter name (see ``grape_stream.grape.reweighting.available_methods()``) or
             ``schedule`` (replay ``schedule_path``).
@@ -85,7 +85,7 @@ class GrapeController:
 
     def __init__(
         self,
-        mixer: Any,
+        mixer: MixerPort,
         tasks: Sequence[TaskStream],
         method: str = _DEFAULTS.method,
         alpha_every: int = _DEFAULTS.alpha_every,
@@ -116,7 +116,7 @@ class GrapeController:
         self.mixer = mixer
         self.tasks = list(tasks)
         self.task_names = task_names(self.tasks)
-        self.domain_names = mixer_domain_names(mixer)
+        self.domain_names = check_mixer(mixer)
         self.method = str(method)
         self.alpha_every = alpha_every
         self.z_every = z_every
@@ -223,7 +223,7 @@ class GrapeController:
                 initial = np.asarray(self.mixer.weights, dtype=np.float64)
             else:
                 self.replay.index = 0
-        if not np.array_equal(np.asarray(getattr(self.mixer, "weights", []), dtype=np.float64), initial):
+        if not np.array_equal(np.asarray(self.mixer.weights, dtype=np.float64), initial):
             self._apply_weights(initial, 0)
         rec = {"type": "update", "step": 0, "initial": True, "alpha": floats(initial),
                "z": None if self.z is None else floats(self.z)}

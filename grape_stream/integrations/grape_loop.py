@@ -94,11 +94,13 @@ class GrapeLoop:
         self.end_of_run = end_of_run
         self.controller_options, self.reweighter_options = split_algorithm_options(method, options, mu_alpha, mu_z)
         self.controller: GrapeController | None = None
+        self.mixer: WeightedStreamingMixer | None = None
 
     # -- the controller --------------------------------------------------------------------------------
     def attach(self, mixer: WeightedStreamingMixer) -> GrapeController:
         """The controller over ``mixer`` (built on the first call; the same mixer is required later)."""
         if self.controller is None:
+            self.mixer = mixer
             self.controller = GrapeController(
                 mixer, self.tasks, method=self.method, alpha_every=self.alpha_every, z_every=self.z_every,
                 probe_domain_batch=self.probe_domain_batch, probe_task_batch=self.probe_task_batch,
@@ -144,7 +146,7 @@ class GrapeLoop:
             "format": LOOP_STATE_FORMAT,
             "step": int(step),
             "controller": ctl.state_dict(),
-            "mixer": dict(mixer_state) if mixer_state is not None else ctl.mixer.state_dict(),
+            "mixer": dict(mixer_state) if mixer_state is not None else ctl.mixer.state_dict(),  # the batches so far
         }
 
     def load_state_dict(self, state: Mapping[str, Any], step: int | None = None,
@@ -160,8 +162,9 @@ class GrapeLoop:
             raise DataError(f"{where} holds the GRAPE state of step {state['step']} but the trainer resumes at step "
                             f"{step}: the checkpoint was not written by one run")
         ctl = self._ctl()
+        assert self.mixer is not None, "attach() set both"
         ctl.load_state_dict(state["controller"])
-        ctl.mixer.load_state_dict(state["mixer"])
+        self.mixer.load_state_dict(state["mixer"])
 
     # -- the end ---------------------------------------------------------------------------------------
     def finish(self) -> str | None:

@@ -32,9 +32,13 @@ class RecipeNotFoundError(ConfigError, FileNotFoundError):
     """No such recipe file and no bundled recipe of that name (still a FileNotFoundError)."""
 
 
+#: The folder of the bundled recipe YAMLs inside the package (data, not code: no ``__init__.py``).
+BUNDLED_DIR = "recipe_yaml"
+
+
 def bundled_recipes() -> dict[str, str]:
-    """name -> path of the recipes shipped in ``grape_stream.recipes``."""
-    root = importlib.resources.files("grape_stream.recipes")
+    """name -> path of the recipes shipped in ``grape_stream/recipe_yaml/``."""
+    root = importlib.resources.files("grape_stream").joinpath(BUNDLED_DIR)
     return {p.name[:-5]: str(p) for p in root.iterdir() if p.name.endswith(".yaml")}
 
 
