@@ -142,7 +142,8 @@ def expand_shared(t: Tensor, layout: str, batch: int) -> Tensor:
 
 
 CallKey = tuple[int, int]  # (id(module), call ordinal within one forward)
-Layouts = dict[CallKey, tuple[str, Optional[tuple[int, ...]]]]
+Lead = Optional[tuple[int, ...]]  # a call's leading (per-token) dimensions
+Layouts = dict[CallKey, tuple[str, Lead]]
 
 
 def probe_layouts(
@@ -171,31 +172,15 @@ def probe_layouts(
         if cuda_rng is not None and cuda_dev is not None:
             torch.cuda.set_rng_state(cuda_rng, cuda_dev)
 
-    engine.capturing = True
-    engine.call_kinds = {}
-    try:
-        with torch.no_grad():
-            engine.begin(None, "probe")
-            engine.verifying = True  # AUTO calls are checked on this one-sample forward
-            try:
-                per_sample_loss(model, one)
-            finally:
-                engine.verifying = False
-            rec1, engine.recorded = engine.recorded, {}
-            kinds = dict(engine.call_kinds)
-            if total < 2:
-                return {k: ("unsupported", v) for k, v in rec1.items()}, kinds
-            reset_rng()
-            engine.begin(None, "probe")
-            ref = per_sample_loss(model, two)
-            rec2, engine.recorded = engine.recorded, {}
-            layouts = {k: (classify_layout(rec1.get(k), rec2.get(k)), rec1.get(k)) for k in set(rec1) | set(rec2)}
-            _verify_shared(engine, model, per_sample_loss, two, ref.detach(), layouts, reset_rng)
-    finally:
-        engine.capturing = False
-        engine.mode = None
-        engine.expand_keys = {}
-        engine.recorded = {}
+    with engine.layout_probing(), torch.no_grad():
+        rec1, _ = engine.record_leads(lambda: per_sample_loss(model, one), verify=True)  # AUTO calls checked here
+        kinds = engine.verified_kinds()
+        if total < 2:
+            return {k: ("unsupported", v) for k, v in rec1.items()}, kinds
+        reset_rng()
+        rec2, ref = engine.record_leads(lambda: per_sample_loss(model, two))
+        layouts = {k: (classify_layout(rec1.get(k), rec2.get(k)), rec1.get(k)) for k in set(rec1) | set(rec2)}
+        _verify_shared(engine, model, per_sample_loss, two, ref.detach(), layouts, reset_rng)
     return layouts, kinds
 
 
@@ -208,10 +193,8 @@ def _verify_shared(engine: FusedGramEngine, model: nn.Module, per_sample_loss: P
         if layout not in ("shared", "shared1"):
             continue
         reset_rng()
-        engine.begin(None, "verify")
-        engine.expand_keys, engine.probe_batch = {key: layout}, 2
         try:
-            out = per_sample_loss(model, two)
+            out = engine.forward_expanded(lambda: per_sample_loss(model, two), key, layout, 2)
             same = isinstance(out, Tensor) and out.shape == ref.shape and bool(
                 torch.allclose(out.detach(), ref, rtol=tol, atol=tol, equal_nan=True)
             )

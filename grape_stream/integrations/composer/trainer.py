@@ -30,6 +30,7 @@ from composer.models import ComposerModel
 from composer.optim import DecoupledAdamW
 from composer.utils import dist, format_name_with_dist, parse_uri, reproducibility
 
+from grape_stream.config import RecipeConfig
 from grape_stream.errors import ConfigError
 from grape_stream.integrations.composer.algorithm import GrapeAlgorithm
 from grape_stream.integrations.composer.callbacks import GrapeTrajectoryCallback, JSONLMetricsLogger, TaskEvalSummary
@@ -38,12 +39,13 @@ from grape_stream.integrations.composer.model import ComposerGPT
 from grape_stream.integrations.composer.recipe_callbacks import build_callbacks
 from grape_stream.integrations.composer.schedulers import build_scheduler
 from grape_stream.recipe import (
-    algorithm_kwargs,
+    as_recipe,
     build_mixer,
     build_model,
     check_local_data,
-    load_recipe,
+    load_config,
     read_manifest,
+    recipe_dict,
     recipe_streams,
     resolved_sizes,
     train_dataloader,
@@ -73,7 +75,7 @@ LOGGERS = {
 class Built:
     """Everything a recipe builds; ``trainer`` is None in a dry run."""
 
-    cfg: dict[str, Any]
+    cfg: RecipeConfig
     model: Any
     algorithm: Any
     tasks: list[Any]
@@ -101,22 +103,23 @@ class Built:
 
     def describe(self) -> dict[str, Any]:
         n_params = sum(p.numel() for p in self.model.parameters())
+        c = self.cfg
         return {
-            "run_name": self.cfg["run_name"],
-            "model": f"{self.model_kind or self.cfg['model']['kind']} ({n_params / 1e6:.1f}M parameters)",
+            "run_name": c.run_name,
+            "model": f"{self.model_kind or c.model.kind} ({n_params / 1e6:.1f}M parameters)",
             "domains": [d["name"] for d in self.domains],
             "tasks": [t.name for t in self.tasks],
-            "method": self.cfg["algorithm"]["method"],
-            "max_duration": self.cfg["trainer"]["max_duration"],
-            "global_batch": self.cfg["trainer"]["global_train_batch_size"],
+            "method": c.algorithm.method,
+            "max_duration": c.trainer.max_duration,
+            "global_batch": c.trainer.global_train_batch_size,
             "per_rank_batch": self.per_rank_batch_size,
-            "lr": self.cfg["optimizer"]["lr"],
-            "scheduler": self.cfg["scheduler"]["name"],
+            "lr": c.optimizer.lr,
+            "scheduler": c.scheduler.name,
         }
 
 
-def _device_name(cfg: Mapping[str, Any]) -> str:
-    dev = cfg["trainer"]["device"]
+def _device_name(cfg: RecipeConfig) -> str:
+    dev = cfg.trainer.device
     if dev == "auto":
         return "gpu" if torch.cuda.is_available() else "cpu"
     if dev not in DEVICES:
@@ -127,9 +130,10 @@ def _device_name(cfg: Mapping[str, Any]) -> str:
 PerSampleLoss = Callable[[torch.nn.Module, Mapping[str, torch.Tensor]], torch.Tensor]
 
 
-def build_algorithm(cfg: Mapping[str, Any], tasks: list[Any],
+def build_algorithm(cfg: RecipeConfig | Mapping[str, Any], tasks: list[Any],
                     per_sample_loss: Optional[PerSampleLoss] = None) -> GrapeAlgorithm:
-    return GrapeAlgorithm(tasks=tasks, per_sample_loss=per_sample_loss, **algorithm_kwargs(cfg))
+    """GrapeAlgorithm with the recipe's ``algorithm`` section (an AlgorithmConfig, handed over as it is)."""
+    return GrapeAlgorithm(as_recipe(cfg).algorithm, tasks=tasks, per_sample_loss=per_sample_loss)
 
 
 def composer_model(module: torch.nn.Module) -> ComposerModel:
@@ -148,43 +152,43 @@ def composer_model(module: torch.nn.Module) -> ComposerModel:
     return ComposerGPT(module)
 
 
-def _loggers(cfg: Mapping[str, Any], output_dir: str) -> list[Any]:
+def _loggers(cfg: RecipeConfig, output_dir: str) -> list[Any]:
     out = []
-    for name, kwargs in cfg["trainer"]["loggers"].items():
+    for name, kwargs in cfg.trainer.loggers.items():
         if name not in LOGGERS:
             raise ConfigError(f"unknown logger 'trainer.loggers.{name}'; choose from {sorted(LOGGERS)}")
         out.append(LOGGERS[name](**dict(kwargs or {})))
-    if cfg["trainer"]["metrics_jsonl"]:
+    if cfg.trainer.metrics_jsonl:
         out.append(JSONLMetricsLogger(os.path.join(output_dir, "metrics.jsonl")))
     return out
 
 
-def _evaluators(cfg: Mapping[str, Any], tasks: list[Any]) -> list[Evaluator]:
-    data = cfg["data"]
-    if not (tasks and data["task_test_split"]):
+def _evaluators(cfg: RecipeConfig, tasks: list[Any]) -> list[Evaluator]:
+    data = cfg.data
+    if not (tasks and data.task_test_split):
         return []
     return [
         Evaluator(
             label=t.name,
-            dataloader=t.eval_dataloader(data["eval_batch_size"], num_workers=data["eval_num_workers"]),
+            dataloader=t.eval_dataloader(data.eval_batch_size, num_workers=data.eval_num_workers),
             metric_names=["LanguageCrossEntropy", "LanguagePerplexity"],
         )
         for t in tasks
     ]
 
 
-def build_optimizer(cfg: Mapping[str, Any], model: torch.nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(cfg: RecipeConfig | Mapping[str, Any], model: torch.nn.Module) -> torch.optim.Optimizer:
     """``adamw``: torch's AdamW; ``decoupled_adamw``: Composer's DecoupledAdamW (llm-foundry's usual optimizer,
     its weight decay scaled by lr / peak lr rather than by lr)."""
-    o = cfg["optimizer"]
-    kwargs: dict[str, Any] = dict(lr=float(o["lr"]), betas=tuple(o["betas"]), eps=float(o["eps"]),
-                                  weight_decay=float(o["weight_decay"]))
-    if o["name"].lower() == "decoupled_adamw":
+    o = as_recipe(cfg).optimizer
+    kwargs: dict[str, Any] = dict(lr=float(o.lr), betas=tuple(o.betas), eps=float(o.eps),
+                                  weight_decay=float(o.weight_decay))
+    if o.name.lower() == "decoupled_adamw":
         return DecoupledAdamW(model.parameters(), **kwargs)
     return torch.optim.AdamW(model.parameters(), **kwargs)
 
 
-def build(cfg: Mapping[str, Any], *, dry_run: bool = False, extra_callbacks: Sequence[Any] = (),
+def build(cfg: RecipeConfig | Mapping[str, Any], *, dry_run: bool = False, extra_callbacks: Sequence[Any] = (),
           extra_loggers: Sequence[Any] = (), model: Optional[torch.nn.Module] = None,
           per_sample_loss: Optional[PerSampleLoss] = None) -> Built:
     """Build a recipe. ``dry_run``: the model on the meta device and no data opened, no Trainer.
@@ -194,13 +198,13 @@ def build(cfg: Mapping[str, Any], *, dry_run: bool = False, extra_callbacks: Seq
     ``per_sample_loss(model, batch) -> Tensor[B]``: what GRAPE probes, when the model's own
     ``per_sample_loss`` (ComposerGPT's) or the default for ComposerModels does not fit.
     """
-    cfg = copy.deepcopy(dict(cfg))
+    cfg = copy.deepcopy(as_recipe(cfg))
     world = process_world().size
-    gbs = cfg["trainer"]["global_train_batch_size"]
+    gbs = cfg.trainer.global_train_batch_size
     if gbs % world:
         raise ConfigError(f"recipe key 'trainer.global_train_batch_size' ({gbs}) is not divisible by the {world} ranks")
     per_rank = gbs // world
-    if cfg["trainer"]["autoresume"] and not cfg["trainer"]["save_folder"]:  # Composer would refuse it in Trainer()
+    if cfg.trainer.autoresume and not cfg.trainer.save_folder:  # Composer would refuse it in Trainer()
         raise ConfigError("recipe key 'trainer.autoresume' is true but 'trainer.save_folder' is not set: "
                           "set trainer.save_folder (where checkpoints go) or trainer.autoresume=false")
 
@@ -211,14 +215,14 @@ def build(cfg: Mapping[str, Any], *, dry_run: bool = False, extra_callbacks: Seq
     vocab, seq = resolved_sizes(cfg, manifest)
     if not dry_run:
         # Trainer(seed=) seeds only after the model exists: seed first so initial weights are reproducible.
-        reproducibility.seed_all(cfg["seed"])
-    kind = cfg["model"]["kind"] if model is None else f"prebuilt {type(model).__name__}"
+        reproducibility.seed_all(cfg.seed)
+    kind = cfg.model.kind if model is None else f"prebuilt {type(model).__name__}"
     if model is None:
         model = ComposerGPT(build_model(cfg, vocab_size=vocab, seq_len=seq, device="meta" if dry_run else None))
     else:
         model = composer_model(model)
     algorithm = build_algorithm(cfg, tasks, per_sample_loss)
-    built = Built(cfg=dict(cfg), model=model, algorithm=algorithm, tasks=tasks, domains=domains,
+    built = Built(cfg=cfg, model=model, algorithm=algorithm, tasks=tasks, domains=domains,
                   optimizer=build_optimizer(cfg, model), scheduler=build_scheduler(cfg), per_rank_batch_size=per_rank,
                   model_kind=kind)
     if not dry_run:
@@ -262,61 +266,67 @@ def recover_before_autoresume(save_folder: str | None, run_name: str, *, save_fi
 
 def _build_trainer(built: Built, world: int, extra_callbacks: Sequence[Any], extra_loggers: Sequence[Any]) -> None:
     """Open the data (mixer, evaluators) and build the Trainer into ``built``."""
-    cfg, t = built.cfg, built.cfg["trainer"]
-    output_dir = cfg["output_dir"].format(run_name=cfg["run_name"])
+    cfg, t = built.cfg, built.cfg.trainer
+    assert cfg.run_name is not None, "load_config names every run"
+    output_dir = cfg.output_dir.format(run_name=cfg.run_name)
     device = _device_name(cfg)
     if world > 1:
         dist.initialize_dist(device)
-    save_filename = t.get("save_filename") or SAVE_FILENAME
-    latest_filename = t.get("save_latest_filename") or SAVE_LATEST_FILENAME
-    if t["autoresume"]:
+    save_filename, latest_filename = SAVE_FILENAME, SAVE_LATEST_FILENAME
+    if t.autoresume:
         built.checkpoint_recovery = recover_before_autoresume(
-            t["save_folder"], cfg["run_name"], save_filename=save_filename, latest_filename=latest_filename)
+            t.save_folder, cfg.run_name, save_filename=save_filename, latest_filename=latest_filename)
         if world > 1:
             dist.barrier()  # every rank's folder is consistent before any rank reads a `latest`
-    mixer = build_mixer(cfg, built.domains, built.per_rank_batch_size, cfg["seed"])
+    mixer = build_mixer(cfg, built.domains, built.per_rank_batch_size, cfg.seed)
     train_dl = train_dataloader(cfg, mixer, built.per_rank_batch_size)
     evaluators = _evaluators(cfg, built.tasks)
     callbacks: list[Any] = []
-    if cfg["algorithm"]["trajectory"]:
-        callbacks.append(GrapeTrajectoryCallback(folder=output_dir, plots=cfg["algorithm"]["plots"],
-                                                 summary=cfg["algorithm"]["summary"]))
+    a = cfg.algorithm
+    if a.trajectory:  # True: <output_dir>/grape_trajectory.jsonl; or a file path
+        if isinstance(a.trajectory, (str, os.PathLike)):
+            folder, filename = os.path.split(os.fspath(a.trajectory))
+            trajectory = GrapeTrajectoryCallback(folder=folder or ".", filename=filename, plots=a.plots,
+                                                 summary=a.summary)
+        else:
+            trajectory = GrapeTrajectoryCallback(folder=output_dir, plots=a.plots, summary=a.summary)
+        callbacks.append(trajectory)
     if evaluators:
         callbacks.append(TaskEvalSummary([task.name for task in built.tasks]))
-    callbacks.extend(build_callbacks(cfg.get("callbacks") or {}))
+    callbacks.extend(build_callbacks(cfg.callbacks or {}))
     callbacks.extend(extra_callbacks)
     loggers = _loggers(cfg, output_dir) + list(extra_loggers)
     algorithms: list[Any] = [built.algorithm]
-    if t["grad_clip_norm"] is not None:
-        algorithms.append(GradientClipping(clipping_type="norm", clipping_threshold=float(t["grad_clip_norm"])))
+    if t.grad_clip_norm is not None:
+        algorithms.append(GradientClipping(clipping_type="norm", clipping_threshold=float(t.grad_clip_norm)))
     trainer = Trainer(
-        run_name=cfg["run_name"],
+        run_name=cfg.run_name,
         model=built.model,
         train_dataloader=train_dl,
         eval_dataloader=evaluators or None,
-        eval_interval=t["eval_interval"],
-        eval_subset_num_batches=t["eval_subset_num_batches"],
-        max_duration=t["max_duration"],
+        eval_interval=t.eval_interval,
+        eval_subset_num_batches=t.eval_subset_num_batches,
+        max_duration=t.max_duration,
         optimizers=built.optimizer,
         schedulers=built.scheduler,
         algorithms=algorithms,
         callbacks=callbacks,
         loggers=loggers,
         device=device,
-        precision=t["precision"] or ("amp_bf16" if device == "gpu" else "fp32"),
-        device_train_microbatch_size=t["device_train_microbatch_size"] or built.per_rank_batch_size,
-        seed=cfg["seed"],
-        save_folder=t["save_folder"],
+        precision=t.precision or ("amp_bf16" if device == "gpu" else "fp32"),
+        device_train_microbatch_size=t.device_train_microbatch_size or built.per_rank_batch_size,
+        seed=cfg.seed,
+        save_folder=t.save_folder,
         save_filename=save_filename,
         save_latest_filename=latest_filename,
-        save_interval=t["save_interval"],
-        save_num_checkpoints_to_keep=t["save_num_checkpoints_to_keep"],
-        save_overwrite=t["save_overwrite"],
-        autoresume=t["autoresume"],
-        load_path=t["load_path"],
-        console_log_interval=t["log_interval"],
-        log_to_console=t["log_to_console"],
-        progress_bar=t["progress_bar"],
+        save_interval=t.save_interval,
+        save_num_checkpoints_to_keep=t.save_num_checkpoints_to_keep,
+        save_overwrite=t.save_overwrite,
+        autoresume=t.autoresume,
+        load_path=t.load_path,
+        console_log_interval=t.log_interval,
+        log_to_console=t.log_to_console,
+        progress_bar=t.progress_bar,
         python_log_level=None,
     )
     built.mixer, built.train_dataloader, built.evaluators = mixer, train_dl, evaluators
@@ -341,9 +351,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # intermixed: `grape-stream train RECIPE --dry-run key=value` works as well as options first
     args = parser.parse_intermixed_args(list(argv) if argv is not None else None)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = load_recipe(args.recipe, args.overrides)
+    cfg = load_config(args.recipe, args.overrides)
     if args.print_config:  # print and stop: a user asking to see the recipe did not ask to train
-        print(yaml.safe_dump(cfg, sort_keys=False))
+        print(yaml.safe_dump(recipe_dict(cfg), sort_keys=False))
         return 0
     built = build(cfg, dry_run=args.dry_run)
     print(json.dumps(built.describe(), indent=2))
