@@ -25,7 +25,15 @@ from grape_stream.config.algorithm import (
 )
 from grape_stream.config.convert import ConvertConfig
 from grape_stream.config.data import RETRY_DEADLINE_S, SHUFFLE_BLOCK_SIZE, DataConfig, MixerConfig, streaming_fields
-from grape_stream.config.fields import MISSING, field_names, free, is_free, is_required, with_overrides
+from grape_stream.config.fields import (
+    MISSING,
+    field_default,
+    field_names,
+    free,
+    is_free,
+    is_required,
+    with_overrides,
+)
 from grape_stream.config.recipe import (
     DecoderShape,
     ModelConfig,
@@ -55,6 +63,7 @@ __all__ = [
     "RecipeConfig",
     "SchedulerConfig",
     "TrainerConfig",
+    "field_default",
     "field_names",
     "free",
     "is_free",

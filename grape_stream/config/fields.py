@@ -23,7 +23,7 @@ from typing import Any, Mapping, TypeVar
 
 from grape_stream.errors import UnknownOptionError, did_you_mean
 
-__all__ = ["MISSING", "field_names", "free", "is_free", "is_required", "with_overrides"]
+__all__ = ["MISSING", "field_default", "field_names", "free", "is_free", "is_required", "with_overrides"]
 
 #: A required value (omegaconf's literal for one, so the dataclasses keep their meaning there).
 MISSING: Any = "???"
@@ -47,6 +47,18 @@ def is_required(f: dataclasses.Field[Any]) -> bool:
 def field_names(cls: type) -> tuple[str, ...]:
     """The fields of a config dataclass, in order."""
     return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def field_default(cls: type, name: str) -> Any:
+    """The default of one field of a config dataclass (what a command-line flag shows as its default)."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+            if f.default is dataclasses.MISSING:
+                raise TypeError(f"{cls.__name__}.{name} has no default")
+            return f.default
+    raise KeyError(f"{cls.__name__} has no field {name!r}")
 
 
 def with_overrides(config: T | Mapping[str, Any] | None, cls: type[T], overrides: Mapping[str, Any], *,
