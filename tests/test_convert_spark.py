@@ -1,6 +1,6 @@
 """Spark path (grape_stream.convert.spark): a real local Spark session writes the same layout.
 
-pyspark is pinned in requirements.txt (Java 17+ must be on the machine), so this runs in CI.
+pyspark is pinned in requirements/dev.txt (Java 17+ must be on the machine), so this runs in CI.
 """
 
 from __future__ import annotations

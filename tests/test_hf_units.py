@@ -107,12 +107,31 @@ def test_grape_trainer_refuses_what_cannot_work(data, tmp_path):
             GrapeTrainer(model=model, args=args(per_device_train_batch_size=4), mixer=mixer)
         with pytest.raises(ConfigError, match="max_steps"):
             GrapeTrainer(model=model, args=args(max_steps=-1), mixer=mixer)
-        with pytest.raises(ConfigError, match="not train_dataset"):
+        with pytest.raises(ConfigError, match="not both"):
             GrapeTrainer(model=model, args=args(), mixer=mixer, train_dataset=[1, 2])
+        with pytest.raises(ConfigError, match="needs train_dataset= a grape_stream.WeightedStreamingMixer, got list"):
+            GrapeTrainer(model=model, args=args(), train_dataset=[1, 2])
         trainer = GrapeTrainer(model=model, args=args(), mixer=mixer)
         assert trainer.args.ignore_data_skip  # the mixer restores its own position on resume
         batch = next(iter(trainer.get_train_dataloader()))
         assert set(batch) == {"input_ids", "labels"} and batch["input_ids"].shape == (8, SEQ)
+    finally:
+        mixer.close()
+
+
+def test_grape_trainer_takes_the_mixer_as_train_dataset_and_its_batch_size(data, tmp_path):
+    """`GrapeTrainer(train_dataset=mixer)`, as any Trainer; the batch size is said once, by the mixer."""
+    from transformers import TrainingArguments
+
+    from grape_stream.integrations.hf import GrapeTrainer
+
+    model, mixer = _llama(), _mixer(data, batch_size=4)
+    try:
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, report_to=[], use_cpu=True)
+        trainer = GrapeTrainer(model=model, args=args, train_dataset=mixer)
+        assert trainer.mixer is mixer and trainer.args.per_device_train_batch_size == 4
+        assert trainer._train_batch_size == 4
+        assert next(iter(trainer.get_train_dataloader()))["input_ids"].shape == (4, SEQ)
     finally:
         mixer.close()
 

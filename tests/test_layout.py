@@ -25,6 +25,7 @@ LEVELS: dict[str, int] = {
     "grape_stream.head_loss": 0,
     "grape_stream.config": 0,
     "grape_stream.errors": 0,
+    "grape_stream.console": 0,
     "grape_stream.retry": 0,
     "grape_stream.testing": 0,
     "grape_stream.stale_temp": 0,

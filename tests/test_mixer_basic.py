@@ -289,3 +289,38 @@ def test_reserved_column_is_refused(tmp_path):
     with pytest.raises(ValueError, match="reserved"):
         WeightedStreamingMixer([DomainStream("t", local=out)], batch_size=2)
     assert os.path.isdir(out)
+
+
+def test_streaming_streams_are_accepted_as_domains(dirs):
+    """mosaicml-streaming users' `WeightedStreamingMixer([Stream(...)])` and `streams=`: each Stream a domain named
+    by its path, `proportion` (normalised) the initial weight; the same batches as the DomainStream spelling."""
+    from streaming import Stream
+
+    streams = [Stream(local=d, proportion=p) for d, p in zip(dirs, (2, 1, 1))]
+    a = WeightedStreamingMixer(streams, batch_size=B, seed=3)
+    b = WeightedStreamingMixer(streams=streams, batch_size=B, seed=3)
+    names = [os.path.basename(d) for d in dirs]
+    assert a.domain_names == b.domain_names == names
+    assert a.weights.tolist() == pytest.approx([0.5, 0.25, 0.25])
+    got = [batch_identities(x) for x in take(a, 3)]
+    assert got == [batch_identities(x) for x in take(b, 3)]
+    a.close()
+    b.close()
+    c = WeightedStreamingMixer([DomainStream(n, local=d) for n, d in zip(names, dirs)], weights=[0.5, 0.25, 0.25],
+                               batch_size=B, seed=3)
+    assert [batch_identities(x) for x in take(c, 3)] == got
+    c.close()
+    d = WeightedStreamingMixer([Stream(local=x) for x in dirs], weights=[0.2, 0.3, 0.5], batch_size=B)
+    assert d.weights.tolist() == pytest.approx([0.2, 0.3, 0.5])  # no proportions: weights= (default uniform)
+    d.close()
+
+    with pytest.raises(TypeError, match="needs domains="):
+        WeightedStreamingMixer(batch_size=B)
+    with pytest.raises(TypeError, match="not both"):
+        WeightedStreamingMixer(streams, streams=streams, batch_size=B)
+    with pytest.raises(ValueError, match="every Stream a proportion, or none"):
+        WeightedStreamingMixer([Stream(local=dirs[0], proportion=1), Stream(local=dirs[1])], batch_size=B)
+    with pytest.raises(ValueError, match="repeat= / choose="):
+        WeightedStreamingMixer([Stream(local=dirs[0], repeat=2)], batch_size=B)
+    with pytest.raises(ValueError, match="pass download_retry= to WeightedStreamingMixer"):
+        WeightedStreamingMixer([Stream(local=dirs[0], download_retry=5)], batch_size=B)

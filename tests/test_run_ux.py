@@ -37,7 +37,9 @@ def ux_run(tmp_path_factory):
                "mlflow": {"tracking_uri": "file://" + os.path.join(out, "mlruns"), "experiment_name": "ux",
                           "log_system_metrics": False},
                "wandb": {"project": "ux"}}
-    cfg = load_recipe(tiny_recipe(data, out, trainer={"max_duration": "8ba", "eval_interval": "8ba",
+    # 10 batches, evaluation every 8: Composer 0.32.1 evaluates once more after FIT_END (at 10), and the summary
+    # must show that evaluation, not the one at 8 (every bundled paper recipe ends off its eval interval)
+    cfg = load_recipe(tiny_recipe(data, out, trainer={"max_duration": "10ba", "eval_interval": "8ba",
                                                       "loggers": loggers}))
     saved = {k: os.environ.get(k) for k in [*_ENV, "WANDB_DIR"]}
     os.environ.update(_ENV, WANDB_DIR=out)
@@ -69,7 +71,13 @@ def test_progress_line_for_every_update(ux_run):
 
 
 def test_end_of_run_summary_table(ux_run):
+    """The summary shows the run's last evaluation (Composer's extra one after FIT_END, at batch 10)."""
     out, evals, ctl = ux_run["stdout"], ux_run["evals"].last, ux_run["controller"]
+    with open(os.path.join(ux_run["run"], "metrics.jsonl"), encoding="utf-8") as f:
+        rounds = [r for r in map(json.loads, f) if "metrics/grape/avg_log_ppl" in r]
+    assert [r["step"] for r in rounds] == [8, 10]
+    assert rounds[-1]["metrics/grape/avg_log_ppl"] == pytest.approx(sum(evals.values()) / 2)
+    assert out.count("GRAPE run summary") == 1
     assert "GRAPE run summary: method grape, 2 updates, last at step 8" in out
     assert set(evals) == {"t0", "t1"}
     for t, v in evals.items():
@@ -111,7 +119,7 @@ def test_tensorboard_gets_the_plot_as_an_image(ux_run):
         acc.Reload()
         if "grape/trajectory" in acc.Tags()["images"]:
             images += acc.Images("grape/trajectory")
-    assert len(images) == 1 and images[0].step == 8
+    assert len(images) == 1 and images[0].step == 10  # logged after the final evaluation, at the last batch
     assert images[0].encoded_image_string[:8] == b"\x89PNG\r\n\x1a\n" and images[0].width > 200
 
 
@@ -188,3 +196,37 @@ def test_trajectory_record_count_matches_the_summary(ux_run):
     with open(os.path.join(ux_run["run"], "grape_trajectory.jsonl"), encoding="utf-8") as f:
         rows = [json.loads(line) for line in f]
     assert [r.get("step") for r in rows if r.get("type") == "update"] == [0, 4, 8]
+
+
+def test_train_command_prints_grape_lines_not_library_chatter(tmp_path):
+    """`grape-stream train`: no INFO lines of streaming / Composer / botocore (the root logger stays at WARNING),
+    each GRAPE update reported once (its progress line, not also a log line); `--quiet`: nothing on stderr;
+    the recipe's `python_log_level` (llm-foundry's key) brings grape_stream's and Composer's INFO lines back."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    data, out = str(tmp_path / "data"), str(tmp_path / "out")
+    write_dataset(data, domains=3, tasks=(0, 2), n_domain=96, n_val=16, n_test=16)
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(yaml.safe_dump(tiny_recipe(data, out, trainer={"max_duration": "4ba", "eval_interval": "4ba",
+                                                                     "log_to_console": False})))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def train(*extra: str) -> subprocess.CompletedProcess:
+        proc = subprocess.run([sys.executable, "-m", "grape_stream.cli", "train", str(recipe), *extra],
+                              capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+
+    plain = train("run_name=plain")
+    assert plain.stderr.splitlines() == [
+        "GRAPE update 1 (step 4): probing 5 groups (3 domains + 2 tasks), 20 samples ...",
+        plain.stderr.splitlines()[1]]
+    assert re.match(r"GRAPE update 1 \(step 4\) done in [0-9.]+s \(", plain.stderr.splitlines()[1]), plain.stderr
+    assert "GRAPE run summary" in plain.stdout
+    quiet = train("run_name=quiet", "--quiet")
+    assert quiet.stderr == "" and "GRAPE run summary" in quiet.stdout
+    chatty = train("run_name=chatty", "python_log_level=info")
+    assert " INFO composer." in chatty.stderr and " INFO streaming." not in chatty.stderr

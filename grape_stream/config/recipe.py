@@ -97,3 +97,6 @@ class RecipeConfig:
     callbacks: dict[str, Any] = free()
     # free values for ${variables.x} interpolation elsewhere in the recipe (llm-foundry's `variables:`)
     variables: dict[str, Any] = free()
+    # llm-foundry's key: the level of grape_stream's and Composer's messages (debug, info, warning, error);
+    # `grape-stream train --log-level` wins over it (grape_stream.console)
+    python_log_level: Optional[str] = None

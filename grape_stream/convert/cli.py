@@ -15,6 +15,7 @@ import sys
 from typing import Any, Sequence
 
 from grape_stream.config import ConvertConfig, field_default, field_names
+from grape_stream.console import is_quiet
 from grape_stream.convert.pipeline import convert
 from grape_stream.convert.readers import REGISTRY, reader_options
 from grape_stream.errors import ConfigError, DataError, StorageError, UserFacingError
@@ -103,13 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     _option(w, "--overwrite", "overwrite", "discard a previous conversion in --out and start over",
             action="store_true")
     _option(w, "--max-examples", "max_examples", "examples per bad-input kind and file in report.json", type=int)
-    _option(w, "--no-progress", "progress", "no progress bars", action="store_false")
+    _option(w, "--no-progress", "progress",
+            "no progress (bars on a terminal, else a line every 5 s; --quiet implies it)", action="store_false")
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> ConvertConfig:
     """The parsed command line as one ConvertConfig (the reader's flags under ``reader``)."""
     fields = {name: getattr(args, name) for name in field_names(ConvertConfig) if name != "reader"}
+    fields["progress"] = fields["progress"] and not is_quiet()  # --quiet (any sub-command) implies --no-progress
     return ConvertConfig(**fields, reader={name: getattr(args, name) for name in reader_options()})
 
 

@@ -10,6 +10,7 @@ Ids are returned as numpy arrays so packing is a concatenation, not a Python loo
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib.metadata
 import os
@@ -177,6 +178,10 @@ def _load_hf(spec: str, eos_id: int | None) -> HFTokenizer:
         return HFTokenizer(RustTokenizer.from_file(str(path / "tokenizer.json")), name=spec, eos_id=eos_id)
     if spec.endswith(".json") or spec.startswith((".", "/", "~")):
         raise ValueError(f"tokenizer {spec!r}: not 'gpt2', 'bytes', or an existing tokenizer.json file or directory")
+    close = difflib.get_close_matches(spec, ("gpt2", "bytes"), n=1, cutoff=0.7)
+    if close:  # a typo of a built-in name never reaches the hub (offline, its retries take a minute)
+        raise ValueError(f"tokenizer {spec!r} is not known; did you mean {close[0]!r}? (or give a tokenizer.json "
+                         "path or a Hugging Face name)")
     try:
         from transformers import AutoTokenizer
     except ImportError as e:  # pragma: no cover - transformers is an optional extra

@@ -252,7 +252,8 @@ class GrapeController:
         rec["seconds"] = seconds
         self.num_updates += 1
         self.history.append(rec)
-        log.info("GRAPE update at step %d (lr %.3g) took %.3fs: alpha=%s", step, lr, seconds["total"],
+        # DEBUG: the integrations' progress line (integrations/progress.py) reports each update once
+        log.debug("GRAPE update at step %d (lr %.3g) took %.3fs: alpha=%s", step, lr, seconds["total"],
                  np.round(alpha, 4).tolist())
         return rec
 

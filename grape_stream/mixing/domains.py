@@ -69,7 +69,6 @@ PLANNED_BY_MIXER = {
     "epoch_size": "the mixer's stream is endless; set max_epochs per domain for a data budget",
     "replication": "not supported by the mixer",
     "batch_size": "pass batch_size to the mixer",
-    "streams": "pass domains=[DomainStream(...)]",
     "remote": "set remote per DomainStream",
     "local": "set local per DomainStream",
     "split": "set split per DomainStream",
@@ -145,19 +144,77 @@ def _as_domain(d: DomainStream | Mapping[str, Any] | str) -> DomainStream:
         return d
     if isinstance(d, Mapping):
         return DomainStream(**d)
-    raise TypeError(f"domains must be DomainStream objects or dicts, got {type(d).__name__}")
+    raise TypeError(f"domains must be DomainStream objects, dicts or streaming Streams, got {type(d).__name__}")
 
 
-def as_domains(domains: Sequence[DomainStream | Mapping[str, Any]]) -> list[DomainStream]:
-    """The domains as DomainStream objects: at least one, names unique."""
-    out = [_as_domain(d) for d in domains]
+def _stream_name(s: Any) -> str:
+    """A streaming Stream's domain name: the last part of its remote (or local) path, e.g. ``s3://b/en`` -> en."""
+    path = str(s.remote or s._local or "").rstrip("/")
+    return path.rsplit("/", 1)[-1] or "stream"
+
+
+def _from_streams(streams: Sequence[Any]) -> tuple[list[Any], list[float] | None]:
+    """mosaicml-streaming's ``Stream`` objects as domains, and their ``proportion`` as the initial weights.
+
+    A Stream has no name: each domain is named by the last part of its path (repeated names get ``_1``,
+    ``_2``, ...; pass DomainStream to choose names). ``repeat`` / ``choose`` (absolute epoch sizes, which the
+    mixer does not plan) and per-stream download options are refused, each with what to use instead."""
+    from streaming import Stream
+
+    names = [_stream_name(s) for s in streams if isinstance(s, Stream)]
+    seen: dict[str, int] = {}
+    out: list[Any] = []
+    props: list[float | None] = []
+    for s in streams:
+        if not isinstance(s, Stream):
+            out.append(s)
+            props.append(None)
+            continue
+        if s._repeat is not None or s._choose is not None:
+            raise ValueError(f"Stream({s.remote or s._local!r}): repeat= / choose= set absolute epoch sizes, which the "
+                             "mixer does not plan; use proportion= (the initial weight) or DomainStream(max_epochs=)")
+        for attr in ("download_retry", "download_timeout", "keep_zip"):
+            if getattr(s, f"_{attr}") is not None:
+                raise ValueError(f"Stream({s.remote or s._local!r}): pass {attr}= to WeightedStreamingMixer "
+                                 "(it applies to every domain)")
+        name = _stream_name(s)
+        if names.count(name) > 1:
+            seen[name] = seen.get(name, 0) + 1
+            name = f"{name}_{seen[name]}"
+        out.append(DomainStream(name, remote=s.remote, local=s._local, split=s.split or None))
+        props.append(s._proportion)
+    given = [p for p in props if p is not None]
+    if not given:
+        return out, None
+    if len(given) != len(props):
+        raise ValueError("give every Stream a proportion, or none (as streaming requires)")
+    total = float(sum(given))
+    if total <= 0:
+        raise ValueError(f"Stream proportions must not all be 0, got {given}")
+    return out, [p / total for p in given]
+
+
+def as_domains(domains: Sequence[Any] | None, weights: Any = None,
+               streams: Sequence[Any] | None = None) -> tuple[list[DomainStream], Any]:
+    """The domains as DomainStream objects (at least one, names unique) and the initial weights.
+
+    ``domains`` (or ``streams``, streaming's name for the same list) may hold DomainStream objects, dicts of
+    their fields, or mosaicml-streaming ``Stream`` objects, whose ``proportion`` (normalised to sum to 1) is
+    the initial weight unless ``weights`` is given."""
+    if domains is not None and streams is not None:
+        raise TypeError("WeightedStreamingMixer takes domains= or streams= (the same list), not both")
+    if domains is None and streams is None:
+        raise TypeError("WeightedStreamingMixer needs domains=[DomainStream(name, local=...), ...] "
+                        "(or streaming's streams=[Stream(remote=..., local=..., proportion=...), ...])")
+    items, proportions = _from_streams(list(domains if domains is not None else streams))  # type: ignore[arg-type]
+    out = [_as_domain(d) for d in items]
     if not out:
         raise ValueError("the mixer needs at least one domain")
     names = [d.name for d in out]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ValueError(f"domain names must be unique; repeated: {dup}")
-    return out
+    return out, (proportions if weights is None else weights)
 
 
 def check_streaming_kwargs(options: Mapping[str, Any]) -> None:

@@ -82,7 +82,8 @@ class WeightedStreamingMixer(IterableDataset):
     batch), ``batch_index``, ``sample_index`` (id within the domain) and ``epoch`` (of the domain).
 
     Args:
-        domains: the K domains.
+        domains: the K domains: DomainStream objects, dicts of their fields, or mosaicml-streaming ``Stream``
+            objects (``streams=`` is the same list: named by their path, ``proportion`` is the initial weight).
         weights: initial mixture (K non-negative numbers summing to 1); default uniform.
         batch_size: samples per batch per rank (the DataLoader's batch size).
         seed: seeds the batch composition and every domain's shuffle.
@@ -102,25 +103,25 @@ class WeightedStreamingMixer(IterableDataset):
 
     def __init__(
         self,
-        domains: Sequence[DomainStream | Mapping[str, Any]],
+        domains: Sequence[DomainStream | Mapping[str, Any] | Any] | None = None,
         weights: Sequence[float] | np.ndarray | None = None,
         batch_size: int | None = None,
         seed: int = 0,
         *,
         config: MixerConfig | Mapping[str, Any] | None = None,
+        streams: Sequence[Any] | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
         check_streaming_kwargs(options)
         self.config = c = with_overrides(config, MixerConfig, options, where="WeightedStreamingMixer")
-        if batch_size is None or isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
-                or batch_size < 1:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         if c.composition not in COMPOSITIONS:
             raise ValueError(f"composition must be one of {COMPOSITIONS}, got {c.composition!r}")
         if c.lag is not None and (not isinstance(c.lag, (int, np.integer)) or c.lag < 0):
             raise ValueError(f"lag must be a non-negative integer or None, got {c.lag!r}")
-        self.domains = as_domains(domains)
+        self.domains, weights = as_domains(domains, weights, streams)
         self.domain_names = [d.name for d in self.domains]
         self.K = len(self.domains)
         self.batch_size = int(batch_size)

@@ -18,6 +18,7 @@ The data itself (directories, the manifest's vocab_size and seq_len) is checked 
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Mapping
 
@@ -120,11 +121,33 @@ def _check_algorithm(cfg: RecipeConfig) -> None:
         raise ConfigError(f"algorithm.method={a.method} needs target tasks: set 'data.tasks'")
 
 
+def _check_mixtures(cfg: RecipeConfig) -> None:
+    """``algorithm.options.weights`` (method static) and ``alpha0`` (the initial mixture): one finite non-negative
+    number per domain, summing to 1, in recipe terms (the options dataclasses check them again, by value)."""
+    k = len(cfg.data.domains)
+    for name in ("weights", "alpha0"):
+        value = cfg.algorithm.options.get(name)
+        if value is None:
+            continue
+        key = f"algorithm.options.{name}"
+        if not isinstance(value, (list, tuple)) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            raise ConfigTypeError(f"recipe key {key!r} must be a list of {k} numbers (one per domain), got {value!r}")
+        if len(value) != k:
+            raise ConfigError(f"recipe key {key!r} has {len(value)} numbers but data.domains has {k} domains")
+        if any(not math.isfinite(v) or v < 0 for v in value):
+            raise ConfigError(f"recipe key {key!r} must be non-negative finite numbers, got {list(value)}")
+        if abs(sum(value) - 1.0) > 1e-6:
+            raise ConfigError(f"recipe key {key!r} sums to {sum(value):.6g}, not 1: "
+                              f"e.g. {[round(v / sum(value), 6) for v in value] if sum(value) > 0 else 'uniform'}")
+
+
 def validate(cfg: RecipeConfig | Mapping[str, Any]) -> None:
     """Raise a ConfigError (also a KeyError / ValueError / TypeError) naming the offending key; return None
     when the recipe is sound."""
     cfg = as_recipe(cfg)
     _check_entries(cfg.data)
+    _check_mixtures(cfg)
     for key, allow_dur in TIME_KEYS.items():
         section, name = key.split(".")
         check_time(key, getattr(getattr(cfg, section), name), allow_dur=allow_dur)

@@ -13,7 +13,7 @@ import os
 from typing import Any, Optional, Sequence
 
 import torch
-from composer.core import Callback, State
+from composer.core import Callback, Event, State
 from composer.loggers import Logger, LoggerDestination
 
 from grape_stream.atomic import atomic_write_text
@@ -23,7 +23,8 @@ from grape_stream.integrations.summary import format_summary, summarize_controll
 from grape_stream.integrations.trajectory_plot import plot_trajectory
 from grape_stream.world import process_world
 
-__all__ = ["GrapeTrajectoryCallback", "JSONLMetricsLogger", "TaskEvalSummary", "grape_algorithm_of"]
+__all__ = ["GrapeTrajectoryCallback", "JSONLMetricsLogger", "TaskEvalSummary", "final_eval_pending",
+           "grape_algorithm_of"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class GrapeTrajectoryCallback(Callback):
         self.summary = summary
         self.artifacts = artifacts
         self.summary_text: str | None = None
+        self._pending = False  # fit ended, the final evaluation has not run yet
         self._written_updates = -1
         self.path: str | None = None
 
@@ -80,6 +82,27 @@ class GrapeTrajectoryCallback(Callback):
             self._write(state)
 
     def fit_end(self, state: State, logger: Logger) -> None:
+        # Composer 0.32.1 runs its final evaluation *after* FIT_END (Trainer._train_loop: FIT_END, then
+        # _run_evaluators(FIT_END)) whenever max_duration is not a multiple of eval_interval; the summary waits
+        # for it (EVAL_AFTER_ALL), else it would show the previous round's figures. CLOSE is the safety net.
+        self._pending = final_eval_pending(state)
+        if self._pending:
+            self._write(state)
+        else:
+            self._finish(state, logger)
+
+    def eval_after_all(self, state: State, logger: Logger) -> None:
+        if self._pending:
+            self._pending = False
+            self._finish(state, logger, evals=_task_evals(state, fresh=True))
+
+    def close(self, state: State, logger: Logger) -> None:
+        if self._pending:
+            self._pending = False
+            self._finish(state, logger)
+
+    def _finish(self, state: State, logger: Logger, evals: dict[str, float] | None = None) -> None:
+        """Plots, the summary and the tracker artifacts: once, after the run's last evaluation."""
         path = self._write(state)
         if path is None or not process_world().is_leader:
             return
@@ -91,15 +114,14 @@ class GrapeTrajectoryCallback(Callback):
                 log.warning("could not plot the GRAPE trajectory %s: %s", path, exc)
         files = [path] + ([png] if png else [])
         if self.summary:
-            files.append(self._summary(state, path, png))
+            files.append(self._summary(state, path, png, _task_evals(state) if evals is None else evals))
         if self.artifacts:
             log_trajectory_artifacts(logger, files, png, int(state.timestamp.batch))
 
-    def _summary(self, state: State, path: str, png: str | None) -> str:
+    def _summary(self, state: State, path: str, png: str | None, evals: dict[str, float]) -> str:
         """Print the end-of-run table and write it next to the trajectory; returns the file's path."""
         algo = grape_algorithm_of(state)
         assert algo is not None and algo.controller is not None
-        evals = next((cb.last for cb in state.callbacks if isinstance(cb, TaskEvalSummary) and cb.last), {})
         self.summary_text = format_summary(summarize_controller(algo.controller, evals, trajectory=path, plot=png))
         print(self.summary_text, flush=True)
         out = os.path.join(os.path.dirname(path), "grape_summary.txt")
@@ -122,13 +144,17 @@ class TaskEvalSummary(Callback):
         self.metric = metric
         self.last: dict[str, float] = {}
 
-    def eval_after_all(self, state: State, logger: Logger) -> None:
+    def values(self, state: State) -> dict[str, float]:
+        """Per-target value of ``metric`` from the evaluation that just ran (call at EVAL_AFTER_ALL)."""
         values = {}
         for label in self.labels:
             metric = state.eval_metrics.get(label, {}).get(self.metric)
-            if metric is None:
-                continue
-            values[label] = float(metric.compute())
+            if metric is not None:
+                values[label] = float(metric.compute())
+        return values
+
+    def eval_after_all(self, state: State, logger: Logger) -> None:
+        values = self.values(state)
         if not values:
             return
         self.last = values
@@ -142,6 +168,23 @@ class TaskEvalSummary(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         return None
+
+
+def final_eval_pending(state: State) -> bool:
+    """At FIT_END: will Composer evaluate once more after it? Composer's own interval schedulers answer
+    FIT_END without changing their state (``create_interval_scheduler``'s ``final_events``)."""
+    return any(ev.eval_interval is not None and ev.eval_interval(state, Event.FIT_END) for ev in state.evaluators)
+
+
+def _task_evals(state: State, fresh: bool = False) -> dict[str, float]:
+    """The target tasks' log-perplexity for the summary: the round that just ran (``fresh``, at EVAL_AFTER_ALL,
+    before TaskEvalSummary may have seen it: callback order) or TaskEvalSummary's last round."""
+    for cb in state.callbacks:
+        if isinstance(cb, TaskEvalSummary):
+            values = cb.values(state) if fresh else {}
+            if values or cb.last:
+                return values or dict(cb.last)
+    return {}
 
 
 class JSONLMetricsLogger(LoggerDestination):

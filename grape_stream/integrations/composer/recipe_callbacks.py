@@ -7,16 +7,15 @@ is ``"package.module:ClassName": {kwargs}``. An unknown name is one line with th
 
 from __future__ import annotations
 
-import difflib
 import importlib
 from typing import Any, Mapping
 
 from composer import callbacks as cc
 
-from grape_stream.errors import ConfigError
+from grape_stream.errors import ConfigError, did_you_mean
 from grape_stream.integrations.composer.callbacks import GrapeTrajectoryCallback, TaskEvalSummary
 
-__all__ = ["CALLBACKS", "build_callbacks"]
+__all__ = ["CALLBACKS", "build_callbacks", "check_callback_names"]
 
 #: name -> callback class (llm-foundry's registry names for Composer's callbacks)
 CALLBACKS: dict[str, type] = {
@@ -46,19 +45,27 @@ def _import(name: str) -> type:
         raise ConfigError(f"recipe key 'callbacks.{name}': cannot import it ({exc})") from None
 
 
+def _callback_class(name: str) -> type:
+    if ":" in name:
+        return _import(name)
+    if name in CALLBACKS:
+        return CALLBACKS[name]
+    hint = did_you_mean(name, CALLBACKS) or ";"
+    raise ConfigError(f"unknown callback 'callbacks.{name}'{hint} choose from {sorted(CALLBACKS)} "
+                      "or name a class as 'package.module:ClassName'")
+
+
+def check_callback_names(section: Mapping[str, Any]) -> None:
+    """Every callback of the section names a known or importable class (a dry run builds none of them)."""
+    for name in section:
+        _callback_class(name)
+
+
 def build_callbacks(section: Mapping[str, Any]) -> list[Any]:
     """One callback per entry of the recipe's ``callbacks`` section, in order."""
     out = []
     for name, kwargs in section.items():
-        if ":" in name:
-            cls = _import(name)
-        elif name in CALLBACKS:
-            cls = CALLBACKS[name]
-        else:
-            close = difflib.get_close_matches(name, list(CALLBACKS), n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ConfigError(f"unknown callback 'callbacks.{name}'; {hint}choose from {sorted(CALLBACKS)} "
-                              "or name a class as 'package.module:ClassName'")
+        cls = _callback_class(name)
         if kwargs is not None and not isinstance(kwargs, Mapping):
             raise ConfigError(f"recipe key 'callbacks.{name}' must be a mapping of keyword arguments, got {kwargs!r}")
         try:

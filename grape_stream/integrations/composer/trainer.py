@@ -31,12 +31,13 @@ from composer.optim import DecoupledAdamW
 from composer.utils import dist, format_name_with_dist, parse_uri, reproducibility
 
 from grape_stream.config import RecipeConfig
-from grape_stream.errors import ConfigError
+from grape_stream.console import LEVELS, configure_logging, is_quiet, level_given
+from grape_stream.errors import ConfigError, did_you_mean
 from grape_stream.integrations.composer.algorithm import GrapeAlgorithm
 from grape_stream.integrations.composer.callbacks import GrapeTrajectoryCallback, JSONLMetricsLogger, TaskEvalSummary
 from grape_stream.integrations.composer.checkpoints import DISCARDED_DIR, Recovery, recover_checkpoint_folder
 from grape_stream.integrations.composer.model import ComposerGPT
-from grape_stream.integrations.composer.recipe_callbacks import build_callbacks
+from grape_stream.integrations.composer.recipe_callbacks import build_callbacks, check_callback_names
 from grape_stream.integrations.composer.schedulers import build_scheduler
 from grape_stream.recipe import (
     as_recipe,
@@ -152,11 +153,23 @@ def composer_model(module: torch.nn.Module) -> ComposerModel:
     return ComposerGPT(module)
 
 
+def check_names(cfg: RecipeConfig) -> None:
+    """Before anything is built, dry run included: callbacks and loggers are known, a local trainer.load_path exists
+    (else the real run fails after building everything, with a long traceback)."""
+    check_callback_names(cfg.callbacks or {})
+    for name in cfg.trainer.loggers or {}:
+        if name not in LOGGERS:
+            hint = did_you_mean(name, LOGGERS) or ";"
+            raise ConfigError(f"unknown logger 'trainer.loggers.{name}'{hint} choose from {sorted(LOGGERS)}")
+    load = cfg.trainer.load_path
+    if load and not parse_uri(str(load))[0] and not os.path.exists(os.path.expanduser(str(load))):
+        raise ConfigError(f"recipe key 'trainer.load_path' is {load!r}, which does not exist; to continue a run "
+                          "from its trainer.save_folder, set trainer.autoresume=true instead")
+
+
 def _loggers(cfg: RecipeConfig, output_dir: str) -> list[Any]:
     out = []
     for name, kwargs in cfg.trainer.loggers.items():
-        if name not in LOGGERS:
-            raise ConfigError(f"unknown logger 'trainer.loggers.{name}'; choose from {sorted(LOGGERS)}")
         out.append(LOGGERS[name](**dict(kwargs or {})))
     if cfg.trainer.metrics_jsonl:
         out.append(JSONLMetricsLogger(os.path.join(output_dir, "metrics.jsonl")))
@@ -208,10 +221,13 @@ def build(cfg: RecipeConfig | Mapping[str, Any], *, dry_run: bool = False, extra
         raise ConfigError("recipe key 'trainer.autoresume' is true but 'trainer.save_folder' is not set: "
                           "set trainer.save_folder (where checkpoints go) or trainer.autoresume=false")
 
+    check_names(cfg)
     domains, tasks = recipe_streams(cfg)
-    if not dry_run:  # the data is there and fits the model, before anything is built (one-line errors)
+    local_data = cfg.data.remote is None and cfg.data.local is not None and os.path.isdir(cfg.data.local)
+    if not dry_run or local_data:  # the data is there and fits the model, before anything is built (one line)
         check_local_data(cfg, domains, tasks)
-    manifest = None if dry_run else read_manifest(cfg)
+    # a dry run reads a local manifest too (model.vocab_size may come from it), never a remote one (offline checks)
+    manifest = read_manifest(cfg) if not dry_run or local_data else None
     vocab, seq = resolved_sizes(cfg, manifest)
     if not dry_run:
         # Trainer(seed=) seeds only after the model exists: seed first so initial weights are reproducible.
@@ -333,6 +349,15 @@ def _build_trainer(built: Built, world: int, extra_callbacks: Sequence[Any], ext
     built.callbacks, built.loggers, built.trainer = callbacks, loggers, trainer
 
 
+def _recipe_log_level(level: str | None) -> None:
+    """llm-foundry's ``python_log_level``: grape_stream's and Composer's level, unless --log-level was given."""
+    if level is None or level_given():
+        return
+    if str(level).lower() not in LEVELS:
+        raise ConfigError(f"recipe key 'python_log_level' must be one of {', '.join(LEVELS)}, got {level!r}")
+    configure_logging(str(level).lower(), quiet=is_quiet(), also=("composer",))
+
+
 # ---------------------------------------------------------------------------------------------------
 # CLI (run under grape_stream.cli / errors.run_cli: a ConfigError / DataError / StorageError is one line)
 # ---------------------------------------------------------------------------------------------------
@@ -348,14 +373,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="validate and build (model on meta device), do not train")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved recipe as YAML and exit (nothing is built or trained)")
+    parser.add_argument("--resume", metavar="PATH", help=argparse.SUPPRESS)  # answered below with the recipe keys
     # intermixed: `grape-stream train RECIPE --dry-run key=value` works as well as options first
     args = parser.parse_intermixed_args(list(argv) if argv is not None else None)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.resume is not None:
+        raise ConfigError(f"train has no --resume: to continue a run from its checkpoints set trainer.autoresume=true "
+                          f"(with trainer.save_folder), or start from one checkpoint with "
+                          f"trainer.load_path={args.resume}")
     cfg = load_config(args.recipe, args.overrides)
+    _recipe_log_level(cfg.python_log_level)
     if args.print_config:  # print and stop: a user asking to see the recipe did not ask to train
         print(yaml.safe_dump(recipe_dict(cfg), sort_keys=False))
         return 0
     built = build(cfg, dry_run=args.dry_run)
+    if is_quiet():
+        built.algorithm.loop.progress.enabled = False
     print(json.dumps(built.describe(), indent=2))
     if args.dry_run:
         return 0

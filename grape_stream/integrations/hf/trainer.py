@@ -30,27 +30,38 @@ __all__ = ["GrapeTrainer"]
 log = logging.getLogger(__name__)
 
 
-class GrapeTrainer(Trainer):
-    """``Trainer(..., mixer=mixer, callbacks=[GrapeTrainerCallback(...)])``: train on the mixer's batches.
+#: TrainingArguments' default per_device_train_batch_size: left there, the mixer's batch_size is used instead
+_HF_DEFAULT_BATCH = 8
 
-    ``mixer``: the train data (do not pass ``train_dataset``); ``args.per_device_train_batch_size`` must equal
-    ``mixer.batch_size`` and ``args.max_steps`` must be set. ``batch_transform`` turns a mixer batch into the
+
+class GrapeTrainer(Trainer):
+    """``Trainer(..., train_dataset=mixer, callbacks=[GrapeTrainerCallback(...)])``: train on the mixer's batches.
+
+    ``train_dataset`` (or ``mixer``, the same): the WeightedStreamingMixer. The per-device batch size is the
+    mixer's ``batch_size``: ``args.per_device_train_batch_size`` left at its default is set from it, any other
+    value must equal it. ``args.max_steps`` must be set. ``batch_transform`` turns a mixer batch into the
     model's keyword arguments (default: ``input_ids`` and ``labels`` from ``tokens`` and ``loss_mask``; None
     passes the mixer's batch as it is). ``args.dataloader_num_workers`` / ``dataloader_pin_memory`` are
     honoured. Evaluation datasets work as in any Trainer.
     """
 
-    def __init__(self, *args: Any, mixer: WeightedStreamingMixer,
+    def __init__(self, *args: Any, mixer: WeightedStreamingMixer | None = None,
                  batch_transform: BatchTransform | None = causal_lm_inputs, **kwargs: Any) -> None:
-        if kwargs.get("train_dataset") is not None:
-            raise ConfigError("GrapeTrainer trains on the mixer: pass mixer=..., not train_dataset")
-        super().__init__(*args, **kwargs)
+        dataset = kwargs.pop("train_dataset", None)
+        if mixer is not None and dataset is not None and dataset is not mixer:
+            raise ConfigError("GrapeTrainer trains on one mixer: pass it as train_dataset= (or mixer=), not both")
+        mixer = mixer if mixer is not None else dataset
         if not isinstance(mixer, WeightedStreamingMixer):
-            raise ConfigError("GrapeTrainer needs mixer= a grape_stream.WeightedStreamingMixer, "
+            raise ConfigError("GrapeTrainer needs train_dataset= a grape_stream.WeightedStreamingMixer, "
                               f"got {type(mixer).__name__}")
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None and training_args.per_device_train_batch_size == _HF_DEFAULT_BATCH:
+            training_args.per_device_train_batch_size = mixer.batch_size  # before Trainer reads train_batch_size
+        super().__init__(*args, **kwargs)
         if self.args.per_device_train_batch_size != mixer.batch_size:
             raise ConfigError(f"per_device_train_batch_size={self.args.per_device_train_batch_size} differs from the "
-                              f"mixer's batch_size={mixer.batch_size}; set them equal")
+                              f"mixer's batch_size={mixer.batch_size}; leave it out (the mixer's is used) or set "
+                              "them equal")
         if self.args.max_steps <= 0:
             raise ConfigError("GrapeTrainer needs max_steps > 0 in TrainingArguments: the mixer is an endless stream")
         if not self.args.ignore_data_skip:
