@@ -33,7 +33,7 @@ from grape_stream.grape.gram.batches import MicroBatch, batch_signature, batch_s
 from grape_stream.grape.gram.graph import fallback_backward, scan_graph
 from grape_stream.grape.gram.head_chunks import HeadChunks
 from grape_stream.grape.gram.hooks import FusedGramEngine
-from grape_stream.grape.gram.layouts import probe_layouts
+from grape_stream.grape.gram.layout_probe import probe_layouts
 from grape_stream.grape.gram.plan import GramInfo, check_batch_coupling, param_scope, plan_pass
 from grape_stream.grape.gram.precondition import Precondition, resolve_precondition
 from grape_stream.grape.probes import unwrap_for_probe

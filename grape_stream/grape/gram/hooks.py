@@ -229,7 +229,7 @@ class FusedGramEngine:
         for p in params.values():
             self.layout_errors.setdefault(id(p), why)
 
-    # ------------------------------------------------------------------ layout probing (layouts.probe_layouts)
+    # ------------------------------------------------------------------ layout probing (layout_probe.py)
     @contextlib.contextmanager
     def layout_probing(self) -> Iterator[None]:
         """Around the layout probe's no-grad forwards: the hooks record, and every probing field is reset

@@ -26,7 +26,6 @@ from grape_stream.errors import UnknownOptionError, did_you_mean
 from grape_stream.grape.reweighting import noise
 from grape_stream.grape.reweighting.gram_input import GRAM_ASYMMETRY_RTOL, check_and_symmetrise, to_matrix
 from grape_stream.grape.reweighting.options import ReweighterOptions, option_names, positive_int, real
-from grape_stream.grape.reweighting.registry import all_options
 from grape_stream.grape.reweighting.state import (
     STATE_FORMAT,
     json_floats,
@@ -72,14 +71,11 @@ class Reweighter:
         self.num_domains = positive_int(num_domains, "num_domains")
         self.num_tasks = positive_int(num_tasks, "num_tasks")
         unknown = sorted(set(options) - set(self.options_accepted))
-        if unknown:
-            everything = all_options()
-            applies = all(u in everything for u in unknown)
-            kind = "does not apply to" if applies else "is not an option of"
+        if unknown:  # build_reweighter says first whether they are other methods' (the registry knows them all)
             raise UnknownOptionError(
-                f"option(s) {', '.join(map(repr, unknown))} {kind} method {self.method!r}; "
+                f"option(s) {', '.join(map(repr, unknown))} is not an option of method {self.method!r}; "
                 f"options of {self.method!r}: {', '.join(self.options_accepted)}"
-                + ("" if applies else did_you_mean(unknown[0], self.options_accepted))
+                f"{did_you_mean(unknown[0], self.options_accepted)}"
             )
         if config is not None and not isinstance(config, self.Options):
             raise TypeError(f"method {self.method!r} takes options {self.Options.__name__}, "

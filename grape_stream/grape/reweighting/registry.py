@@ -9,10 +9,10 @@ which is the order methods are listed everywhere.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, TypeVar
+from typing import Any, Mapping, TypeVar
 
-if TYPE_CHECKING:  # the base class imports this module for its error messages
-    from grape_stream.grape.reweighting.base import Reweighter
+from grape_stream.errors import UnknownOptionError
+from grape_stream.grape.reweighting.base import Reweighter
 
 __all__ = [
     "REWEIGHTERS",
@@ -93,7 +93,12 @@ def build_reweighter(name: str, num_domains: int, num_tasks: int, **options: Any
     no clipping, no smoothing, no floor. Unknown or inapplicable options raise an UnknownOptionError (a
     TypeError) listing the valid ones.
     """
-    return REWEIGHTERS[canonical_method(name)](num_domains, num_tasks, **options)
+    cls = REWEIGHTERS[canonical_method(name)]
+    other = sorted(o for o in options if o not in cls.options_accepted and o in all_options())
+    if other and all(o in all_options() for o in options if o not in cls.options_accepted):
+        raise UnknownOptionError(f"option(s) {', '.join(map(repr, other))} does not apply to method {cls.method!r}; "
+                                 f"options of {cls.method!r}: {', '.join(cls.options_accepted)}")
+    return cls(num_domains, num_tasks, **options)
 
 
 def reweighter_from_state_dict(state: Mapping[str, Any]) -> Reweighter:

@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import logging
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -26,17 +24,20 @@ from composer import Trainer
 from composer import loggers as composer_loggers
 from composer.algorithms import GradientClipping
 from composer.core import Evaluator
-from composer.models import ComposerModel
 from composer.optim import DecoupledAdamW
-from composer.utils import dist, format_name_with_dist, parse_uri, reproducibility
+from composer.utils import dist, parse_uri, reproducibility
 
 from grape_stream.config import RecipeConfig
 from grape_stream.console import LEVELS, configure_logging, is_quiet, level_given
 from grape_stream.errors import ConfigError, did_you_mean
 from grape_stream.integrations.composer.algorithm import GrapeAlgorithm
 from grape_stream.integrations.composer.callbacks import GrapeTrajectoryCallback, JSONLMetricsLogger, TaskEvalSummary
-from grape_stream.integrations.composer.checkpoints import DISCARDED_DIR, Recovery, recover_checkpoint_folder
-from grape_stream.integrations.composer.model import ComposerGPT
+from grape_stream.integrations.composer.checkpoints import (
+    SAVE_FILENAME,
+    SAVE_LATEST_FILENAME,
+    recover_before_autoresume,
+)
+from grape_stream.integrations.composer.model import ComposerGPT, composer_model
 from grape_stream.integrations.composer.recipe_callbacks import build_callbacks, check_callback_names
 from grape_stream.integrations.composer.schedulers import build_scheduler
 from grape_stream.recipe import (
@@ -51,18 +52,12 @@ from grape_stream.recipe import (
     resolved_sizes,
     train_dataloader,
 )
-from grape_stream.recipe.model import HFTokensToLogits
 from grape_stream.world import process_world
 
 __all__ = ["Built", "build", "build_algorithm", "build_optimizer", "composer_model", "main",
            "recover_before_autoresume"]
 
-log = logging.getLogger(__name__)
-
 DEVICES = ("cpu", "gpu", "mps")
-# Composer 0.32.1's defaults, passed to the Trainer explicitly so that recovery and Composer agree on the names
-SAVE_FILENAME = "ep{epoch}-ba{batch}-rank{rank}.pt"
-SAVE_LATEST_FILENAME = "latest-rank{rank}.pt"
 LOGGERS = {
     "file": composer_loggers.FileLogger,
     "tensorboard": composer_loggers.TensorboardLogger,
@@ -135,22 +130,6 @@ def build_algorithm(cfg: RecipeConfig | Mapping[str, Any], tasks: list[Any],
                     per_sample_loss: Optional[PerSampleLoss] = None) -> GrapeAlgorithm:
     """GrapeAlgorithm with the recipe's ``algorithm`` section (an AlgorithmConfig, handed over as it is)."""
     return GrapeAlgorithm(as_recipe(cfg).algorithm, tasks=tasks, per_sample_loss=per_sample_loss)
-
-
-def composer_model(module: torch.nn.Module) -> ComposerModel:
-    """A prebuilt model as the Trainer's ComposerModel.
-
-    A ComposerModel is used as it is (it must take the mixer's batches: ``tokens``, ``loss_mask``); a
-    transformers causal LM (``PreTrainedModel``: HF Llama, llm-foundry's MPTForCausalLM, ...) is called as
-    ``lm(input_ids=tokens).logits``; any other module must be ``tokens (B, T) -> logits (B, T, V)``. The
-    last two train on :class:`ComposerGPT`'s per-sample LM loss, the loss GRAPE probes.
-    """
-    if isinstance(module, ComposerModel):
-        return module
-    hf = sys.modules.get("transformers")  # a PreTrainedModel instance means transformers is imported already
-    if hf is not None and isinstance(module, hf.PreTrainedModel):
-        module = HFTokensToLogits(module)
-    return ComposerGPT(module)
 
 
 def check_names(cfg: RecipeConfig) -> None:
@@ -244,40 +223,6 @@ def build(cfg: RecipeConfig | Mapping[str, Any], *, dry_run: bool = False, extra
     if not dry_run:
         _build_trainer(built, world, extra_callbacks, extra_loggers)
     return built
-
-
-def recover_before_autoresume(save_folder: str | None, run_name: str, *, save_filename: str = SAVE_FILENAME,
-                              latest_filename: str = SAVE_LATEST_FILENAME) -> Recovery | None:
-    """Make this rank's checkpoints in a local ``save_folder`` resumable after a kill during a save.
-
-    Called before the Composer Trainer is built, on every rank (for its own ``-rank{rank}`` files), when
-    ``trainer.autoresume`` is on. The folder is formatted as Composer formats it (``{run_name}``, ``{rank}``,
-    ...). A checkpoint cut off by a kill (0 bytes, or a torch archive without its end) is moved into
-    ``<save_folder>/.grape_discarded/`` (kept, never deleted); ``latest`` is pointed at the newest complete
-    checkpoint, which may be a complete save the kill left unlinked. Without this, Composer 0.32.1 resumes
-    from the older ``latest`` and then refuses to start (``FileExistsError: ... may conflict with a future
-    checkpoint``) on every retry.
-
-    Remote save folders (``s3://...`` and other object stores) are left alone and None is returned: an
-    object store shows an upload only once it is complete, and this check reads local files only. None
-    too without a save folder. A ``save_filename`` other than an uncompressed ``.pt`` with ``{batch}`` is
-    not checked (logged; see :func:`recover_checkpoint_folder`).
-    """
-    if not save_folder:
-        return None
-    backend, _, _ = parse_uri(save_folder)
-    if backend:
-        log.debug("checkpoint recovery skipped for the remote save folder %s", save_folder)
-        return None
-    folder = format_name_with_dist(save_folder, run_name)
-    rank = dist.get_global_rank()
-    rec = recover_checkpoint_folder(folder, rank=rank, save_filename=format_name_with_dist(save_filename, run_name),
-                                    latest_filename=format_name_with_dist(latest_filename, run_name))
-    if rec.discarded or rec.relinked:
-        log.warning("autoresume, rank %d: checkpoint folder %s recovered after a kill during a save: moved %s "
-                    "into %s/, resuming from %s", rank, folder, rec.discarded or "nothing", DISCARDED_DIR,
-                    rec.latest or "the start (no complete checkpoint)")
-    return rec
 
 
 def _build_trainer(built: Built, world: int, extra_callbacks: Sequence[Any], extra_loggers: Sequence[Any]) -> None:
