@@ -219,6 +219,7 @@ def test_recipe_fields_reach_the_controller(data_dir):
                                    "algorithm.options.gram_ema=0.5", "algorithm.options.alpha_ema=0.2"])
     algo = GrapeAlgorithm(cfg.algorithm)  # the recipe's typed section, handed over as it is
     c = algo.config
+    assert c is cfg.algorithm
     assert (c.probe_mode, c.geometry, c.probe_rse, c.probe_batch_bounds) == ("sharded", "adam", 0.3, [2, 16])
     assert {k: algo.reweighter_options[k] for k in ("alignment", "gram_ema", "alpha_ema")} == \
         {"alignment": "cosine", "gram_ema": 0.5, "alpha_ema": 0.2}

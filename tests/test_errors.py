@@ -115,6 +115,27 @@ def test_python_keywords_misspelt_are_one_line_with_the_closest(converted):
         WeightedStreamingMixer([DomainStream("en", local=str(converted / "en"))], batch_size=4, retry_deadlin=5)
 
 
+def test_the_recipe_s_typed_sections_reach_their_consumers_as_they_are(converted):
+    """data.mixer is the mixer's own config object (its retry_deadline in the retry policies of the reads, a
+    domain's own value winning); algorithm is the GRAPE loop's config object."""
+    from grape_stream.integrations.grape_loop import GrapeLoop
+    from grape_stream.mixing.mixer import DomainStream, WeightedStreamingMixer
+    from grape_stream.recipe import build_mixer, load_config
+
+    recipe = load_config("demo-cpu", [f"data.local={converted}", "data.split=null", "data.domains=[en, fr]",
+                                      "data.mixer.retry_deadline=7.5", "algorithm.alpha_every=3"])
+    with build_mixer(recipe, [{"name": d, "remote": None, "local": str(converted / d), "split": None}
+                              for d in ("en", "fr")], batch_size=4, seed=0) as mixer:
+        assert mixer.config is recipe.data.mixer
+        assert [r.deadline for r in mixer._composer.retry] == [7.5, 7.5]
+    own = [DomainStream("en", local=str(converted / "en"), retry_deadline=2.0),
+           DomainStream("fr", local=str(converted / "fr"))]
+    with WeightedStreamingMixer(own, batch_size=4, config=recipe.data.mixer) as mixer:
+        assert [r.deadline for r in mixer._composer.retry] == [2.0, 7.5]  # DomainStream.own_or: the domain's first
+    loop = GrapeLoop(recipe.algorithm)
+    assert loop.config is recipe.algorithm and loop.config.alpha_every == 3
+
+
 @pytest.mark.parametrize("override", [
     "optimizer.lr=1", "model.dropout=0", "model.seq_len=null", "trainer.max_duration=100sp",
     "trainer.max_duration=1e4tok", "trainer.eval_interval=0.25dur", "scheduler.t_warmup=0ba", "trainer.precision=null",

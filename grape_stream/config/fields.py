@@ -64,7 +64,8 @@ def field_default(cls: type, name: str) -> Any:
 def with_overrides(config: T | Mapping[str, Any] | None, cls: type[T], overrides: Mapping[str, Any], *,
                    where: str) -> T:
     """``config`` (an instance of ``cls``, a mapping of its fields, or None for the defaults) with
-    ``overrides`` applied, a new object; a nested config field may be given as a mapping of its fields.
+    ``overrides`` applied (a new object; ``config`` itself when there are none); a nested config field may be
+    given as a mapping of its fields.
 
     A name that is not a field is one :class:`~grape_stream.errors.UnknownOptionError` (a TypeError, as an
     unexpected keyword argument is) naming it, ``where`` it was given and the closest field.
@@ -77,6 +78,8 @@ def with_overrides(config: T | Mapping[str, Any] | None, cls: type[T], overrides
         base = config
     else:
         raise TypeError(f"{where} takes a {cls.__name__} (or a mapping of its fields), got {type(config).__name__}")
+    if not overrides:
+        return base  # the object itself travels on: nothing to copy
     names = field_names(cls)
     unknown = [k for k in overrides if k not in names]
     if unknown:

@@ -58,6 +58,10 @@ __all__ = ["Built", "build", "build_algorithm", "build_optimizer", "composer_mod
            "recover_before_autoresume"]
 
 DEVICES = ("cpu", "gpu", "mps")
+#: TrainerConfig fields that are Composer Trainer arguments of the same name and meaning, passed as they are.
+SAME_NAME_KEYS = ("max_duration", "eval_interval", "eval_subset_num_batches", "save_folder", "save_interval",
+                  "save_num_checkpoints_to_keep", "save_overwrite", "autoresume", "load_path", "log_to_console",
+                  "progress_bar")
 LOGGERS = {
     "file": composer_loggers.FileLogger,
     "tensorboard": composer_loggers.TensorboardLogger,
@@ -265,9 +269,6 @@ def _build_trainer(built: Built, world: int, extra_callbacks: Sequence[Any], ext
         model=built.model,
         train_dataloader=train_dl,
         eval_dataloader=evaluators or None,
-        eval_interval=t.eval_interval,
-        eval_subset_num_batches=t.eval_subset_num_batches,
-        max_duration=t.max_duration,
         optimizers=built.optimizer,
         schedulers=built.scheduler,
         algorithms=algorithms,
@@ -277,18 +278,11 @@ def _build_trainer(built: Built, world: int, extra_callbacks: Sequence[Any], ext
         precision=t.precision or ("amp_bf16" if device == "gpu" else "fp32"),
         device_train_microbatch_size=t.device_train_microbatch_size or built.per_rank_batch_size,
         seed=cfg.seed,
-        save_folder=t.save_folder,
         save_filename=save_filename,
         save_latest_filename=latest_filename,
-        save_interval=t.save_interval,
-        save_num_checkpoints_to_keep=t.save_num_checkpoints_to_keep,
-        save_overwrite=t.save_overwrite,
-        autoresume=t.autoresume,
-        load_path=t.load_path,
         console_log_interval=t.log_interval,
-        log_to_console=t.log_to_console,
-        progress_bar=t.progress_bar,
         python_log_level=None,
+        **{key: getattr(t, key) for key in SAME_NAME_KEYS},
     )
     built.mixer, built.train_dataloader, built.evaluators = mixer, train_dl, evaluators
     built.callbacks, built.loggers, built.trainer = callbacks, loggers, trainer
