@@ -28,6 +28,7 @@ from grape_stream.config import AlgorithmConfig
 from grape_stream.errors import DataError
 from grape_stream.grape.algorithm_config import algorithm_config, reweighter_options
 from grape_stream.grape.controller import GrapeController
+from grape_stream.grape.trajectory import TRAJECTORY_FILE
 from grape_stream.integrations.common import as_task
 from grape_stream.integrations.progress import UpdateProgress
 from grape_stream.integrations.summary import format_summary, summarize_controller
@@ -95,16 +96,17 @@ class GrapeLoop:
         return reweighter_options(self.config)
 
     def default_trajectory(self, folder: str | os.PathLike[str]) -> None:
-        """Write the trajectory into ``folder`` (``grape_trajectory.jsonl``) unless the config says otherwise."""
+        """Write the trajectory into ``folder`` (``TRAJECTORY_FILE``) unless the config says otherwise."""
         if self.trajectory is None and self.write_trajectory:
-            self.trajectory = os.path.join(os.fspath(folder), "grape_trajectory.jsonl")
+            self.trajectory = os.path.join(os.fspath(folder), TRAJECTORY_FILE)
 
     # -- the controller --------------------------------------------------------------------------------
     def attach(self, mixer: WeightedStreamingMixer) -> GrapeController:
         """The controller over ``mixer`` (built on the first call; the same mixer is required later)."""
         if self.controller is None:
             self.mixer = mixer
-            self.controller = GrapeController(mixer, self.tasks, self.config, per_sample_loss=self.per_sample_loss)
+            self.controller = GrapeController(mixer, self.tasks, config=self.config,
+                                              per_sample_loss=self.per_sample_loss)
             if self.controller.needs_probe:
                 for task in self.tasks:  # open the probe splits now: a wrong path fails before training starts
                     task.dataset()

@@ -54,7 +54,7 @@ class GrapeAlgorithm(Algorithm):
 
     def __init__(self, config: AlgorithmConfig | Mapping[str, Any] | None = None, *,
                  per_sample_loss: PerSampleLoss | None = None, progress: bool = True, **kwargs: Any) -> None:
-        self.loop = GrapeLoop(config, per_sample_loss=per_sample_loss or composer_per_sample_loss,
+        self.loop = GrapeLoop(config=config, per_sample_loss=per_sample_loss or composer_per_sample_loss,
                               progress=progress, **kwargs)
         self.loop.write_trajectory = False  # GrapeTrajectoryCallback writes it (the run's folder, artifacts)
         self._skeleton: Any = None  # FSDP: the model's architecture on meta, taken at INIT

@@ -58,7 +58,7 @@ class GrapeTrainerCallback(TrainerCallback):
 
     def __init__(self, config: AlgorithmConfig | Mapping[str, Any] | None = None, *,
                  per_sample_loss: PerSampleLoss | None = None, **kwargs: Any) -> None:
-        self.loop = GrapeLoop(config, per_sample_loss=per_sample_loss or logits_per_sample_loss, **kwargs)
+        self.loop = GrapeLoop(config=config, per_sample_loss=per_sample_loss or logits_per_sample_loss, **kwargs)
         #: set by GrapeTrainer: the checkpoint folder this run resumes from (None: a fresh start)
         self.resume_from: str | None = None
         self._trainer: Trainer | None = None

@@ -50,7 +50,7 @@ class GrapeLightningCallback(Callback):
             raise TypeError("GrapeLightningCallback needs a grape_stream.WeightedStreamingMixer, "
                             f"got {type(mixer).__name__}")
         self.mixer = mixer
-        self.loop = GrapeLoop(config, **kwargs)
+        self.loop = GrapeLoop(config=config, **kwargs)
         self.loop.attach(mixer)
         self._batches = 0  # batches trained on (the mixer's position in a checkpoint)
         self._step = 0  # the optimizer step the last on_train_batch_end saw
