@@ -25,7 +25,7 @@ from grape_stream.config import RecipeConfig, is_free
 from grape_stream.errors import ConfigError, ConfigTypeError
 from grape_stream.recipe.aliases import canonical_recipe
 from grape_stream.recipe.overrides import merge_overrides
-from grape_stream.recipe.schema import as_recipe, base_config, merge_checked, recipe_dict, resolved
+from grape_stream.recipe.schema import as_recipe, base_config, merge_checked, recipe_dict
 from grape_stream.recipe.validate import validate
 
 __all__ = ["RecipeNotFoundError", "bundled_recipes", "load_config", "load_recipe", "resolve_recipe_path"]
@@ -101,7 +101,7 @@ def load_config(source: str | os.PathLike[str] | Mapping[str, Any], overrides: S
     cfg = merge_overrides(merge_checked(base_config(), given, where), overrides)
     if cfg.run_name is None:
         cfg.run_name = stem or "grape-run"
-    recipe = as_recipe(resolved(cfg, where))
+    recipe = as_recipe(cfg, where)  # omegaconf's structured config -> the RecipeConfig object, ${} resolved
     validate(recipe)
     return recipe
 

@@ -131,18 +131,18 @@ def resolved(cfg: DictConfig, where: str = "") -> dict[str, Any]:
     return typing.cast(dict[str, Any], out)
 
 
-def as_recipe(cfg: RecipeConfig | Mapping[str, Any]) -> RecipeConfig:
-    """The typed recipe: ``cfg`` itself, or a loaded recipe's plain form (``load_recipe``'s dict) checked
-    against the schema (every error one line naming the key)."""
+def as_recipe(cfg: RecipeConfig | DictConfig | Mapping[str, Any], where: str = "") -> RecipeConfig:
+    """The typed recipe: ``cfg`` itself, the structured config being loaded (``${}`` resolved), or a loaded
+    recipe's plain form (``load_recipe``'s dict) checked against the schema; every error one line naming the key."""
     if isinstance(cfg, RecipeConfig):
         return cfg
-    merged = merge_checked(base_config(), dict(cfg), "")
+    merged = cfg if isinstance(cfg, DictConfig) else merge_checked(base_config(), dict(cfg), where)
     if OmegaConf.is_missing(merged.data, "domains"):
         raise ConfigError("recipe key 'data.domains' is required: the list of domain names (or {name, local, remote})")
     try:
         return typing.cast(RecipeConfig, OmegaConf.to_object(merged))
     except OmegaConfBaseException as exc:
-        raise one_line_error(exc, "") from None
+        raise one_line_error(exc, where) from None
 
 
 def recipe_dict(recipe: RecipeConfig) -> dict[str, Any]:
