@@ -22,7 +22,8 @@ from grape_stream.grape.tasks import TaskStream
 from grape_stream.mixing.mixer import DomainStream, WeightedStreamingMixer
 from grape_stream.recipe.schema import as_recipe
 
-__all__ = ["build_mixer", "check_local_data", "join_location", "manifest_vocab_size", "read_manifest", "recipe_streams",
+__all__ = ["build_mixer", "check_local_data", "join_location", "manifest_at", "manifest_vocab_size", "read_manifest",
+           "recipe_streams",
            "resolved_sizes", "train_dataloader"]
 
 log = logging.getLogger(__name__)
@@ -42,12 +43,21 @@ def join_location(base: str | None, *parts: str | None) -> str | None:
 
 
 def read_manifest(cfg: Recipe) -> dict[str, Any] | None:
-    """The converter's manifest.json at data.local (or data.remote), or None when there is none."""
-    data = as_recipe(cfg).data
-    if data.remote is None:
-        if data.local is None:
+    """The converter's manifest.json at data.local (or data.remote), or None when there is none. Only
+    ``data.remote`` / ``data.local`` are read (a mapping holding just those will do)."""
+    if isinstance(cfg, RecipeConfig):
+        remote, local = cfg.data.remote, cfg.data.local
+    else:
+        remote, local = cfg["data"].get("remote"), cfg["data"].get("local")
+    return manifest_at(remote, local)
+
+
+def manifest_at(remote: str | None, local: str | None) -> dict[str, Any] | None:
+    """The manifest.json of the conversion at ``remote`` (downloaded), else ``local``; None when there is none."""
+    if remote is None:
+        if local is None:
             return None
-        path = os.path.join(data.local, "manifest.json")
+        path = os.path.join(local, "manifest.json")
         if not os.path.exists(path):
             return None
         with open(path, encoding="utf-8") as f:
@@ -55,9 +65,9 @@ def read_manifest(cfg: Recipe) -> dict[str, Any] | None:
     with tempfile.TemporaryDirectory() as tmp:
         dest = os.path.join(tmp, "manifest.json")
         try:
-            CloudDownloader.direct_download(join_location(data.remote, "manifest.json"), dest, 60)
+            CloudDownloader.direct_download(join_location(remote, "manifest.json"), dest, 60)
         except Exception as exc:  # no manifest is allowed when sizes are given explicitly
-            log.info("no manifest at %s: %s", data.remote, exc)
+            log.info("no manifest at %s: %s", remote, exc)
             return None
         with open(dest, encoding="utf-8") as f:
             return json.load(f)
