@@ -140,7 +140,9 @@ def gram_info(built: Any, args: argparse.Namespace) -> dict:
             "fast_path": dict(info.fast_path)}
 
 
-def run_once(method: str, family: str, root: str, out: str, args: argparse.Namespace) -> dict:
+def run_once(method: str, family: str, root: str, out: str, args: argparse.Namespace,
+             algorithm: dict | None = None) -> dict:
+    """One timed run; ``algorithm``: more keys of the recipe's algorithm section (bench/instep.py's variants)."""
     from composer.core import Callback
 
     from grape_stream.integrations.composer.trainer import build
@@ -157,7 +159,7 @@ def run_once(method: str, family: str, root: str, out: str, args: argparse.Names
         "algorithm": {"method": method, "alpha_every": args.every, "z_every": args.every,
                       "probe_domain_batch": args.probe_batch, "probe_task_batch": args.probe_batch,
                       "mu_alpha": 1e-3, "mu_z": 2e-4, "trajectory": method != "uniform", "plots": False,
-                      "summary": False},
+                      "summary": False, **(algorithm or {})},
         "optimizer": {"lr": 1e-3},
         "scheduler": {"name": "cosine", "t_warmup": "20ba"},
         "trainer": {"max_duration": f"{args.steps}ba", "global_train_batch_size": args.batch,

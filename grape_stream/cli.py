@@ -21,6 +21,8 @@ from grape_stream.version import __version__
 # name -> (module, function, one-line help). Each function takes argv (list[str]) and returns an exit code.
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "convert": ("grape_stream.convert.cli", "main", "convert a corpus into per-domain MDS shards (local or s3://)"),
+    "train-tokenizer": ("grape_stream.convert.train_tokenizer", "main",
+                        "train a small byte-level BPE tokenizer (tokenizer.json) on source corpora"),
     "train": ("grape_stream.integrations.composer.trainer", "main", "train from a YAML recipe (Composer)"),
     "demo": ("grape_stream.apps.demo", "main", "multilingual demo: uniform vs DoGE vs GRAPE on bundled real text"),
     "plot": ("grape_stream.apps.plots", "main", "plot a weight trajectory (JSONL) to PNG"),

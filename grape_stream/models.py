@@ -25,6 +25,7 @@ from grape_stream.head_loss import (
     observed_causal_lm_loss,
     observed_head_loss,
 )
+from grape_stream.loss_watch import watch_losses
 
 
 @dataclass
@@ -208,9 +209,9 @@ def per_sample_lm_loss_from_logits(
     inplace = owned and flat.is_contiguous() and _INPLACE_GRAD_OK.get()
     ce = _LeanCrossEntropy.apply(flat, targets.reshape(-1), inplace).view(targets.shape)
     if mask is None:
-        return ce.mean(dim=1)
+        return watch_losses(ce.mean(dim=1))
     m = mask.to(ce.dtype)
-    return (ce * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0)
+    return watch_losses((ce * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0))  # (in-step alignments read it)
 
 
 def per_sample_lm_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -10,17 +10,23 @@ converter uploads), so `retry_deadline` in a recipe or on a `DomainStream` means
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import random
+import re
+import socket
+import sys
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 from grape_stream.config import RETRY_DEADLINE_S
 from grape_stream.errors import StorageError
 
-__all__ = ["RetryPolicy", "RetryError", "DEFAULT_RETRY", "DEADLINE_ENV", "call_with_retry", "default_policy",
-           "is_transient", "endpoint_note"]
+__all__ = ["RetryPolicy", "RetryError", "CredentialsError", "DEFAULT_RETRY", "DEADLINE_ENV", "call_with_retry",
+           "classify", "credentials_message", "default_policy", "error_codes", "is_credential_error", "is_transient",
+           "note_throttled", "storage_call", "endpoint_note"]
 
 T = TypeVar("T")
 
@@ -130,24 +136,199 @@ def call_with_retry(
             sleep(pause)
 
 
-#: What an object store says when retrying cannot help: the object or bucket is missing, or the
-#: credentials are refused (botocore: "An error occurred (NoSuchKey) ...", "(403)", "(404)").
-_PERMANENT_MARKERS = ("NoSuchKey", "NoSuchBucket", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
-                      "(403)", "(404)", "not found")
+#: Error codes (botocore's "An error occurred (<code>)", or the response's Error.Code) by what they mean.
+CREDENTIAL_CODES = frozenset({
+    "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "ExpiredTokenException",
+    "InvalidToken", "TokenRefreshRequired", "InvalidClientTokenId", "UnrecognizedClientException",
+    "AllAccessDisabled", "AccountProblem", "RequestTimeTooSkewed", "403",
+})
+MISSING_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NotFound", "404"})
+THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "TooManyRequests",
+                            "TooManyRequestsException", "RequestLimitExceeded", "RequestThrottled", "429"})
+#: botocore's exceptions for credentials it cannot find or load (matched by name: no botocore import here).
+_CREDENTIAL_CLASSES = frozenset({
+    "NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError", "NoAuthTokenError",
+    "UnauthorizedSSOTokenError", "SSOTokenLoadError", "ProfileNotFound",
+})
+_CODE_IN_TEXT = re.compile(r"An error occurred \(([A-Za-z0-9.]+)\)")
+_MISSING_TEXT = ("NoSuchKey", "NoSuchBucket", "(404)", "not found")
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """`exc` and what it wraps (``raise ... from``, or raised while handling), outermost first."""
+    out: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and cur not in out and len(out) < 8:
+        out.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return out
+
+
+def error_codes(exc: BaseException) -> tuple[set[str], set[int]]:
+    """The object-store error codes and HTTP statuses an error (or what it wraps) carries.
+
+    A botocore ``ClientError`` keeps the response even when streaming rewrites its text (streaming 0.13
+    turns S3 403 and 404 alike into "Object ... not found"), so the response is read first; wrappers such
+    as boto3's ``S3UploadFailedError`` keep only the text, which names the code.
+    """
+    codes: set[str] = set()
+    statuses: set[int] = set()
+    for e in _chain(exc):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            code = (response.get("Error") or {}).get("Code")
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if code:
+                codes.add(str(code))
+            if isinstance(status, int):
+                statuses.add(status)
+        codes.update(_CODE_IN_TEXT.findall(str(e)))
+    return codes, statuses
+
+
+def classify(exc: BaseException) -> str:
+    """What a storage error means for retrying: ``"credentials"`` (missing, refused, expired or not
+    permitted: re-reading the credentials may help, waiting does not), ``"missing"`` (no such object or
+    bucket), ``"throttled"`` (503 SlowDown, 429: retry, more slowly), ``"transient"`` (network, 5xx,
+    timeouts: retry) or ``"permanent"`` (an error already explained to the user, a local file problem, a
+    programming error)."""
+    chain = _chain(exc)
+    if any(type(e).__name__ in _CREDENTIAL_CLASSES for e in chain) or "Unable to locate credentials" in str(exc):
+        return "credentials"
+    codes, statuses = error_codes(exc)
+    if codes & CREDENTIAL_CODES or 403 in statuses:
+        return "credentials"
+    if codes & MISSING_CODES or 404 in statuses:
+        return "missing"
+    if codes & THROTTLE_CODES or 429 in statuses or (503 in statuses and not codes - {"503", "SlowDown"}):
+        return "throttled"
+    if isinstance(exc, FileNotFoundError):
+        return "missing"
+    if isinstance(exc, (PermissionError, StorageError, ValueError, TypeError, KeyError, IndexError, AttributeError)):
+        return "permanent"
+    text = f"{type(exc).__name__}: {exc}"
+    if any(marker in text for marker in _MISSING_TEXT):
+        return "missing"
+    return "transient"
 
 
 def is_transient(exc: BaseException) -> bool:
     """Whether a storage error may go away by itself (network, throttling, 5xx) and is worth retrying.
 
-    Not: a missing or forbidden object (streaming 0.13 raises S3 403 and 404 both as FileNotFoundError
-    "Object ... not found"), an error already explained to the user, or a programming error.
+    Not: a missing object, missing or refused credentials (streaming 0.13 raises S3 403 and 404 both as
+    "Object ... not found"; the response tells them apart), an error already explained to the user, or a
+    programming error.
     """
-    if isinstance(exc, (FileNotFoundError, PermissionError, StorageError)):
+    return classify(exc) in ("transient", "throttled")
+
+
+def is_credential_error(exc: BaseException) -> bool:
+    return classify(exc) == "credentials"
+
+
+class CredentialsError(StorageError, PermissionError):
+    """The object store refused the credentials, or there were none: one line saying what to set."""
+
+
+def credentials_message(what: str, url: str, exc: BaseException) -> str:
+    """One line: what failed, the code, and what to set (AWS variables for s3://)."""
+    codes, statuses = error_codes(exc)
+    missing = any(type(e).__name__ in _CREDENTIAL_CLASSES for e in _chain(exc))
+    code = next(iter(sorted(codes - {"403"})), None) or ("HTTP 403" if 403 in statuses or "403" in codes else None)
+    if url.startswith("s3://"):
+        fix = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE / a credentials file)"
+               if missing else
+               "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN for temporary credentials) "
+               "or AWS_PROFILE for this endpoint, and the bucket's permissions")
+    else:
+        fix = "check the credentials configured for this store"
+    why = (f"no credentials found ({type(exc).__name__})" if missing
+           else f"access refused ({code})" if code else "access refused")
+    endpoint = endpoint_note(url) if os.environ.get("S3_ENDPOINT_URL", "") not in what else ""
+    return f"{what}: {why}{endpoint}; {fix}"
+
+
+def storage_call(
+    fn: Callable[[], T],
+    *,
+    what: str,
+    url: str,
+    policy: RetryPolicy | None = None,
+    refresh: Callable[[], None] | None = None,
+    on_failure: Callable[[BaseException, int], None] | None = None,
+    retryable: Callable[[BaseException], bool] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> T:
+    """One object-store operation under the retry policy, with the rules every storage call shares.
+
+    Network errors and 5xx are retried with backoff until the deadline (`RetryError`, one line). Throttling
+    (503 SlowDown) is retried too, and said once per job and `url` (:func:`note_throttled`). Credentials
+    are never retried as if the network blinked: a credential error calls `refresh` (build a new client,
+    which reads the credentials again: they may have rotated) and tries once more; a second credential
+    error in a row is final (`CredentialsError`, one line naming what to set). A missing object is raised
+    as it is. `retryable` may allow more errors (e.g. a shard another process is still downloading).
+    """
+    policy = policy or default_policy()
+    refreshed = [False]
+
+    def decide(exc: BaseException) -> bool:
+        kind = classify(exc)
+        if kind == "credentials":
+            if refreshed[0]:
+                return False
+            refreshed[0] = True
+            if refresh is not None:
+                refresh()
+            return True
+        refreshed[0] = False
+        if kind == "throttled":
+            note_throttled(url, exc)
+        return kind in ("transient", "throttled") or (retryable is not None and retryable(exc))
+
+    try:
+        return call_with_retry(fn, policy=policy, what=what, retryable=decide, on_failure=on_failure, sleep=sleep,
+                               clock=clock)
+    except (KeyboardInterrupt, SystemExit, StorageError):
+        raise
+    except BaseException as exc:
+        if classify(exc) == "credentials":
+            raise CredentialsError(credentials_message(what, url, exc)) from exc
+        raise
+
+
+_THROTTLED: set[str] = set()
+_THROTTLE_NAMES: list[Any] = []  # sockets that hold this process's "said once" names (see note_throttled)
+log = logging.getLogger("grape_stream.storage")
+
+
+def _first_in_job(key: str) -> bool:
+    """True the first time any process of this job (process group: a launcher, its ranks, their DataLoader
+    workers) asks about `key`. Linux: the first to bind an abstract-namespace socket named after the key
+    wins; the name lives as long as that process and leaves no file behind. Elsewhere: once per process."""
+    if key in _THROTTLED:
         return False
-    if isinstance(exc, (ValueError, TypeError, KeyError, IndexError, AttributeError)):
+    _THROTTLED.add(key)
+    if not sys.platform.startswith("linux"):
+        return True
+    digest = hashlib.sha1(f"{os.getpgid(0)}\0{key}".encode()).hexdigest()[:24]
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.bind(f"\0grape_stream.said.{digest}")
+    except OSError:
+        s.close()
         return False
-    text = f"{type(exc).__name__}: {exc}"
-    return not any(marker in text for marker in _PERMANENT_MARKERS)
+    _THROTTLE_NAMES.append(s)
+    return True
+
+
+def note_throttled(url: str, exc: BaseException) -> None:
+    """Say once per job and prefix that the store is throttling: the run goes on, slower, losing nothing."""
+    if _first_in_job(f"throttled {url}"):
+        codes, _ = error_codes(exc)
+        code = next(iter(sorted(codes & THROTTLE_CODES)), None) or "503 SlowDown"
+        log.warning("%s%s is throttling requests (%s): retrying them with backoff, so reads and writes slow down "
+                    "but nothing is lost (said once)", url, endpoint_note(url), code)
 
 
 def endpoint_note(url: str) -> str:

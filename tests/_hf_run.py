@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     mixer = WeightedStreamingMixer([DomainStream(d, local=f"{a.data}/{d}", split="train") for d in DOMAINS],
-                                   batch_size=8, seed=0)
+                                   batch_size=8, seed=0,
+                                   global_batch_size=8 * int(os.environ.get("WORLD_SIZE", "1")) * a.accumulate)
     tasks = [TaskStream(t, local=f"{a.data}/tasks/{t}") for t in TASKS]
     torch.set_num_threads(1)  # two cores shared by the suite: no oversubscription
     torch.manual_seed(0)

@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--devices", type=int, default=1, help="> 1: DDP on CPU (gloo); launch with torchrun")
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--alignments", default="probe", help="steps: in-step alignments, 2 observed steps per update")
     a = p.parse_args(argv)
 
     import lightning.pytorch as pl
@@ -87,7 +88,8 @@ def main(argv: list[str] | None = None) -> None:
                                    batch_size=8, seed=0)
     tasks = [TaskStream(t, local=f"{a.data}/tasks/{t}") for t in TASKS]
     grape = GrapeLightningCallback(mixer, method="grape", tasks=tasks, alpha_every=4, z_every=4, probe_domain_batch=4,
-                                   probe_task_batch=4, mu_alpha=3e-3, mu_z=3e-4, plots=False)
+                                   probe_task_batch=4, mu_alpha=3e-3, mu_z=3e-4, plots=False,
+                                   **({"alignments": "steps", "alignment_steps": 2} if a.alignments == "steps" else {}))
     ckpt_dir = os.path.join(a.out, "ckpt")
     checkpoints = ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=a.save_every, save_top_k=-1)
     torch.manual_seed(0)

@@ -51,6 +51,7 @@ INTEGRATION_MODULES = frozenset({
     "test_lightning",
     "test_lightning_docs",
     "test_mixer_dist",
+    "test_mixer_elastic_dist",
     "test_mixer_s3",
     "test_mixer_shm",
     "test_mixer_workers",

@@ -4,6 +4,7 @@ training reads from a real S3 server; a recorded trajectory replays; bad set-ups
 
 from __future__ import annotations
 
+import collections
 import copy
 import json
 import os
@@ -204,6 +205,15 @@ def _losses(metrics_path: str) -> dict[int, float]:
     return out
 
 
+def metric_rows(path) -> collections.Counter:
+    """How many rows log each (step, metric name): a run resumed after a kill must match a straight one."""
+    counts: collections.Counter = collections.Counter()
+    for line in open(path, encoding="utf-8"):
+        row = json.loads(line)
+        counts.update((row["step"], k) for k in row if k != "step")
+    return counts
+
+
 def _trajectory(path: str) -> list:
     from grape_stream.grape.controller import load_trajectory
 
@@ -230,6 +240,10 @@ def test_sigkill_then_autoresume_continues_the_same_trajectory(data_dir, tmp_pat
     b = _losses(str(tmp_path / "resumed" / "metrics.jsonl"))
     assert sorted(a) == list(range(16)) and sorted(b) == sorted(a)  # logged at the 0-based batch index
     assert [a[s] for s in sorted(a)] == [b[s] for s in sorted(a)]  # bit-identical losses, resumed or not
+    # steps 6-9 ran twice, but every file the run writes holds them once, as a run never killed does
+    straight_rows = metric_rows(tmp_path / "straight" / "metrics.jsonl")
+    assert metric_rows(tmp_path / "resumed" / "metrics.jsonl") == straight_rows
+    assert straight_rows[(7, "loss/train/total")] == 1
     ta = _trajectory(str(tmp_path / "straight" / "grape_trajectory.jsonl"))
     tb = _trajectory(str(tmp_path / "resumed" / "grape_trajectory.jsonl"))
     assert [r[0] for r in ta] == [0, 3, 6, 9, 12, 15]

@@ -231,7 +231,8 @@ def test_cli_hash_split_and_printed_table(tmp_path, capsys):
     captured = capsys.readouterr()
     printed = captured.out
     assert "domain" in printed and "probe" in printed and "total" in printed
-    assert "units" in captured.err and "en:" in captured.err  # tqdm bars: units, then one per domain
+    # not a terminal (captured): plain progress lines, units and tokens per domain, no tqdm control codes
+    assert "units" in captured.err and "(en " in captured.err and "\r" not in captured.err
     m = json.loads((tmp_path / "out" / "manifest.json").read_text())
     splits = m["domains"]["en"]["splits"]
     assert set(splits) == {"train", "probe", "test"} and m["split"] == {"train": 0.8, "probe": 0.1, "test": 0.1}

@@ -202,6 +202,34 @@ def test_split_the_data_does_not_have(converted, tmp_path, capsys):
     one_line(capsys.readouterr().err, "no split 'train'", "data.split=null")
 
 
+@pytest.fixture(scope="module")
+def converted_task(tmp_path_factory) -> Path:
+    """A target task converted with splits named as the demo corpus names them: OUT/t0/{probe,test}."""
+    from grape_stream.convert.pipeline import convert
+
+    root = tmp_path_factory.mktemp("errors_task")
+    recs = [{"text": t, "split": "probe" if i % 2 else "test"} for i, t in enumerate(make_docs(40, 9))]
+    write_jsonl(root / "src" / "t0.jsonl", recs)
+    convert("jsonl", [str(root / "src")], str(root / "out"), tokenizer="bytes", seq_len=32, split_field="split",
+            progress=False)
+    return root / "out"
+
+
+@pytest.mark.parametrize("override, key, wrong", [
+    ("data.task_probe_split=validation", "'data.task_probe_split'", "validation"),
+    ("data.task_test_split=nope", "'data.task_test_split'", "nope"),
+    ("data.tasks=[{name: t0, split: validation}]", "'data.tasks[name=t0].split'", "validation"),
+])
+def test_a_task_split_the_data_does_not_have_names_its_own_key(converted, converted_task, tmp_path, capsys,
+                                                                override, key, wrong):
+    args = _train_args(converted, tmp_path, f"data.task_local={converted_task}", "data.tasks=[t0]",
+                       "data.task_probe_split=probe", "data.task_test_split=test", override)
+    assert cli_main(args) == 2
+    line = one_line(capsys.readouterr().err, f"task 't0': no MDS index at {converted_task / 't0' / wrong}",
+                    "splits there: ['probe', 'test']", key)
+    assert "data.split" not in line
+
+
 # ---------------------------------------------------------------------------------------------------
 # --debug, GRAPE_STREAM_DEBUG, bugs
 # ---------------------------------------------------------------------------------------------------

@@ -107,6 +107,10 @@ def test_grape_trainer_refuses_what_cannot_work(data, tmp_path):
             GrapeTrainer(model=model, args=args(per_device_train_batch_size=4), mixer=mixer)
         with pytest.raises(ConfigError, match="max_steps"):
             GrapeTrainer(model=model, args=args(max_steps=-1), mixer=mixer)
+        # 2 micro-batches a step are 16 samples, the mixer's global batch is 8: its stream would not be the steps'
+        with pytest.raises(ConfigError, match="= 16 samples a step, but the mixer's global_batch_size is 8") as err:
+            GrapeTrainer(model=model, args=args(gradient_accumulation_steps=2), mixer=mixer)
+        assert "\n" not in str(err.value)
         with pytest.raises(ConfigError, match="not both"):
             GrapeTrainer(model=model, args=args(), mixer=mixer, train_dataset=[1, 2])
         with pytest.raises(ConfigError, match="needs train_dataset= a grape_stream.WeightedStreamingMixer, got list"):
@@ -115,6 +119,26 @@ def test_grape_trainer_refuses_what_cannot_work(data, tmp_path):
         assert trainer.args.ignore_data_skip  # the mixer restores its own position on resume
         batch = next(iter(trainer.get_train_dataloader()))
         assert set(batch) == {"input_ids", "labels"} and batch["input_ids"].shape == (8, SEQ)
+    finally:
+        mixer.close()
+
+
+def test_grape_trainer_refuses_in_step_alignments_in_one_line(data, tmp_path):
+    """The HF Trainer computes its loss inside the model (no watchable per-sample losses): refused at train()."""
+    from transformers import TrainingArguments
+
+    from grape_stream.integrations.hf import GrapeTrainer, GrapeTrainerCallback
+
+    mixer = _mixer(data)
+    try:
+        grape = GrapeTrainerCallback(method="grape", tasks=_tasks(data), alpha_every=2, z_every=2,
+                                     alignments="steps", alignment_steps=1, trajectory=False)
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, report_to=[],
+                                 use_cpu=True)
+        trainer = GrapeTrainer(model=_llama(), args=args, mixer=mixer, callbacks=[grape])
+        with pytest.raises(ConfigError, match="not available with the Hugging Face Trainer") as err:
+            trainer.train()
+        assert "\n" not in str(err.value)
     finally:
         mixer.close()
 

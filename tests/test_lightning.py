@@ -23,8 +23,9 @@ from _grape_data import write_dataset
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-#: (accumulate, steps, save every, kill at, the last checkpoint before the kill)
-CASES = [(1, 24, 6, 15, 12), (2, 12, 4, 10, 8)]
+#: (accumulate, steps, save every, kill at, the last checkpoint before the kill, alignments); with in-step
+#: alignments (2 observed steps of every 4) the checkpoint of step 6 is taken in the middle of an interval
+CASES = [(1, 24, 6, 15, 12, "probe"), (2, 12, 4, 10, 8, "probe"), (2, 12, 6, 10, 6, "steps")]
 BATCHES = 24
 
 
@@ -32,7 +33,8 @@ def _run(data: str, out: str, case: tuple, *extra: str) -> subprocess.CompletedP
     accumulate, steps, save_every = case[:3]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, os.path.join(HERE, "_lightning_run.py"), data, out, "--steps", str(steps),
-                           "--save-every", str(save_every), "--accumulate", str(accumulate), *extra],
+                           "--save-every", str(save_every), "--accumulate", str(accumulate), "--alignments",
+                           case[5], *extra],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
 
 
@@ -67,9 +69,9 @@ def data(tmp_path_factory) -> str:
     return root
 
 
-@pytest.mark.parametrize("case", CASES, ids=["no-accumulation", "accumulate-2"])
+@pytest.mark.parametrize("case", CASES, ids=["no-accumulation", "accumulate-2", "accumulate-2-instep"])
 def test_lightning_sigkill_then_resume_replays_the_straight_run(data, tmp_path, case):
-    accumulate, steps, save_every, kill_at, last = case
+    accumulate, steps, save_every, kill_at, last, alignments = case
     straight, broken = str(tmp_path / "straight"), str(tmp_path / "killed")
     _ok(_run(data, straight, case))
     killed = _run(data, broken, case, "--kill-at", str(kill_at))
@@ -89,6 +91,7 @@ def test_lightning_sigkill_then_resume_replays_the_straight_run(data, tmp_path, 
     assert all(torch.equal(ca["state_dict"][k], cb["state_dict"][k]) for k in ca["state_dict"])
     state = ca["callbacks"]["GrapeLightningCallback"]
     assert state["format"] == "grape_stream.loop/1" and state["step"] == steps and state["batches"] == BATCHES
+    assert ("instep" in state["controller"]) == (alignments == "steps")
     assert state["mixer"]["batch"] == BATCHES  # trained on, not the one Lightning's fetcher read ahead
     # the GRAPE metrics reach the Trainer's logger at every update
     rows = list(csv.DictReader(open(os.path.join(straight, "csv", "version_0", "metrics.csv"), encoding="utf-8")))

@@ -243,9 +243,13 @@ def test_state_dict_resume_replays_exactly(dirs):
         assert m2.state_dict(0, from_beginning=False)["batch"] == 20
         rest = run(m2, 20, {k: v for k, v in changes.items() if k >= 20})
     assert rest == full[20:]
-    with make(dirs, seed=12, batch_size=8) as m3:
-        with pytest.raises(ValueError, match="batch_size"):
+    with make(dirs, seed=13) as m3:  # another stream: refused with one line naming the difference
+        with pytest.raises(ValueError, match="seed: checkpoint 12 vs this mixer 13") as err:
             m3.load_state_dict(sd)
+        assert "\n" not in str(err.value)
+        edited = {**sd, "positions": [p + 1 for p in sd["positions"]]}
+        with pytest.raises(ValueError, match="not where its weight schedule leads"):
+            m3.load_state_dict({**edited, "seed": 13})
     with make(dirs, seed=12) as m4:
         with pytest.raises(ValueError, match="whole number of global batches"):
             m4.state_dict(B + 1, True)

@@ -99,9 +99,10 @@ def test_two_ranks_two_workers_draw_disjoint_samples(tmp_path):
             assert sorted(a + b) == list(range(SIZES[d]))
             full_epochs += 1
     assert full_epochs >= 3
-    # Each rank's batch composition is its own (rank-keyed), but both follow the weights.
+    # Each rank reads its own slice of every global batch; the stats are the global stream's, alike on both.
     assert results[0]["samples"][:B] != results[1]["samples"][:B]
+    assert results[0]["stats"]["domains"] == results[1]["stats"]["domains"]
     for r in results:
         st = r["stats"]["domains"]
         drawn = sum(x["samples_drawn"] for x in st)
-        assert drawn == 40 * B
+        assert drawn == 40 * B * WORLD

@@ -27,10 +27,13 @@ def dirs(tmp_path_factory):
 
 
 def _plans(mixer, n):
-    composer = mixer._composer
+    from grape_stream.mixing.topology import RankBatch
+
+    composer, topo = mixer._composer, mixer.topology
     sched = mixer._schedule.effective
     planner = composer.planner()
-    return composer, [planner.plan(i, sched.segments) for i in range(n)]
+    plans = [planner.plan(topo.global_batch(j), sched.segments) for j in range(n)]
+    return composer, [RankBatch(j, p, topo.first_slot(j), topo.ends_global_batch(j)) for j, p in enumerate(plans)]
 
 
 def test_one_pass_read_equals_the_per_domain_read(dirs):

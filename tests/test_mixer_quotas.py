@@ -1,4 +1,5 @@
-"""Batch-composition math of the mixer (grape_stream.mixing.quotas / epoch_order), against slow references."""
+"""Batch-composition math of the mixer (grape_stream.mixing.quotas / planner / counter_rng / epoch_order),
+against slow references."""
 
 from __future__ import annotations
 
@@ -6,18 +7,19 @@ import numpy as np
 import pytest
 import torch
 
-from grape_stream.mixing.epoch_order import DomainOrder
-from grape_stream.mixing.quotas import (
-    TAG_OFFSET,
+from grape_stream.mixing.counter_rng import (
+    TAG_MULTI,
+    TAG_PERM,
     TAG_REFILL,
-    QuotaPlanner,
-    batch_quota,
-    budget_for,
+    TAG_STRATA,
     hash64,
+    keyed_permutation,
     slot_permutation,
-    systematic_counts,
     uniform01,
 )
+from grape_stream.mixing.epoch_order import DomainOrder
+from grape_stream.mixing.planner import QuotaPlanner
+from grape_stream.mixing.quotas import PieceQuotas, batch_quota, budget_for, systematic_counts
 from grape_stream.mixing.schedule import EffectiveSchedule
 
 
@@ -52,20 +54,31 @@ def slow_effective(alpha: np.ndarray, avail: np.ndarray) -> np.ndarray:
     return a / a.sum() if a.sum() > 0 else avail / avail.sum()
 
 
-def slow_counts(entries, seed, rank, B, budgets, n_batches):
+def slow_offset(seed, origin, d):
+    """u of a piece's batch d by the documented digit formula, one digit at a time (docs/mixer.md)."""
+    u_int = int(hash64(seed, origin, TAG_STRATA, 3, d // 1024 ** 3)[0]) >> 42  # the low 22 bits
+    for level in (2, 1, 0):
+        digit = (d // 1024 ** level) % 1024
+        block = d // 1024 ** (level + 1)
+        perm = keyed_permutation(hash64(seed, origin, TAG_STRATA, level, block), 1024, np.arange(1024))
+        u_int += int(perm[digit]) * 2 ** (52 - 10 * (level + 1))
+    return u_int / 2.0 ** 52
+
+
+def slow_counts(entries, seed, G, budgets, n_batches):
     """Per-batch quotas by the documented rule, one batch and one slot at a time."""
     K = len(entries[0][2])
     budgets = np.array([np.iinfo(np.int64).max if b is None else b for b in budgets])
     counts = np.zeros(K, np.int64)
     per_batch = []
     for j in range(n_batches):
-        active = max((e for e in entries if e[1] <= j), key=lambda e: e[0])
+        active = max((e for e in entries if e[1] <= j), key=lambda e: e[0])  # the highest version in force
+        origin = active[1]  # where those weights took effect: the key of their offsets
         avail = counts < budgets
         if not avail.any():
             break
         alpha = slow_effective(active[2], avail)
-        u = float(uniform01(hash64(seed, j, rank, TAG_OFFSET, 0))[0])
-        q = slow_systematic(alpha, B, u)
+        q = slow_systematic(alpha, G, slow_offset(seed, origin, j - origin))
         rem = budgets - counts
         excess = int(np.maximum(q - rem, 0).sum())
         q = np.minimum(q, rem)
@@ -75,7 +88,7 @@ def slow_counts(entries, seed, rank, B, budgets, n_batches):
             room = counts + q < budgets
             if not room.any():
                 return per_batch, counts
-            u2 = float(uniform01(hash64(seed, j, rank, TAG_REFILL, rnd))[0])
+            u2 = float(uniform01(hash64(seed, j, TAG_REFILL, rnd))[0])
             q = q + slow_systematic(slow_effective(active[2], room), excess, u2)
             excess = int(np.maximum(q - rem, 0).sum())
             q = np.minimum(q, rem)
@@ -112,27 +125,50 @@ def test_systematic_counts_match_slow_reference_and_are_exact():
 
 
 def test_hash_uniforms_are_uniform():
-    u = uniform01(hash64(7, np.arange(200_000), 3, TAG_OFFSET, 0))
+    u = uniform01(hash64(7, np.arange(200_000), 3, TAG_MULTI, 0))
     hist = np.histogram(u, bins=50, range=(0, 1))[0]
     assert chi2_pvalue(hist.astype(float), np.full(50, len(u) / 50)) > 1e-3
     assert 0.0 <= u.min() and u.max() < 1.0
 
 
-def test_realised_fractions_match_weights_chi_square():
+def test_realised_fractions_match_weights():
     alpha = np.array([0.5, 0.25, 0.15, 0.07, 0.03, 0.0])
     B, n = 24, 4000
-    for composition in ("systematic", "multinomial"):
-        counts = np.array([batch_quota(composition, alpha, B, 11, j, 0) for j in range(n)])
+    piece = PieceQuotas(11, 0, alpha, B)
+    systematic = np.array([piece.quota(j) for j in range(n)])
+    multinomial = np.array([batch_quota("multinomial", alpha, B, 11, j, TAG_MULTI) for j in range(n)])
+    for composition, counts in (("systematic", systematic), ("multinomial", multinomial)):
         total = counts.sum(axis=0).astype(float)
         assert total[-1] == 0  # weight 0 is never drawn
         assert chi2_pvalue(total, alpha * B * n) > 1e-3, composition
         # The test has power: slightly different weights are rejected.
         wrong = np.array([0.48, 0.27, 0.15, 0.07, 0.03, 0.0])
         assert chi2_pvalue(total, wrong * B * n) < 1e-6, composition
-        if composition == "systematic":
-            assert np.all(np.abs(counts - B * alpha) < 1.0)
-        else:
-            assert counts[:, 0].std() > 1.0  # i.i.d. draws vary from batch to batch
+    assert np.all(np.abs(systematic - B * alpha) < 1.0)  # floor or ceil of B * alpha, every batch
+    # Stratified offsets: after every aligned block of 1024 batches each cumulative edge is within 1 of its
+    # target, so each domain (a difference of two edges) within 2 of n B alpha.
+    cum = np.cumsum(systematic, axis=0)
+    for blocks in (1, 2, 3):
+        assert np.all(np.abs(cum[1024 * blocks - 1] - 1024 * blocks * B * alpha) < 2.0)
+    assert multinomial[:, 0].std() > 1.0  # i.i.d. draws vary from batch to batch
+
+
+def test_piece_quotas_in_closed_form_equal_the_sum_of_batches_across_digit_boundaries():
+    rng = np.random.default_rng(3)
+    alpha = np.array([0.37, 0.0, 0.21, 0.42])
+    piece = PieceQuotas(9, 123, alpha, 37)
+    for start in (0, 700, 1024 ** 2 - 30, 5 * 1024 ** 2 + 1000, 1024 ** 3 - 40, 2 * 1024 ** 3 + 7):
+        per = np.array([piece.quota(d) for d in range(start, start + 90)])
+        assert (per.sum(axis=1) == 37).all() and (per[:, 1] == 0).all()
+        cum = np.vstack([np.zeros(4, np.int64), np.cumsum(per, axis=0)])
+        for a, b in rng.integers(0, 91, size=(20, 2)):
+            a, b = sorted((int(a), int(b)))
+            np.testing.assert_array_equal(piece.counts(start + a, start + b), cum[b] - cum[a])
+        # each batch is the slow per-slot rule at the documented offset
+        for d in range(start, start + 5):
+            np.testing.assert_array_equal(piece.quota(d), slow_systematic(alpha, 37, slow_offset(9, 123, d)))
+    far = piece.counts(0, 3 * 10 ** 9 + 17)  # no walk: the digits of the count
+    assert np.all(np.abs(far - (3 * 10 ** 9 + 17) * 37 * alpha) < 64)
 
 
 def test_effective_schedule_latest_call_wins():
@@ -145,53 +181,72 @@ def test_effective_schedule_latest_call_wins():
 
 
 @pytest.mark.parametrize("composition", ["systematic", "multinomial"])
-def test_planner_vectorised_equals_batch_by_batch(composition):
-    entries = [(0, 0, [0.4, 0.3, 0.3, 0.0]), (1, 37, [0.1, 0.0, 0.2, 0.7]), (2, 90, [0.25, 0.25, 0.25, 0.25])]
+def test_planner_closed_form_equals_batch_by_batch(composition):
+    entries = [(0, 0, [0.4, 0.3, 0.3, 0.0]), (1, 37, [0.1, 0.0, 0.2, 0.7]), (2, 90, [0.25, 0.25, 0.25, 0.25]),
+               (3, 140, [0.5, 0.5, 0.0, 0.0]), (4, 120, [0.1, 0.2, 0.3, 0.4])]  # 4 lands before 3: 3 never applies
     sched = schedule_of(entries)
-    budgets = [None, 150, None, 400]
-    fast = QuotaPlanner(seed=5, rank=1, batch_size=16, composition=composition, budgets=budgets)
+    budgets = [None, 300, None, 800]
+    fast = QuotaPlanner(seed=5, batch_size=32, composition=composition, budgets=budgets)
     fast.advance_to(200, sched.segments)
-    step = QuotaPlanner(seed=5, rank=1, batch_size=16, composition=composition, budgets=budgets)
+    step = QuotaPlanner(seed=5, batch_size=32, composition=composition, budgets=budgets)
     plans = [step.plan(j, sched.segments) for j in range(200)]
     np.testing.assert_array_equal(fast.counts, step.counts)
-    assert all(p is not None and p.quota.sum() == 16 for p in plans)
-    assert step.counts[1] == 150 and step.counts[3] == 400  # budgets hit exactly, never exceeded
+    assert all(p is not None and p.quota.sum() == 32 for p in plans)
+    assert step.counts[1] == 300 and step.counts[3] == 800  # budgets hit exactly, never exceeded
     if composition == "systematic":
-        ref_batches, ref_counts = slow_counts(entries, 5, 1, 16, budgets, 200)
+        ref_batches, ref_counts = slow_counts(entries, 5, 32, budgets, 200)
         np.testing.assert_array_equal(fast.counts, ref_counts)
         for p, ref in zip(plans, ref_batches):
             np.testing.assert_array_equal(p.quota, ref)
+    for mid in (13, 37, 91, 150):  # any start: the same positions
+        part = QuotaPlanner(seed=5, batch_size=32, composition=composition, budgets=budgets)
+        part.advance_to(mid, sched.segments)
+        np.testing.assert_array_equal(part.counts, plans[mid].start)
 
 
 def test_planner_resume_from_counts_is_identical():
     sched = schedule_of([(0, 0, [0.6, 0.4]), (1, 50, [0.1, 0.9])])
-    a = QuotaPlanner(seed=1, rank=0, batch_size=8, composition="systematic", budgets=[None, None])
+    a = QuotaPlanner(seed=1, batch_size=8, composition="systematic", budgets=[None, None])
     a.advance_to(70, sched.segments)
-    b = QuotaPlanner(seed=1, rank=0, batch_size=8, composition="systematic", budgets=[None, None],
+    b = QuotaPlanner(seed=1, batch_size=8, composition="systematic", budgets=[None, None],
                      start_batch=70, start_counts=a.counts)
     for j in range(70, 120):
         pa, pb = a.plan(j, sched.segments), b.plan(j, sched.segments)
         np.testing.assert_array_equal(pa.quota, pb.quota)
         np.testing.assert_array_equal(pa.start, pb.start)
+    assert a.plan(119, sched.segments) is pa  # a micro-batch asks for its global batch again: the same plan
 
 
 def test_budgets_exhaust_the_stream():
     sched = schedule_of([(0, 0, [0.5, 0.5])])
-    p = QuotaPlanner(seed=0, rank=0, batch_size=10, composition="systematic", budgets=[35, 42])
+    p = QuotaPlanner(seed=0, batch_size=10, composition="systematic", budgets=[35, 42])
     plans = []
     j = 0
     while (pl := p.plan(j, sched.segments)) is not None:
         plans.append(pl)
         j += 1
     assert len(plans) == 7 and p.exhausted_at == 7  # 77 samples: 7 full batches, the 8th cannot be filled
-    assert p.counts.tolist() == [35, 42] or p.counts.sum() == 70
+    assert p.counts.sum() == 70
 
 
-def test_slot_permutation_is_a_permutation_and_varies():
-    a = slot_permutation(3, 10, 0, 32)
-    assert sorted(a.tolist()) == list(range(32))
-    assert not np.array_equal(a, slot_permutation(3, 11, 0, 32))
-    np.testing.assert_array_equal(a, slot_permutation(3, 10, 0, 32))
+def test_slot_permutation_is_a_permutation_varies_and_is_uniform():
+    for n in (1, 2, 3, 10, 32, 1000, 1024, 1025):
+        a = slot_permutation(3, 10, n)
+        assert sorted(a.tolist()) == list(range(n))
+    a = slot_permutation(3, 10, 32)
+    assert not np.array_equal(a, slot_permutation(3, 11, 32))
+    np.testing.assert_array_equal(a, slot_permutation(3, 10, 32))
+    # A rank evaluates only its own slots: the same values as the whole permutation.
+    key = hash64(3, 10, TAG_PERM)
+    np.testing.assert_array_equal(keyed_permutation(key, 32, np.arange(8, 16)), a[8:16])
+    # Uniform, also jointly for pairs, on a small batch (the Feistel halves are 2 bits there).
+    n = 10
+    keys = hash64(9, np.arange(40_000), TAG_PERM)[:, None]
+    perms = keyed_permutation(keys, n, np.tile(np.arange(n), (40_000, 1)))
+    assert chi2_pvalue(np.bincount(perms[:, 0], minlength=n).astype(float), np.full(n, 4000.0)) > 1e-3
+    pairs = np.bincount(perms[:, 0] * n + perms[:, 1], minlength=n * n)[[i * n + j for i in range(n)
+                                                                         for j in range(n) if i != j]]
+    assert chi2_pvalue(pairs.astype(float), np.full(n * (n - 1), 40_000 / (n * (n - 1)))) > 1e-3
 
 
 def test_budget_for():
@@ -205,31 +260,30 @@ def test_budget_for():
 # DomainOrder
 # ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("shuffle", [True, False])
-def test_domain_order_epochs_ranks_disjoint_and_complete(shuffle):
+def test_domain_order_epochs_are_complete_and_reshuffled(shuffle):
     sizes = np.array([37, 50, 50, 13, 50, 44])
     N = int(sizes.sum())
-    R = 3
-    orders = [DomainOrder(sizes, 99, shuffle, block_size=64, rank=r, world_size=R) for r in range(R)]
-    assert sum(o.epoch_len for o in orders) == N
+    o = DomainOrder(sizes, 99, shuffle, block_size=64)
     for epoch in range(3):
-        seen = []
-        for o in orders:
-            ids, epochs = o.sample_ids(epoch * o.epoch_len, o.epoch_len)
-            assert set(epochs.tolist()) == {epoch}
-            assert len(set(ids.tolist())) == o.epoch_len  # no repeat within a rank's epoch
-            seen += ids.tolist()
-        assert sorted(seen) == list(range(N))  # disjoint across ranks, every sample once per epoch
-    o = orders[0]
-    e0, _ = o.sample_ids(0, o.epoch_len)
-    e1, _ = o.sample_ids(o.epoch_len, o.epoch_len)
+        ids, epochs = o.sample_ids(epoch * N, N)
+        assert set(epochs.tolist()) == {epoch}
+        assert sorted(ids.tolist()) == list(range(N))  # every sample once per epoch
+    # Scattered positions (a rank's slots) map as the contiguous read does, across an epoch boundary.
+    pos = np.array([N + 3, 2, N - 1, N, 5, 2 * N + 7])
+    ids, epochs = o.ids_at(pos)
+    full, full_e = o.sample_ids(0, 3 * N)
+    np.testing.assert_array_equal(ids, full[pos])
+    np.testing.assert_array_equal(epochs, full_e[pos])
+    e0, _ = o.sample_ids(0, N)
+    e1, _ = o.sample_ids(N, N)
     if shuffle:
         assert not np.array_equal(e0, e1)  # reshuffled every epoch
-        again = DomainOrder(sizes, 99, True, block_size=64, rank=0, world_size=R)
+        again = DomainOrder(sizes, 99, True, block_size=64)
         np.testing.assert_array_equal(again.sample_ids(5, 40)[0], o.sample_ids(5, 40)[0])  # deterministic
-        other = DomainOrder(sizes, 98, True, block_size=64, rank=0, world_size=R)
+        other = DomainOrder(sizes, 98, True, block_size=64)
         assert not np.array_equal(other.sample_ids(0, 40)[0], o.sample_ids(0, 40)[0])
     else:
-        np.testing.assert_array_equal(e0, np.arange(o.epoch_len))
+        np.testing.assert_array_equal(e0, np.arange(N))
         np.testing.assert_array_equal(e0, e1)
 
 
@@ -244,14 +298,9 @@ def test_domain_order_is_shard_local():
     assert len(set(ids.tolist())) == 300
 
 
-def test_domain_order_rejects_too_few_samples():
-    with pytest.raises(ValueError, match="fewer than the 4 ranks"):
-        DomainOrder(np.array([3]), 0, rank=0, world_size=4)
-
-
 def _hash64_numpy(*keys):
     """The all-numpy hash64 (before the scalar-prefix fast path): the reference it must match bit for bit."""
-    from grape_stream.mixing.quotas import _mix
+    from grape_stream.mixing.counter_rng import _mix
 
     with np.errstate(over="ignore"):
         h = np.zeros((), dtype=np.uint64)

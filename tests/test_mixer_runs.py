@@ -11,8 +11,9 @@ import pytest
 from _mds_fixtures import batch_identities, identity, write_domains
 from grape_stream.mixing import compose
 from grape_stream.mixing.batch_read import BatchReader
+from grape_stream.mixing.counter_rng import slot_permutation
 from grape_stream.mixing.mixer import DomainStream, WeightedStreamingMixer
-from grape_stream.mixing.quotas import slot_permutation
+from grape_stream.mixing.topology import RankBatch
 
 B = 12
 
@@ -28,9 +29,11 @@ def _mixer(dirs, max_epochs=None, **kw):
                                   **kw)
 
 
-def _reference(composer, readers, plan):
-    """Batch ``plan`` the slow way: positions -> ids per domain (sample_ids), grouped by domain, permuted by
-    slot_permutation, every sample decoded on its own by streaming's per-sample path."""
+def _reference(composer, readers, rb):
+    """Loader batch ``rb`` the slow way: its global batch's positions -> ids per domain (sample_ids), grouped
+    by domain, the whole batch permuted by slot_permutation, the rank's slots cut out, every sample decoded
+    on its own by streaming's per-sample path."""
+    plan = rb.plan
     doms, ids, epochs = [], [], []
     for k in range(len(plan.quota)):
         q = int(plan.quota[k])
@@ -39,9 +42,9 @@ def _reference(composer, readers, plan):
             doms += [k] * q
             ids += i.tolist()
             epochs += e.tolist()
-    perm = slot_permutation(composer.seed, plan.batch, composer.rank, len(ids))
+    perm = slot_permutation(composer.seed, plan.batch, len(ids))
     rows = []
-    for j in perm.tolist():
+    for j in perm[rb.first_slot:rb.first_slot + composer.batch_size].tolist():
         sample = readers[doms[j]].read(np.array([ids[j]]))[0]
         rows.append((doms[j], ids[j], epochs[j], identity(sample)))
     return rows
@@ -54,13 +57,26 @@ def _rows(packed):
             for r in range(len(toks))]
 
 
-def test_a_run_holds_each_batch_exactly_as_the_slow_reference(dirs):
-    # Weights with a zero, a switch mid-way and small domains crossing epochs: runs of 1, 5 and 40 batches.
-    with _mixer(dirs, seed=3, weights=[0.5, 0.0, 0.3, 0.2]) as m:
+def _rank_batches(m, n):
+    """Loader batches 0 .. n - 1 of mixer ``m``'s rank (each with its global batch's plan), or fewer where the
+    stream ends."""
+    planner, topo, out = m._composer.planner(), m.topology, []
+    for j in range(n):
+        plan = planner.plan(topo.global_batch(j), m._schedule.effective.segments)
+        if plan is None:
+            break
+        out.append(RankBatch(j, plan, topo.first_slot(j), topo.ends_global_batch(j)))
+    return out
+
+
+@pytest.mark.parametrize("micro", [1, 3])
+def test_a_run_holds_each_batch_exactly_as_the_slow_reference(dirs, micro):
+    # Weights with a zero, a switch mid-way and small domains crossing epochs: runs of 1, 5 and 40 batches;
+    # with micro=3 each loader batch is a third of a global batch.
+    with _mixer(dirs, seed=3, weights=[0.5, 0.0, 0.3, 0.2], global_batch_size=micro * B) as m:
         m.set_weights([0.1, 0.6, 0.0, 0.3], at_batch=17)
         composer = m._composer
-        planner = composer.planner()
-        plans = [planner.plan(i, m._schedule.effective.segments) for i in range(60)]
+        plans = _rank_batches(m, 60)
         readers = composer.readers()
         want = [row for p in plans for row in _reference(composer, readers, p)]
         assert {e for _, _, e, _ in want} != {0}  # the small domains wrapped into a new epoch
@@ -85,13 +101,7 @@ def test_a_run_through_a_spent_budget_matches_the_reference(dirs):
     # max_epochs=1: domains run out one after another; the planner re-draws their slots.
     with _mixer(dirs, seed=8, weights=[0.1, 0.2, 0.3, 0.4], max_epochs=1) as m:
         composer = m._composer
-        planner = composer.planner()
-        plans = []
-        for i in range(1000):
-            p = planner.plan(i, m._schedule.effective.segments)
-            if p is None:
-                break
-            plans.append(p)
+        plans = _rank_batches(m, 1000)
         assert 5 < len(plans) < 1000
         readers = composer.readers()
         run = composer.gather_run(plans, readers, BatchReader(readers))

@@ -149,3 +149,78 @@ except ValueError as exc:
 print(json.dumps({"trap": trap}), flush=True)
 time.sleep(3600)
 """
+
+
+# -------------------------------------------------------------------------------------------------------
+# Segments removed behind a job's back: the resource_tracker warnings at exit, and what caused them
+# -------------------------------------------------------------------------------------------------------
+_HOLDER = """
+import json, sys
+from grape_stream.grape.tasks import TaskStream
+from grape_stream.mixing.mixer import DomainStream, WeightedStreamingMixer
+dirs, close = json.loads(sys.argv[1]), sys.argv[2] == "close"
+m = WeightedStreamingMixer([DomainStream(f"d{k}", local=d) for k, d in enumerate(dirs)], batch_size=8)
+t = TaskStream("t", local=dirs[0], split=None, test_split=None)
+print(json.dumps(m.shm_prefixes + [int(t.dataset()._shm_prefix_int)]), flush=True)
+sys.stdin.readline()
+if close:
+    m.close()
+    t.close()
+"""
+_NAMES = ("locals", "barrier", "next_epoch", "cache_usage", "shard_states", "shard_access_times")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["close", "exit"])
+def test_segments_removed_behind_a_jobs_back_neither_warn_nor_take_another_jobs(dirs, how):
+    """Prefix numbers are reused at once on a busy machine: a job's segment removed by someone else (a
+    sweep, or another job's resource tracker at its exit) and its name taken by the next job. Ending the
+    first job must not unlink the newcomer's segment by name, and must not leave its resource tracker
+    holding names (the "No such file or directory: '/000021_locals'" warnings at exit: the trackers of a
+    process that trained 12 times beside other jobs)."""
+    from multiprocessing.shared_memory import SharedMemory
+
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, json.dumps(dirs), how], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    newcomers = []
+    try:
+        gone, *taken = json.loads(proc.stdout.readline())
+        for name in _NAMES:  # removed behind its back ...
+            os.unlink(f"/dev/shm/{gone:06}_{name}")
+        for p in taken:  # ... and removed, then the name taken by another job
+            for name in _NAMES:
+                os.unlink(f"/dev/shm/{p:06}_{name}")
+                newcomers.append(SharedMemory(f"{p:06}_{name}", create=True, size=64))
+        out, err = proc.communicate("go\n", timeout=90)
+        assert proc.returncode == 0, err
+        assert "resource_tracker" not in err and "leaked" not in err, err
+        alive = [s.name for s in newcomers if os.path.exists(f"/dev/shm/{s.name}")]
+        assert len(alive) == len(newcomers), "the other job's segments were unlinked by name"
+    finally:
+        proc.kill()
+        for s in newcomers:
+            s.close()
+            try:
+                s.unlink()
+            except FileNotFoundError:
+                pass
+
+
+@pytest.mark.timeout(120)
+def test_a_lock_left_by_an_earlier_holder_of_a_prefix_is_swept(dirs, tmp_path):
+    """A job with its own TMPDIR beside a shared /dev/shm: its locks outlive its (swept) segments, and another
+    job takes the prefix number. Such a lock is older than the prefix's live owner: it goes."""
+    locks_dir = tmp_path / "jobtmp"
+    locks_dir.mkdir()
+    for p in range(300):  # the dead job's locks, for whatever number the next job takes
+        (locks_dir / f"{p:06}_cache_filelock").write_text("")
+    time.sleep(1.5)  # the next job starts strictly later than these locks
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, json.dumps(dirs), "close"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        prefixes = json.loads(proc.stdout.readline())[:-1]  # the mixer's (owner-recorded) prefixes
+        removed = cleanup_stale_streaming_shm(lock_dir=str(locks_dir))["locks"]
+        assert {f"{p:06}_cache_filelock" for p in prefixes} <= set(removed)
+        proc.communicate("go\n", timeout=60)
+    finally:
+        proc.kill()

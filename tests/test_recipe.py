@@ -34,9 +34,10 @@ def test_every_recipe_builds_with_every_method(name):
         assert all(p.device.type == "meta" for p in built.model.parameters())
         if method == "uniform":
             assert built.algorithm.reweighter_options == {}  # mu_* dropped for a method that takes none
-        if method == "doge":  # DoGE takes mu_alpha (and clip_norm where a recipe sets it), never mu_z
+        if method == "doge":  # DoGE takes mu_alpha where a recipe sets it (the paper's step), never mu_z
             opts = set(built.algorithm.reweighter_options)
-            assert "mu_alpha" in opts and "mu_z" not in opts
+            assert "mu_z" not in opts
+            assert ("mu_alpha" in opts) == (cfg["algorithm"]["mu_alpha"] is not None)
             assert opts - {"mu_alpha"} == set(cfg["algorithm"].get("options", {}))
     n = sum(p.numel() for p in built.model.parameters())
     if name.endswith("125m"):

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from grape_stream.streaming_compat.shm import registration_lock
+from grape_stream.streaming_compat.registration import registration_lock
 
 HOLD = """
 import fcntl, os, sys, tempfile, time

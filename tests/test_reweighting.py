@@ -88,11 +88,48 @@ class Reference:
         self.z = np.array(opts.get("z0", np.full(n, 1.0 / n)), dtype=np.float64)
         self.ema = None
         self.index = 0
+        self.lr_peak = 0.0
 
-    def etas(self, lr: float) -> tuple[float, float]:
-        if self.opts.get("step_size") == "constant":
+    def paper_etas(self, lr: float) -> tuple[float, float] | None:
+        """(eta_alpha, eta_z) of the paper's / the authors' rule; None under the trust region (the default)."""
+        rule = self.opts.get("step_size") or ("lr_over_mu" if "mu_alpha" in self.opts or "mu_z" in self.opts
+                                              else "trust_region")
+        if rule == "constant":
             return self.opts["eta_alpha"], self.opts.get("eta_z", 0.0)
-        return lr / self.opts.get("mu_alpha", 1e-4), lr / self.opts.get("mu_z", 1.5e-5)
+        if rule == "lr_over_mu":
+            return lr / self.opts.get("mu_alpha", 1e-4), lr / self.opts.get("mu_z", 1.5e-5)
+        return None
+
+    def trust_step(self, w: np.ndarray, s: np.ndarray, kl: float) -> np.ndarray:
+        """Independent trust region: w * exp(eta s) / Z with KL(new || w) = kl, eta found by Brent's method on
+        the divergence computed in probability space (no log-space, no bisection)."""
+        from scipy.optimize import brentq
+
+        def step(eta: float) -> np.ndarray:
+            x = w * np.exp(eta * (s - s.max()))
+            return x / x.sum()
+
+        def kl_of(eta: float) -> float:
+            p = step(eta)
+            live = p > 0
+            return float(np.sum(p[live] * np.log(p[live] / w[live])))
+
+        if kl <= 0 or np.ptp(s[w > 0]) == 0:
+            return w.copy()
+        top = s >= s[w > 0].max()
+        kl_max = -math.log(float(w[top].sum()))
+        if kl >= kl_max * (1 - 1e-6):  # saturated: keep 1e-6 of the mass off the argmax set
+            off0 = math.log(float(w[~top].sum()))
+            f = lambda e: math.log(float(step(e)[~top].sum())) - (off0 + math.log(1e-6))  # noqa: E731
+            hi = 1.0
+            while f(hi) > 0:
+                hi *= 2.0
+            return step(brentq(f, 0.0, hi, xtol=1e-300, rtol=4 * np.finfo(float).eps, maxiter=500))
+        hi = 1.0
+        while kl_of(hi) < kl:
+            hi *= 2.0
+        eta = brentq(lambda e: kl_of(e) - kl, 0.0, hi, xtol=1e-300, rtol=4 * np.finfo(float).eps, maxiter=500)
+        return step(eta)
 
     def update(self, vectors: np.ndarray, losses: np.ndarray, lr: float):
         k, n, m = self.k, self.n, self.method
@@ -104,7 +141,22 @@ class Reference:
         index, self.index = self.index, self.index + 1
         if m in ("uniform", "static"):
             return self.alpha.copy(), self.z.copy()
-        eta_alpha, eta_z = self.etas(lr)
+        self.lr_peak = max(self.lr_peak, lr)
+        share = lr / self.lr_peak if self.lr_peak > 0 else 0.0
+        etas = self.paper_etas(lr)
+        if etas is None:
+            kl_alpha = self.opts.get("kl_alpha", 0.02) * share
+            kl_z = self.opts.get("kl_z", 0.04) * share
+            move_alpha = lambda b: self.trust_step(self.alpha, b, kl_alpha)  # noqa: E731
+            move_z = lambda a: self.trust_step(self.z, -a, kl_z)  # noqa: E731
+        else:
+            def move_alpha(b):
+                x = self.alpha * np.exp(etas[0] * b)
+                return x / x.sum()
+
+            def move_z(a):
+                x = self.z * np.exp(-etas[1] * a)
+                return x / x.sum()
         d = sum(self.alpha[i] * g[i] for i in range(k))  # the update direction
         if m in ("doge", "doge_pcgrad"):
             if m == "doge":
@@ -113,8 +165,7 @@ class Reference:
                 orders = pcgrad_task_orders(self.opts.get("seed", 0), index, n)
                 target = reference_pcgrad(np.array(h), orders).mean(axis=0)
             b = np.array([np.dot(g[i], target) for i in range(k)])
-            new_alpha = self.alpha * np.exp(eta_alpha * b)
-            new_alpha /= new_alpha.sum()
+            new_alpha = move_alpha(b)
             new_z = self.z.copy()
         else:
             if m == "grape":
@@ -128,12 +179,10 @@ class Reference:
             a = np.array([np.dot(h[j] / task_div[j], d) for j in range(n)])
             target = sum(self.z[j] * h[j] / dom_div[j] for j in range(n))
             b = np.array([np.dot(g[i], target) for i in range(k)])
-            new_z = self.z * np.exp(-eta_z * a)
-            new_z /= new_z.sum()
+            new_z = move_z(a)
             s = self.opts.get("z_smoothing", 0.0)
             new_z = (1 - s) * new_z + s / n
-            new_alpha = self.alpha * np.exp(eta_alpha * b)
-            new_alpha /= new_alpha.sum()
+            new_alpha = move_alpha(b)
         if self.opts.get("alpha_floor", 0.0) > 0:
             new_alpha = reference_floor(new_alpha, self.opts["alpha_floor"])
         self.alpha, self.z = new_alpha, new_z
@@ -191,7 +240,9 @@ SWITCHES = {
     "smooth": {"z_smoothing": 0.001},
     "authors-code": {"step_size": "constant", "eta_alpha": 1.5, "eta_z": 5.0, "clip_norm": 1.0, "z_smoothing": 0.001},
     "floor": {"alpha_floor": None},  # set per case so that it binds
-    "mu": {"mu_alpha": 3e-4, "mu_z": 1e-5},
+    "mu": {"mu_alpha": 3e-4, "mu_z": 1e-5},  # giving mu selects the paper's step
+    "paper": {"step_size": "lr_over_mu"},
+    "kl": {"kl_alpha": 0.1, "kl_z": 0.005},
 }
 
 
@@ -516,7 +567,13 @@ def test_registry_and_names():
         ("grape", {"z0": [0.5]}, ValueError, "z0 has 1 entries but 2"),
         ("grape", {"step_size": "adam"}, ValueError, "step_size must be"),
         ("grape", {"step_size": "constant", "eta_alpha": 1.5}, ValueError, "needs eta_z"),
-        ("grape", {"eta_alpha": 1.5}, ValueError, "eta_alpha is only used with step_size='constant'"),
+        ("grape", {"eta_alpha": 1.5}, ValueError, "eta_alpha is used only with step_size='constant'"),
+        ("grape", {"step_size": "lr_over_mu", "eta_alpha": 1.5}, ValueError,
+         "eta_alpha is only used with step_size='constant'"),
+        ("grape", {"step_size": "trust_region", "mu_alpha": 1e-4}, ValueError,
+         "mu_alpha is used only with step_size='lr_over_mu'"),
+        ("grape", {"step_size": "lr_over_mu", "kl_alpha": 0.1}, ValueError, "kl_alpha is used only with"),
+        ("grape", {"kl_z": -0.1}, ValueError, "kl_z must be a finite number >= 0"),
         ("grape", {"step_size": "constant", "mu_alpha": 1e-4, "eta_alpha": 1, "eta_z": 1}, ValueError,
          "mu_alpha is not used"),
         ("grape", {"mu_z": 0.0}, ValueError, "mu_z must be a finite number > 0"),
@@ -557,7 +614,7 @@ def _good_gram(k=2, n=2):
     ],
 )
 def test_bad_update_inputs_are_named(gram, losses, lr, fragment):
-    r = build_reweighter("grape", 2, 2)
+    r = build_reweighter("grape", 2, 2, step_size="lr_over_mu")
     with pytest.raises(ValueError) as info:
         r.update(gram, losses, lr)
     assert fragment in str(info.value)
@@ -621,7 +678,7 @@ def test_update_one_side_only():
 # ----------------------------------------------------------------------------------------------------
 def test_history_records_every_update_in_json():
     rng = np.random.default_rng(5)
-    r = build_reweighter("grape", 3, 2)
+    r = build_reweighter("grape", 3, 2, step_size="lr_over_mu")
     v = make_vectors(rng, 3, 2)
     r.update(v @ v.T, [2.0, 4.0], PEAK_LR, step=100)
     rec = r.history[-1]
@@ -706,7 +763,7 @@ def test_state_keeps_zero_weights_and_tiny_weights_exactly():
 
 
 def test_load_state_dict_checks_what_it_loads():
-    r = build_reweighter("grape", 3, 2)
+    r = build_reweighter("grape", 3, 2, step_size="lr_over_mu")
     r.update(_good_gram(3, 2), [2.0, 3.0], PEAK_LR)
     sd = r.state_dict()
     with pytest.raises(ValueError, match="method='grape'.*method='grape_gap'"):
@@ -723,7 +780,9 @@ def test_load_state_dict_checks_what_it_loads():
     edited = json.loads(json.dumps(sd))
     edited["alpha"][0] += 0.1
     with pytest.raises(ValueError, match="does not match"):
-        build_reweighter("grape", 3, 2).load_state_dict(edited)
+        build_reweighter("grape", 3, 2, step_size="lr_over_mu").load_state_dict(edited)
+    with pytest.raises(ValueError, match="step_size: saved 'lr_over_mu' vs now 'trust_region'"):
+        build_reweighter("grape", 3, 2).load_state_dict(sd)  # an old (paper-step) state under the new default
 
 
 # ----------------------------------------------------------------------------------------------------

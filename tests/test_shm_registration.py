@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from grape_stream.streaming_compat.shm import create_registered
+from grape_stream.streaming_compat.registration import create_registered
 
 
 def test_a_taken_prefix_is_retried_and_other_errors_are_not():

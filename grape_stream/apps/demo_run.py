@@ -46,8 +46,8 @@ def recipe_overrides(method: str, settings: DemoSettings, *, mds: str | os.PathL
         f"algorithm.probe_domain_batch={s.probe_domain_batch}",
         f"algorithm.probe_task_batch={s.probe_task_batch}",
         "algorithm.summary=false",  # the demo prints one table comparing the methods, not one per run
-        f"algorithm.mu_alpha={s.mu_alpha}",
-        f"algorithm.mu_z={s.mu_z}",
+        *([f"algorithm.mu_alpha={s.mu_alpha}", f"algorithm.mu_z={s.mu_z}", "algorithm.options.step_size=lr_over_mu"]
+          if s.mu_alpha is not None else []),
         f"algorithm.options.clip_norm={'null' if s.clip_norm is None else s.clip_norm}",
         f"optimizer.lr={s.lr}",
         f"scheduler.t_warmup={s.warmup}ba",

@@ -14,13 +14,10 @@ __all__ = ["DEMO", "QUICK", "DemoSettings"]
 class DemoSettings:
     """What the demo changes relative to the ``demo-cpu`` recipe (everything else comes from it).
 
-    ``mu_alpha`` / ``mu_z`` / ``clip_norm``: GRAPE's step sizes are eta = lr / mu (docs/reweighting.md); at the
-    peak lr of 2e-3 these give eta_alpha = eta_z = 10, with every probe gradient clipped to norm 1 before
-    the inner products (the authors' code does the same). Chosen with short tuning runs on this corpus
-    (docs/results.md): without clipping the raw alignments swing by 100x between updates (gradient-norm
-    spikes), so a step that moves alpha at all on quiet updates flips it onto one source on a spiky one
-    (eta_alpha = 10: collapse onto ru), and one that never flips barely moves (eta_alpha = 2: 5% total
-    variation). ``curve_every`` / ``curve_samples``: the test-loss curve (strided subset per target).
+    ``mu_alpha`` / ``mu_z`` / ``clip_norm``: None (the default) runs GRAPE with the library's own step rule, a
+    KL trust region per update that needs no tuning (grape.reweighting.step_rule); numbers give the paper's
+    eta = lr / mu (with clipping), as the earlier, hand-tuned demo did (docs/results.md: eta 10, clip_norm 1).
+    ``curve_every`` / ``curve_samples``: the test-loss curve (strided subset per target).
     """
 
     steps: int = 400
@@ -30,9 +27,9 @@ class DemoSettings:
     update_every: int = 25
     probe_domain_batch: int = 8
     probe_task_batch: int = 8
-    mu_alpha: float = 2.0e-4
-    mu_z: float = 2.0e-4
-    clip_norm: float | None = 1.0
+    mu_alpha: float | None = None  # None: the library's step rule (trust region); a number: the paper's lr / mu
+    mu_z: float | None = None
+    clip_norm: float | None = None
     curve_every: int = 50
     curve_samples: int = 64
     eval_batch_size: int = 64

@@ -45,9 +45,11 @@ class AlgorithmConfig:
     z_every: int = 100  # ... and between z updates
     probe_domain_batch: int = 8  # samples per domain in one probe (per rank)
     probe_task_batch: int = 8  # samples per target task in one probe (per rank)
-    # the step sizes eta = lr / mu, given to the methods that take them (not with options.step_size=constant)
-    mu_alpha: Optional[float] = PAPER_MU_ALPHA
-    mu_z: Optional[float] = PAPER_MU_Z
+    # the paper's step (eta = lr / mu) with options.step_size=lr_over_mu (None: the paper's mu); the default step
+    # rule, options.step_size=trust_region, sizes each update by a KL divergence instead (kl_alpha, kl_z);
+    # giving mu without options.step_size selects lr_over_mu (grape_stream.grape.reweighting.step_rule)
+    mu_alpha: Optional[float] = None
+    mu_z: Optional[float] = None
     seed: int = 0  # seeds the probes (independent of the training stream's seed)
     probe_mode: str = "sharded"  # sharded | replicated (only matters with several ranks)
     probe_train_mode: bool = False  # probe with dropout on (default: the deterministic network)
@@ -62,6 +64,10 @@ class AlgorithmConfig:
     probe_rse: Optional[float] = None
     probe_batch_bounds: list[int] = field(default_factory=lambda: list(PROBE_BATCH_BOUNDS))
     gram_options: GramConfig = field(default_factory=GramConfig)
+    # in-step alignments (docs/alignment.md): "steps" takes the domain side from alignment_steps training steps
+    # per update (their own backwards, evenly spaced) instead of K domain probes per update; "probe" is the paper's
+    alignments: str = "probe"  # probe | steps
+    alignment_steps: int = 4
     # True: write grape_trajectory.jsonl in the run's folder (+ .png at the end); False: none; or a file path
     trajectory: Any = True
     plots: bool = True

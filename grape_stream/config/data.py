@@ -34,7 +34,7 @@ class MixerConfig:
     shuffle: bool = True  # shuffle each domain's epochs (shard-aware block shuffle); False: index order
     composition: str = "systematic"  # systematic (exact quotas) | multinomial
     shuffle_block_size: int = SHUFFLE_BLOCK_SIZE
-    lag: Optional[int] = None  # batches from set_weights to the first batch it changes (None: the loader's depth)
+    lag: Optional[int] = None  # global batches from set_weights to the first it changes (None: the loader's depth)
     schedule_capacity: int = 1024  # weight changes that may be pending in shared memory at once
     overwrite_local: bool = False  # replace a local cache directory that holds another remote's data
     s3_dummy_credentials: bool = False  # placeholder AWS credentials for an S3 endpoint without authentication

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 from grape_stream.atomic import atomic_write_json
 from grape_stream.convert.inputs import natural_key
-from grape_stream.convert.layout import CONVERTER_VERSION, MANIFEST_FORMAT, dataset_dir, remote_dir
+from grape_stream.convert.layout import CONVERTER_VERSION, MANIFEST_FORMAT, dataset_dir
 from grape_stream.convert.packing import PackStats
 from grape_stream.convert.plan import Units
 from grape_stream.convert.remote import upload
@@ -115,24 +115,19 @@ class Finaliser:
         self.domain_stats[dom] = {s["split"]: s for s in splits}
 
     def _merge(self, ddir: str, dom: str, sp: str | None, parts: list[str]) -> None:
-        """One (domain, split)'s index.json from its partitions' (and the remote copy when remote)."""
+        """One (domain, split)'s index.json from its partitions' (kept locally, also for a remote OUT: only
+        their shards are deleted once uploaded), merged here and then uploaded under the retry policy."""
         from streaming.base.util import merge_index  # imports torch
 
         if not parts:
             # Documents but no full sequence: an empty (valid) MDS index, flagged in the manifest.
             atomic_write_json(os.path.join(ddir, "index.json"), {"version": 2, "shards": []})
-            if self.remote:
-                upload(ddir, remote_dir(self.remote, dom, sp), ["index.json"])
-            return
-        if self.remote:
-            rdir = remote_dir(self.remote, dom, sp)
-            urls: list[Any] = [(os.path.join(ddir, p, "index.json"), f"{rdir}/{p}/index.json") for p in parts]
-            target: Any = (ddir, rdir)
         else:
-            urls = [os.path.join(ddir, p, "index.json") for p in parts]
-            target = ddir
-        with _quiet_root_logger():
-            merge_index(urls, target, keep_local=True)
+            with _quiet_root_logger():
+                merge_index([os.path.join(ddir, p, "index.json") for p in parts], ddir, keep_local=True)
+        if self.remote:
+            rel = os.path.relpath(os.path.join(ddir, "index.json"), self.local).replace(os.sep, "/")
+            upload(self.local, self.remote, [rel])
 
 
 def build_report(plan: dict[str, Any], units: Units, done: dict[str, dict[str, Any]]) -> dict[str, Any]:

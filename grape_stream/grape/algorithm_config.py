@@ -11,7 +11,7 @@ it, a recipe's ``algorithm`` section) ends in :func:`algorithm_config`, so each 
   GRAPE runs unchanged with ``method=uniform``), an option no method knows is an error naming
   ``algorithm.options.<key>`` and the closest;
 * :func:`check_algorithm`: the values the controller needs (positive periods and probe sizes, a known
-  method and probe mode, a schedule to replay); :func:`check_reweighter_options`: the option values, by
+  method, probe mode and alignments mode, a schedule to replay); :func:`check_reweighter_options`: the option values, by
   the method's options dataclass.
 """
 
@@ -24,6 +24,7 @@ from typing import Any, Mapping
 from grape_stream.config import AlgorithmConfig, field_names, with_overrides
 from grape_stream.errors import ConfigError, UnknownOptionError, did_you_mean
 from grape_stream.grape.geometry import GEOMETRIES
+from grape_stream.grape.instep_mode import ALIGNMENTS
 from grape_stream.grape.replay import REPLAY_METHOD
 from grape_stream.grape.reweighting import all_options, available_methods, method_options
 from grape_stream.grape.reweighting.registry import canonical_method, method_options_class
@@ -121,6 +122,13 @@ def check_algorithm(config: AlgorithmConfig, *, prefix: str = "") -> None:
                               f"{', '.join(controller_methods())}") from None
     if config.probe_mode not in PROBE_MODES:
         raise ConfigError(f"{prefix}probe_mode must be 'sharded' or 'replicated', got {config.probe_mode!r}")
+    if config.alignments not in ALIGNMENTS:
+        raise ConfigError(f"{prefix}alignments must be 'probe' (the paper's domain probes) or 'steps' (from the "
+                          f"training steps), got {config.alignments!r}")
+    steps = config.alignment_steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ConfigError(f"{prefix}alignment_steps (training steps observed per update) must be an integer >= 1, "
+                          f"got {steps!r}")
     if config.geometry not in GEOMETRIES:
         raise ConfigError(f"{prefix}geometry must be 'sgd' (paper) or 'adam' (AdamW's preconditioner), "
                           f"got {config.geometry!r}")

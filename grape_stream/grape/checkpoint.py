@@ -31,13 +31,18 @@ LEGACY_STATE_FORMATS = (1,)
 CHECKPOINT_HISTORY = 1000
 
 
-def check_state_format(state: Mapping[str, Any]) -> None:
+def check_state_format(state: Mapping[str, Any], **same: Any) -> None:
+    """A readable controller state, written by a run with the same ``same`` values (method, domains, tasks)."""
     fmt = state.get("format")
     if fmt != STATE_FORMAT and (isinstance(fmt, bool) or fmt not in LEGACY_STATE_FORMATS):
         raise ValueError(
             f"controller state format {fmt!r} is not supported (expected {STATE_FORMAT!r} or one of "
             f"{list(LEGACY_STATE_FORMATS)})"
         )
+    for key, mine in same.items():
+        if state.get(key) != mine:
+            raise ValueError(f"checkpoint was written with {key}={state.get(key)!r} but this run has {key}={mine!r}; "
+                             "resume with the same recipe")
 
 
 def history_tail(history: list[dict[str, Any]], dropped: int, limit: int | None = None

@@ -21,6 +21,7 @@ module.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -42,6 +43,7 @@ from grape_stream.grape.algorithm_config import (
 )
 from grape_stream.grape.checkpoint import STATE_FORMAT, check_state_format, from_plain, history_tail, to_plain
 from grape_stream.grape.collectives import agree_with_rank_zero
+from grape_stream.grape.instep_mode import InstepMode
 from grape_stream.grape.metrics import update_metrics
 from grape_stream.grape.mixer_port import MixerPort, check_mixer, push_weights
 from grape_stream.grape.probe_stage import PerSampleLoss, ProbeStage
@@ -113,6 +115,8 @@ class GrapeController:
         self.needs_probe = self.reweighter is not None and self.reweighter.needs_probe
         if self.needs_probe and not self.task_names:
             raise ConfigError(f"method {self.method!r} needs at least one target task")
+        #: ``alignments: steps``: the domain side from the training steps (grape.instep_mode); None: probes
+        self.instep = InstepMode(self, self.config) if self.config.alignments == "steps" and self.needs_probe else None
 
     def _build_reweighter(self) -> Reweighter:
         opts = dict(self.reweighter_options)
@@ -154,6 +158,7 @@ class GrapeController:
             "seed": self.config.seed,
             "options": {k: jsonable(v) for k, v in self.reweighter_options.items()},
             **self.probe.meta(),
+            **({} if self.instep is None else {"alignments": "steps", "alignment_steps": self.instep.steps}),
         }
 
     def metrics(self, record: Mapping[str, Any] | None = None, *, alignment: bool = True) -> dict[str, float]:
@@ -193,9 +198,18 @@ class GrapeController:
         return step % self.config.alpha_every == 0, step % self.config.z_every == 0
 
     def acts_at(self, step: int) -> bool:
-        """Whether :meth:`maybe_update` does anything after ``step`` (an update is due, or a replay runs):
+        """Whether :meth:`maybe_update` does anything after ``step`` (an update is due, a replay runs, or an
+        observed step's in-step sums are to be folded in):
         a loop may skip the call (and what it costs to prepare) otherwise."""
-        return self.replay is not None or any(self.due(step))
+        return self.replay is not None or any(self.due(step)) or (self.instep is not None and self.instep.pending)
+
+    def observe(self, model: nn.Module, step: int, batch: Any, domains: torch.Tensor | None = None, *,
+                optimizer: Any = None, autocast: Callable[[], ContextManager[Any]] | None = None) -> ContextManager:
+        """``alignments: steps``: wrap the forward + backward of each (micro-)batch of optimizer step ``step``
+        (1-based: the step being trained) in it (grape.instep_mode); a no-op otherwise and on other steps."""
+        if self.instep is None:
+            return contextlib.nullcontext()
+        return self.instep.observe(model, step, batch, domains, optimizer=optimizer, autocast=autocast)
 
     # ------------------------------------------------------------------------------------------------
     def maybe_update(
@@ -219,6 +233,8 @@ class GrapeController:
         training optimizer, read (never changed) by ``geometry="adam"``.
         """
         self._consumed = consumed_batches
+        if self.instep is not None:
+            self.instep.after_step()
         if not self._started:
             self.start()
         if self.replay is not None:
@@ -231,7 +247,9 @@ class GrapeController:
         rank, world = collective_rank_size()
         device = module_device(model)
         rec: dict[str, Any] = {"type": "update", "step": int(step), "lr": float(lr), "method": self.method}
-        if self.needs_probe:
+        if self.instep is not None:
+            self.instep.update(model, step, lr, optimizer, autocast, rec, seconds)
+        elif self.needs_probe:
             self._probe_and_reweight(model, step, lr, a_due, z_due, autocast, rank, world, rec, seconds, optimizer)
         alpha, z = self.alpha, self.z
         if world > 1:
@@ -280,11 +298,13 @@ class GrapeController:
             log.warning("GRAPE update at step %d skipped: %s", step, last["skipped"])
 
     # ------------------------------------------------------------------------------------------------
-    def probe_batches(self, step: int, device: torch.device | str | None = None) -> list[dict[str, torch.Tensor]]:
-        """The K domain + N task probe batches this rank uses at ``step`` (a pure function of the seed,
-        the step and, in sharded mode, the rank)."""
+    def probe_batches(self, step: int, device: torch.device | str | None = None, *,
+                      tasks_only: bool = False) -> list[dict[str, torch.Tensor]]:
+        """The K domain (unless ``tasks_only``) + N task probe batches this rank uses at ``step`` (a pure function
+        of the seed, the step and, in sharded mode, the rank)."""
         rank, world = collective_rank_size()
-        return self.probe.groups(step, rank, world, torch.device(device if device is not None else "cpu"))
+        return self.probe.groups(step, rank, world, torch.device(device if device is not None else "cpu"),
+                                 tasks_only=tasks_only)
 
     def _replay(self, step: int) -> dict[str, Any] | None:
         assert self.replay is not None
@@ -319,19 +339,14 @@ class GrapeController:
             "history": json.loads(json.dumps(tail)),
             "history_dropped": dropped,
             **({} if self.probe.sizer is None else {"probe_size": self.probe.state_dict()}),
+            **({} if self.instep is None else {"instep": self.instep.state_dict()}),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a checkpoint (this format or the older int 1). The mixer's weights are restored by the
         mixer's own state (the data position and the weights that composed each batch belong together),
         so nothing is pushed here."""
-        check_state_format(state)
-        for key, mine in (("method", self.method), ("domains", self.domain_names), ("tasks", self.task_names)):
-            if state.get(key) != mine:
-                raise ValueError(
-                    f"checkpoint was written with {key}={state.get(key)!r} but this run has {key}={mine!r}; "
-                    "resume with the same recipe"
-                )
+        check_state_format(state, method=self.method, domains=self.domain_names, tasks=self.task_names)
         if self.reweighter is not None:
             self.reweighter.load_state_dict(from_plain(state["reweighter"]))
         if self.replay is not None:
@@ -340,6 +355,8 @@ class GrapeController:
         self.history = list(state.get("history", []))
         self.history_dropped = int(state.get("history_dropped", 0))
         self.probe.load_state_dict(state.get("probe_size"))
+        if self.instep is not None and state.get("instep") is not None:
+            self.instep.load_state_dict(state["instep"])
         self._resumed = True
 
     def write_trajectory(self, path: str | os.PathLike[str]) -> str:

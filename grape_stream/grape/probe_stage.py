@@ -62,13 +62,15 @@ class ProbeStage:
             return self.config.probe_domain_batch, self.config.probe_task_batch
         return self.sizer.domain_batch, self.sizer.task_batch
 
-    def groups(self, step: int, rank: int, world: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
-        """The K domain + N task probe batches this rank uses at ``step``, padded and on ``device``."""
+    def groups(self, step: int, rank: int, world: int, device: torch.device, *,
+               tasks_only: bool = False) -> list[dict[str, torch.Tensor]]:
+        """The K domain (unless ``tasks_only``) + N task probe batches this rank uses at ``step``, padded and on
+        ``device``."""
         domain_batch, task_batch = self.sizes()
         return draw_probe_groups(
-            self.mixer, self.num_domains, self.tasks, step, seed=self.config.seed, domain_batch=domain_batch,
-            task_batch=task_batch, rank=rank, world=world, sharded=self.config.probe_mode == "sharded",
-            device=device,
+            self.mixer, 0 if tasks_only else self.num_domains, self.tasks, step, seed=self.config.seed,
+            domain_batch=domain_batch, task_batch=task_batch, rank=rank, world=world,
+            sharded=self.config.probe_mode == "sharded", device=device,
         )
 
     # -- the entry point -----------------------------------------------------------------------------

@@ -23,8 +23,12 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
+from grape_stream.retry import default_policy
 from grape_stream.streaming_compat.local_index import check_s3_credentials, default_local_for, sync_local_index
-from grape_stream.streaming_compat.shm import create_registered, release_streaming_dataset
+from grape_stream.streaming_compat.registration import create_registered
+from grape_stream.streaming_compat.s3_session import install_shared_s3_session
+from grape_stream.streaming_compat.shard_state import fetch_shards
+from grape_stream.streaming_compat.shm import release_streaming_dataset
 from grape_stream.world import dist_active, streaming_world
 
 __all__ = ["TaskStream", "collate_task_samples", "probe_indices", "task_names"]
@@ -148,6 +152,7 @@ class TaskStream:
                 "`grape-stream convert task ...` or fix `local`/`split`"
             )
         if self.remote is not None:
+            install_shared_s3_session()
             # The mixer's guards against streaming's traps apply to task data too: fail early without S3
             # credentials, and never trust a cached index.json of another (or an older) remote dataset.
             check_s3_credentials([(f"task {self.name}", self.remote)])
@@ -165,9 +170,15 @@ class TaskStream:
             download_timeout=self.download_timeout,
             **self.streaming_kwargs,
         ), enabled=streaming_world().local_rank == 0)
+        self._datasets[split] = ds  # cached first: close() releases it whatever happens next
         if ds.num_samples < 1:
             raise ValueError(f"task {self.name!r}: split {split!r} has no samples")
-        self._datasets[split] = ds
+        if self.remote is not None and not self.streaming_kwargs.get("cache_limit"):
+            # Probes and evaluation read through streaming's own downloads, outside the retry policy: a
+            # task's splits are small, so they are fetched once here under it (an outage is ridden out,
+            # refused credentials are one line) and every later read finds them local.
+            url = "/".join(p for p in (self.remote.rstrip("/"), split) if p)
+            fetch_shards(ds, what=f"task {self.name!r}", url=url, policy=default_policy())
         return ds
 
     def num_samples(self, split: str | None = None) -> int:

@@ -33,6 +33,7 @@ IGNORE_INDEX = -100
 #: Turns a mixer batch into what the model's training step takes (e.g. :func:`causal_lm_inputs`).
 BatchTransform = Callable[[Mapping[str, Any]], Mapping[str, Any]]
 
+
 def find_mixer(dataloader: Any, who: str = "GrapeAlgorithm") -> WeightedStreamingMixer:
     """The WeightedStreamingMixer behind a train dataloader (a DataSpec, a DataLoader, the mixer's own
     loader), or an error that says what was found instead."""

@@ -130,6 +130,20 @@ class GrapeLoop:
         """Whether :meth:`after_step` does anything after ``step`` (see GrapeController.acts_at)."""
         return self._ctl().acts_at(step)
 
+    def begin_step(self, model: nn.Module, step: int, batch: Any, *, optimizer: Any = None,
+                   autocast: Callable[[], ContextManager[Any]] | None = None) -> None:
+        """``alignments: steps``: before the forward of each (micro-)batch of optimizer step ``step`` (1-based:
+        the step being trained); :meth:`end_step` after its backward. A no-op otherwise and on unobserved steps."""
+        instep = self._ctl().instep
+        if instep is not None:
+            instep.begin(model, step, batch, optimizer=optimizer, autocast=autocast)
+
+    def end_step(self) -> None:
+        """After the backward of the (micro-)batch :meth:`begin_step` began."""
+        instep = self._ctl().instep
+        if instep is not None:
+            instep.end()
+
     def after_step(self, model: nn.Module, step: int, lr: float, *,
                    autocast: Callable[[], ContextManager[Any]] | None = None, optimizer: Any = None,
                    consumed_batches: int | None = None) -> dict[str, float] | None:
@@ -156,7 +170,7 @@ class GrapeLoop:
         ctl = self._ctl()
         if not ctl.needs_probe or not any(ctl.due(step)):
             return contextlib.nullcontext()
-        k, n = len(ctl.domain_names), len(ctl.task_names)
+        k, n = 0 if ctl.instep is not None else len(ctl.domain_names), len(ctl.task_names)  # steps: tasks only
         domain_batch, task_batch = ctl.probe.sizes()
         return self.progress.update(index, step, k, n, k * domain_batch + n * task_batch)
 

@@ -1,7 +1,9 @@
 """WeightedStreamingMixer and its parts (docs/mixer.md, "Where the code lives").
 
-The modules, from the bottom up: ``collate`` (samples -> tensors), ``quotas`` (batch composition),
-``epoch_order`` (per-domain read order), ``weight_table`` (the schedule ring in shared memory),
+The modules, from the bottom up: ``collate`` (samples -> tensors), ``counter_rng`` (hashes, the keyed
+slot permutation), ``quotas`` (a global batch's quotas; positions in closed form), ``planner`` (every
+domain's position at any global batch), ``epoch_order`` (each domain's global stream), ``topology``
+(which slots a rank's loader batch holds), ``weight_table`` (the schedule ring in shared memory),
 ``schedule`` (the switch-batch rule), ``shard_reader`` (random access to shards), ``compose`` (the
 per-process batch loop), ``domains`` (declaring and opening domains), ``position`` (checkpoint state,
 stats), ``probe``, ``loader`` (the counting DataLoader) and ``mixer`` (the wiring).

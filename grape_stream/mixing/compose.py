@@ -1,11 +1,12 @@
 """Composing batches: the loop each process (main or DataLoader worker) runs to build its batches.
 
-A process reads the cursor and the weight schedule from the shared table, plans batch ``i`` with a
-:class:`~grape_stream.mixing.quotas.QuotaPlanner` (quotas and read positions are a pure function of
-``(seed, i, rank, schedule)``), reads the samples by random access, shuffles them into emission order
-and hands them out as one collated batch (:class:`~grape_stream.mixing.loader.MixerDataLoader`) or as
-single samples (a plain DataLoader). Worker ``w`` of ``W`` composes batches ``start + w, start + w + W,
-...``: exactly the ones torch's DataLoader asks it for, so no process talks to another.
+A process reads the cursor and the weight schedule from the shared table, plans the global batch of its
+loader batch ``j`` with a :class:`~grape_stream.mixing.planner.QuotaPlanner` (quotas and read positions
+are a pure function of ``(seed, global batch, schedule)``), finds the samples of its slots
+(:mod:`grape_stream.mixing.rows`), reads them by random access and hands them out as one collated batch
+(:class:`~grape_stream.mixing.loader.MixerDataLoader`) or as single samples (a plain DataLoader). Worker
+``w`` of ``W`` composes batches ``start + w, start + w + W, ...``: exactly the ones torch's DataLoader
+asks it for, so no process talks to another.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import numpy as np
 from grape_stream.mixing.batch_read import BatchReader
 from grape_stream.mixing.collate import PackedBatch, to_tensor
 from grape_stream.mixing.epoch_order import DomainOrder
-from grape_stream.mixing.quotas import BatchPlan, QuotaPlanner, default_on_spent
+from grape_stream.mixing.planner import QuotaPlanner
+from grape_stream.mixing.quotas import BatchPlan, default_on_spent
 from grape_stream.mixing.rows import RESERVED_KEYS, run_columns
 from grape_stream.mixing.schedule import EffectiveSchedule, WeightSchedule
 from grape_stream.mixing.shard_reader import DomainReader, Prefetcher
+from grape_stream.mixing.topology import RankBatch, Topology
 from grape_stream.mixing.weight_table import ScheduleOverflow
 from grape_stream.retry import RetryPolicy
 
@@ -44,8 +47,7 @@ class BatchComposer:
     """The fixed facts of one rank's plan, shared by every process that composes its batches."""
 
     seed: int
-    rank: int
-    batch_size: int
+    topology: Topology
     composition: str
     domain_names: list[str]
     orders: list[DomainOrder]
@@ -57,9 +59,14 @@ class BatchComposer:
     #: (weights, look-ahead per domain, half of it or -inf where nothing is fetched) for prefetch_ahead
     _look_ahead: tuple[np.ndarray, np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False)
 
+    @property
+    def batch_size(self) -> int:
+        return self.topology.batch_size
+
     def planner(self, start: int = 0, counts: Sequence[int] | np.ndarray | None = None,
                 on_spent: Callable[[int, int], None] | None = None) -> QuotaPlanner:
-        return QuotaPlanner(seed=self.seed, rank=self.rank, batch_size=self.batch_size, composition=self.composition,
+        """A planner of the global stream at global batch ``start`` with domain positions ``counts``."""
+        return QuotaPlanner(seed=self.seed, batch_size=self.topology.global_batch_size, composition=self.composition,
                             budgets=self.budgets, start_batch=start, start_counts=counts, on_spent=on_spent)
 
     def readers(self) -> list[DomainReader]:
@@ -67,36 +74,40 @@ class BatchComposer:
                 for name, ds, policy in zip(self.domain_names, self.datasets, self.retry)]
 
     # -- one batch, or a run of consecutive batches ------------------------------------------------
-    def gather(self, plan: BatchPlan, readers: list[DomainReader],
+    def gather(self, batch: RankBatch, readers: list[DomainReader],
                batch_reader: BatchReader | None = None) -> dict[str, Any]:
         """The batch's columns in emission order (the metadata columns included): stacked arrays where
         possible, else lists. See :meth:`gather_run`."""
-        data, meta = self._columns([plan], readers, batch_reader)
+        data, meta = self._columns([batch], readers, batch_reader)
         for key, row in zip(RESERVED_KEYS, meta):
             data[key] = row
         return data
 
-    def gather_run(self, plans: Sequence[BatchPlan], readers: list[DomainReader],
+    def gather_run(self, batches: Sequence[RankBatch], readers: list[DomainReader],
                    batch_reader: BatchReader | None = None) -> PackedBatch:
         """Consecutive batches as one :class:`PackedBatch`: rows batch after batch, each exactly as
         :meth:`gather` gives it, read in one pass over the shards (why: :mod:`grape_stream.mixing.rows`)."""
-        data, meta = self._columns(plans, readers, batch_reader)
-        return PackedBatch(data, meta, RESERVED_KEYS, batches=len(plans))
+        data, meta = self._columns(batches, readers, batch_reader)
+        return PackedBatch(data, meta, RESERVED_KEYS, batches=len(batches))
 
-    def _columns(self, plans: Sequence[BatchPlan], readers: list[DomainReader],
+    def _columns(self, batches: Sequence[RankBatch], readers: list[DomainReader],
                  batch_reader: BatchReader | None) -> tuple[dict[str, Any], np.ndarray]:
-        return run_columns(self.orders, self.seed, self.rank, self.domain_names, plans, readers, batch_reader)
+        t = self.topology
+        return run_columns(self.orders, self.seed, t.batch_size, t.global_batch_size, self.domain_names, batches,
+                           readers, batch_reader)
 
     def prefetch_ahead(self, plan: BatchPlan, prefetcher: Prefetcher, readers: list[DomainReader],
                        horizon: np.ndarray) -> None:
-        """Ask for the shards of each domain's next ``predownload * alpha_k`` samples.
+        """Ask for the shards of the positions of each domain's global stream that hold this rank's next
+        ``predownload * alpha_k`` samples: ``predownload * world_size * alpha_k`` positions (the rank reads
+        one slot in ``world_size``; its slots are scattered over them, so it needs their shards).
 
         ``horizon[k]`` is how far domain k has been looked ahead already; the look-ahead is renewed
         (twice as far) only when the read position comes within half of it, so this costs little per batch.
         """
         cached = self._look_ahead
         if cached is None or cached[0] is not plan.alpha:  # new weights: once per segment, not per batch
-            ahead = np.ceil(self.predownload * plan.alpha).astype(np.int64) + 1
+            ahead = np.ceil(self.predownload * self.topology.world_size * plan.alpha).astype(np.int64) + 1
             live = (plan.alpha > 0) & np.asarray(self.needs_prefetch, bool)
             cached = self._look_ahead = (plan.alpha, ahead, np.where(live, ahead // 2, np.iinfo(np.int64).min // 2))
         _, ahead_all, half = cached
@@ -170,7 +181,7 @@ class BatchComposer:
                 plan_cols = loop.compose_plan(batch)
                 if plan_cols is None:
                     return
-                plan, cols = plan_cols
+                rb, cols = plan_cols
                 if batched:  # a worker (the main process composes runs: _main_batches)
                     yield packed_batch(cols) if batched == "packed" else batch_tensors(cols)
                 else:
@@ -180,7 +191,7 @@ class BatchComposer:
                     if main is not None:
                         # Without workers, the consumer holds batch `batch` once its last sample is taken:
                         # from then on it counts as consumed, and a new iteration starts after it.
-                        schedule.advance_cursor(batch + 1, plan.start + plan.quota)
+                        schedule.advance_cursor(batch + 1, rb.next_counts)
                     yield last
                 batch += num_workers
         finally:
@@ -220,24 +231,24 @@ def _main_batches(loop: "_Loop", schedule: WeightSchedule, start: int, main: Mai
     while True:
         size = message_size(t, per_run, 1)
         seq = table.published
-        plans = loop.plans(batch, size, claim=False)
-        if not plans:
+        rbs = loop.plans(batch, size, claim=False)
+        if not rbs:
             return
-        run = loop.composer.gather_run(plans, loop.readers, loop.batch_reader)
-        for j, plan in enumerate(plans):
+        run = loop.composer.gather_run(rbs, loop.readers, loop.batch_reader)
+        for j, rb in enumerate(rbs):
             if main.is_closed():
                 raise RuntimeError("the mixer was closed while it was being iterated")
             if j and table.published != seq:  # new weights: batches from here on may change
-                loop.rewind(plan)
+                loop.rewind(rb)
                 break
-            table.claim(loop.slot, plan.batch)
+            table.claim(loop.slot, rb.batch)
             part = run.batch(j)
             out = part if packed else part.tensors()
-            schedule.advance_cursor(plan.batch + 1, plan.start + plan.quota)
+            schedule.advance_cursor(rb.batch + 1, rb.next_counts)
             yield out
-            batch = plan.batch + 1
+            batch = rb.batch + 1
         else:
-            if len(plans) < size:
+            if len(rbs) < size:
                 return  # the stream ended inside this run
         t += 1
 
@@ -266,46 +277,54 @@ class _Loop:
         self.composer, self.table, self.sched = composer, schedule.table, sched
         self.next_seq, self.slot = next_seq, slot
         self.on_spent = on_spent
-        self.planner = composer.planner(start, counts, on_spent)
+        self.topology = composer.topology
+        self.planner = composer.planner(self.topology.global_batch(start), counts, on_spent)
         self.readers = composer.readers()
         self.batch_reader = BatchReader(self.readers)
         self.prefetcher = Prefetcher(self.readers) if any(composer.needs_prefetch) else None
         self.horizon = np.zeros(len(composer.orders), np.int64)
 
-    def plan(self, batch: int, claim: bool = True) -> BatchPlan | None:
-        """Batch ``batch``'s plan (None once the stream is exhausted), its shards asked for ahead; with
-        ``claim``, recorded in the shared table as started (see :meth:`SharedWeightTable.claim`)."""
+    def plan(self, batch: int, claim: bool = True, prune: bool = True) -> RankBatch | None:
+        """Loader batch ``batch``: its global batch's plan and its slots (None once the stream is exhausted),
+        its shards asked for ahead; with ``claim``, recorded in the shared table as started (see
+        :meth:`SharedWeightTable.claim`); with ``prune``, weight pieces that ended before it forgotten."""
         self.next_seq = self.table.read_into(self.sched, self.next_seq)
         if claim:
             self.table.claim(self.slot, batch)
-        plan = self.planner.plan(batch, self.sched.segments)
+        topo = self.topology
+        gb = topo.global_batch(batch)
+        fresh = self.planner.batch <= gb
+        plan = self.planner.plan(gb, self.sched.segments)
         if plan is None:
             return None
-        if self.prefetcher is not None:
+        if fresh and self.prefetcher is not None:
             self.composer.prefetch_ahead(plan, self.prefetcher, self.readers, self.horizon)
-        self.sched.prune_before(batch)
-        return plan
+        if prune:
+            self.sched.prune_before(gb)
+        return RankBatch(batch, plan, topo.first_slot(batch), topo.ends_global_batch(batch))
 
-    def plans(self, begin: int, size: int, claim: bool = True) -> list[BatchPlan]:
-        """The plans of batches ``begin ... begin + size - 1`` (fewer where the stream ends)."""
-        out: list[BatchPlan] = []
+    def plans(self, begin: int, size: int, claim: bool = True) -> list[RankBatch]:
+        """Loader batches ``begin ... begin + size - 1`` (fewer where the stream ends). The weight pieces
+        are kept from ``begin`` on: the main process may :meth:`rewind` to any batch of the run."""
+        out: list[RankBatch] = []
         for b in range(begin, begin + size):
-            plan = self.plan(b, claim)
-            if plan is None:
+            rb = self.plan(b, claim, prune=False)
+            if rb is None:
                 break
-            out.append(plan)
+            out.append(rb)
+        self.sched.prune_before(self.topology.global_batch(begin))
         return out
 
-    def rewind(self, plan: BatchPlan) -> None:
-        """Plan again from ``plan``'s batch (its read positions are where the planner stood before it)."""
-        self.planner = self.composer.planner(plan.batch, plan.start, self.on_spent)
+    def rewind(self, rb: RankBatch) -> None:
+        """Plan again from ``rb``'s global batch (its read positions are where the planner stood before it)."""
+        self.planner = self.composer.planner(rb.plan.batch, rb.plan.start, self.on_spent)
 
-    def compose_plan(self, batch: int) -> tuple[BatchPlan, dict[str, Any]] | None:
-        """Batch ``batch``'s plan and columns (None once the stream is exhausted)."""
-        plan = self.plan(batch)
-        if plan is None:
+    def compose_plan(self, batch: int) -> tuple[RankBatch, dict[str, Any]] | None:
+        """Loader batch ``batch`` and its columns (None once the stream is exhausted)."""
+        rb = self.plan(batch)
+        if rb is None:
             return None
-        return plan, self.composer.gather(plan, self.readers, self.batch_reader)
+        return rb, self.composer.gather(rb, self.readers, self.batch_reader)
 
     def close(self) -> None:
         if self.prefetcher is not None:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from grape_stream.config import MixerConfig, streaming_fields
 from grape_stream.mixing.compose import RESERVED_KEYS
-from grape_stream.mixing.quotas import hash64
+from grape_stream.mixing.counter_rng import hash64
 from grape_stream.streaming_compat.local_index import (
     DomainUnavailableError,
     RemoteMismatchError,
@@ -29,13 +29,13 @@ from grape_stream.streaming_compat.local_index import (
     default_local_for,
     sync_local_index,
 )
+from grape_stream.streaming_compat.registration import create_registered
+from grape_stream.streaming_compat.s3_session import install_shared_s3_session
 from grape_stream.streaming_compat.shard_state import check_dataset, require_supported_streaming
 from grape_stream.streaming_compat.shm import (
     cleanup_stale_streaming_shm,
-    create_registered,
     describe_local_users,
     detach_scanner_attachments,
-    record_owner,
     release_streaming_dataset,
 )
 from grape_stream.world import dist_active, process_world
@@ -253,6 +253,7 @@ def prepare_locals(domains: Sequence[DomainStream], locals_: Sequence[str], stre
                    local_rank: int, config: MixerConfig) -> None:
     """Run every streaming workaround that must happen before a StreamingDataset is created."""
     require_supported_streaming()
+    install_shared_s3_session()  # one boto3 session per process for every S3 download (see s3_session.py)
     cleanup_stale_streaming_shm()
     check_s3_credentials([(d.name, d.remote) for d in domains], dummy_credentials=config.s3_dummy_credentials)
     check_same_locals_across_ranks(stream_dirs)
@@ -334,7 +335,6 @@ def open_datasets(domains: Sequence[DomainStream], locals_: Sequence[str], *, ba
                                                      predownload=predownload, opts=opts),
                                    enabled=local_rank == 0)
             datasets.append(ds)
-            record_owner(ds)
             check_dataset(ds)
             _check_columns(d.name, ds)
     except BaseException:

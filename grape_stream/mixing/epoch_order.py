@@ -1,11 +1,10 @@
-"""The order in which one rank reads one domain: epoch after epoch, each a shard-aware shuffle.
+"""The order of one domain's global stream: epoch after epoch, each a shard-aware shuffle.
 
-A domain of ``N`` samples is read by rank ``r`` of ``R`` as an endless stream: positions ``p = 0, 1, ...``
-map to epoch ``e = p // n_r`` and to the ``p % n_r``-th sample of the rank's slice of epoch ``e``'s
-order. The rank slices are contiguous ranges ``[r N / R, (r + 1) N / R)`` of one global epoch order,
-so within an epoch the ranks' samples are disjoint and together cover the domain exactly once (no
-padding, no repeats), and each rank reads a contiguous region of shards (its node downloads its own
-shards, as with streaming's canonical nodes).
+A domain of ``N`` samples is one endless stream, the same for every topology: position ``p = 0, 1, ...``
+is the ``p % N``-th sample of epoch ``p // N``'s order. Global batches take consecutive positions of it
+(:mod:`grape_stream.mixing.quotas`) and each rank reads the positions that land in its slots
+(:mod:`grape_stream.mixing.rows`), so within an epoch the ranks' samples are disjoint and together cover
+the domain exactly once (no padding, no repeats), whatever the number of ranks.
 
 The epoch order is a *block shuffle* in the spirit of streaming's ``py1b``: shards are permuted, their
 samples laid end to end, and the result is cut into blocks of ``block_size`` samples whose contents are
@@ -29,19 +28,17 @@ DEFAULT_BLOCK_SIZE = SHUFFLE_BLOCK_SIZE  # stated in grape_stream.config (MixerC
 
 
 class DomainOrder:
-    """Maps positions of a rank's endless stream of one domain to (sample id, epoch).
+    """Maps positions of one domain's endless global stream to (sample id, epoch).
 
     Args:
         samples_per_shard: number of samples in each shard, in index order.
         seed: 64-bit seed of this domain (derived from the mixer seed and the domain name).
         shuffle: False reads every epoch in index order.
         block_size: shuffle unit in samples (see module docstring).
-        rank, world_size: this rank's slice of every epoch.
     """
 
     def __init__(self, samples_per_shard: np.ndarray, seed: int, shuffle: bool = True,
-                 block_size: int = DEFAULT_BLOCK_SIZE, rank: int = 0, world_size: int = 1,
-                 cache_blocks: int = 4) -> None:
+                 block_size: int = DEFAULT_BLOCK_SIZE, cache_blocks: int = 4) -> None:
         self.samples_per_shard = np.asarray(samples_per_shard, dtype=np.int64)
         if self.samples_per_shard.ndim != 1 or self.samples_per_shard.size == 0:
             raise ValueError("a domain needs at least one shard")
@@ -52,18 +49,7 @@ class DomainOrder:
         if block_size < 1:
             raise ValueError(f"shuffle block size must be >= 1, got {block_size}")
         self.block_size = int(block_size)
-        if not (0 <= rank < world_size):
-            raise ValueError(f"rank {rank} is not in [0, {world_size})")
-        if self.num_samples < world_size:
-            raise ValueError(
-                f"the domain has {self.num_samples} samples, fewer than the {world_size} ranks that must "
-                "each read a disjoint part of it"
-            )
-        self.rank = int(rank)
-        self.world_size = int(world_size)
-        self.lo = (self.rank * self.num_samples) // self.world_size
-        self.hi = ((self.rank + 1) * self.num_samples) // self.world_size
-        self.epoch_len = self.hi - self.lo
+        self.epoch_len = self.num_samples
         self._layouts: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._blocks: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
         self._cache_blocks = max(2, int(cache_blocks))
@@ -96,7 +82,7 @@ class DomainOrder:
             return hit
         begin = block * self.block_size
         size = min(self.block_size, self.num_samples - begin)
-        perm = self._rng(epoch, 1, block).permutation(size).astype(np.int64)
+        perm = self._rng(epoch, 1, block).permutation(size).astype(np.int32 if size < 1 << 31 else np.int64)
         self._blocks[key] = perm
         while len(self._blocks) > self._cache_blocks:
             self._blocks.popitem(last=False)
@@ -122,25 +108,32 @@ class DomainOrder:
         return self.shard_offsets[order[j]] + (out - starts[j])
 
     def sample_ids(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """(sample ids, epochs) of positions ``[start, start + count)`` of this rank's stream."""
-        p = np.arange(start, start + count, dtype=np.int64)
-        e0, e1 = start // self.epoch_len, (start + max(count, 1) - 1) // self.epoch_len
+        """(sample ids, epochs) of positions ``[start, start + count)`` of the stream."""
+        return self.ids_at(np.arange(start, start + count, dtype=np.int64))
+
+    def ids_at(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(sample ids, epochs) of any positions of the stream (a rank reads scattered ones: its slots)."""
+        p = np.asarray(positions, dtype=np.int64)
+        if p.size == 0:
+            return p.copy(), p.copy()
+        n = self.num_samples
+        e0, e1 = int(p.min()) // n, int(p.max()) // n
         if e0 == e1:  # the common case: inside one epoch
-            return self.epoch_map(e0, self.lo + (p - e0 * self.epoch_len)), np.full(count, e0, np.int64)
-        epochs = p // self.epoch_len
-        g = self.lo + (p - epochs * self.epoch_len)
+            return self.epoch_map(e0, p - e0 * n), np.full(p.shape, e0, np.int64)
+        epochs = p // n
         ids = np.empty_like(p)
         for e in range(e0, e1 + 1):
             sel = epochs == e
-            ids[sel] = self.epoch_map(e, g[sel])
+            if sel.any():
+                ids[sel] = self.epoch_map(e, p[sel] - e * n)
         return ids, epochs
 
     def window_ids(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`sample_ids` for a reader that walks forward: computed ``window`` positions at a time.
 
-        The mixer reads each domain in small consecutive steps (``quota[k]`` samples a batch); computing
-        the order for thousands of positions at once makes the per-batch cost a slice. The returned arrays
-        are read-only views of the cached window.
+        A rank that reads most positions of a stretch of the stream (few ranks, large batches) reads it in
+        small consecutive steps; computing the order for thousands of positions at once makes the cost of
+        a step a slice. The returned arrays are read-only views of the cached window.
         """
         i = start - self._win_start
         if not (0 <= i and i + count <= len(self._win_ids)):

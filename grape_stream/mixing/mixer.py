@@ -5,19 +5,22 @@ the node-wide shard cache with ``cache_limit`` eviction and the shared-memory co
 replaces streaming's *iteration*: it reads each domain by random access in an order it plans itself,
 because streaming's ``__iter__`` fixes per-worker partitions and per-epoch proportions up front and
 starts every epoch with a barrier across all workers of the node, while a mixture with live weights
-needs per-batch quotas and independent epochs per domain. The plan is a pure function of
-``(seed, batch index, rank, weight schedule)``:
+needs per-batch quotas and independent epochs per domain. The stream is a sequence of *global*
+batches, a pure function of ``(seed, global batch index, weight schedule)`` and of no topology:
 
-* batch ``i`` of rank ``r`` takes ``quota[k]`` samples of domain ``k`` (:mod:`grape_stream.mixing.quotas`),
-* read at the next positions of the rank's endless stream of that domain
-  (:mod:`grape_stream.mixing.epoch_order`: shard-aware shuffled epochs, disjoint across ranks),
+* global batch ``i`` takes ``quota[k]`` samples of domain ``k`` (:mod:`grape_stream.mixing.quotas`),
+* at the next positions of that domain's global stream (:mod:`grape_stream.mixing.epoch_order`:
+  shard-aware shuffled epochs),
 * with the weights of the schedule entry in force at batch ``i`` (:mod:`grape_stream.mixing.schedule`),
+* and each rank reads its slice of the batch's keyed slot order (:mod:`grape_stream.mixing.topology`,
+  :mod:`grape_stream.mixing.rows`),
 
 so DataLoader workers compose their batches independently (worker ``w`` composes batches
-``w, w + W, ...``, exactly the ones torch's DataLoader asks it for), the samples do not depend on the
-number of workers, and the whole data position is ``(batches consumed, weight schedule)``: a resumed
-run recomputes every domain's read position and replays exactly. See docs/mixer.md. This module wires
-the parts together (the package docstring lists them) and holds the public methods.
+``w, w + W, ...``, exactly the ones torch's DataLoader asks it for), the samples depend neither on the
+number of workers nor on the number of ranks, and the whole data position is ``(global batches
+consumed, every domain's position, weight schedule)``: a run resumed on any topology continues exactly.
+See docs/mixer.md. This module wires the parts together (the package docstring lists them) and holds
+the public methods.
 """
 
 from __future__ import annotations
@@ -46,11 +49,12 @@ from grape_stream.mixing.domains import (
 )
 from grape_stream.mixing.epoch_order import DomainOrder
 from grape_stream.mixing.loader import MixerDataLoader
-from grape_stream.mixing.position import STATE_FORMAT, check_state, domain_stats, make_state, state_batch
+from grape_stream.mixing.position import STATE_FORMAT, MixerStateError, StreamPosition, domain_stats
 from grape_stream.mixing.probe import probe_ids, probe_samples
-from grape_stream.mixing.quotas import COMPOSITIONS, QuotaPlanner, budget_for, effective_weights
+from grape_stream.mixing.quotas import COMPOSITIONS, budget_for, effective_weights
 from grape_stream.mixing.schedule import WeightSchedule, validate_weights
 from grape_stream.mixing.shard_reader import DomainReader, DomainReadError, Prefetcher
+from grape_stream.mixing.topology import Topology
 from grape_stream.mixing.weight_table import MAX_SLOTS
 from grape_stream.retry import default_policy
 from grape_stream.stale_temp import sweep_stale_multiprocessing_dirs
@@ -67,6 +71,7 @@ __all__ = [
     "DomainReadError",
     "RemoteMismatchError",
     "STATE_FORMAT",
+    "MixerStateError",
     "RESERVED_KEYS",
 ]
 
@@ -79,18 +84,23 @@ class WeightedStreamingMixer(IterableDataset):
     ``torch.utils.data.DataLoader(mixer, batch_size=batch_size, num_workers=W)``. The DataLoader's batch
     size must equal ``batch_size``. Every sample is a dict with the dataset's columns (``tokens`` as an
     int64 tensor) plus ``domain`` (index), ``weights_version`` (the schedule entry that composed its
-    batch), ``batch_index``, ``sample_index`` (id within the domain) and ``epoch`` (of the domain).
+    batch), ``batch_index`` (this rank's loader batch; the global batch is ``batch_index // micro``),
+    ``sample_index`` (id within the domain) and ``epoch`` (of the domain).
 
     Args:
         domains: the K domains: DomainStream objects, dicts of their fields, or mosaicml-streaming ``Stream``
             objects (``streams=`` is the same list: named by their path, ``proportion`` is the initial weight).
         weights: initial mixture (K non-negative numbers summing to 1); default uniform.
-        batch_size: samples per batch per rank (the DataLoader's batch size).
+        batch_size: samples per batch per rank (the DataLoader's batch size: one micro-batch).
         seed: seeds the batch composition and every domain's shuffle.
+        global_batch_size: samples per global batch, all ranks and micro-batches together (default
+            ``batch_size * world_size``); a multiple of ``batch_size * world_size``. The stream of global
+            batches depends on it, not on the topology: keep it fixed to resume on another world size.
         config: the mixer's settings, a :class:`~grape_stream.config.MixerConfig` (a recipe's ``data.mixer``);
             default: its defaults. docs/mixer.md explains each: ``shuffle``, ``composition`` (see
-            :mod:`grape_stream.mixing.quotas`), ``shuffle_block_size``, ``lag`` (batches between a
-            ``set_weights`` call and the first batch it changes; default: the loader's prefetch depth),
+            :mod:`grape_stream.mixing.quotas`), ``shuffle_block_size``, ``lag`` (global batches between a
+            ``set_weights`` call and the first batch it changes; default: the loader's prefetch depth; set it
+            to make the switch points independent of the loader's settings and of the topology),
             ``schedule_capacity``, ``overwrite_local``, ``s3_dummy_credentials``, ``prefetch``,
             ``retry_deadline`` (seconds a failing shard download is retried before one error naming the
             domain, shard, remote, endpoint and cause; per domain: ``DomainStream(retry_deadline=...)``), and
@@ -108,6 +118,7 @@ class WeightedStreamingMixer(IterableDataset):
         batch_size: int | None = None,
         seed: int = 0,
         *,
+        global_batch_size: int | None = None,
         config: MixerConfig | Mapping[str, Any] | None = None,
         streams: Sequence[Any] | None = None,
         **options: Any,
@@ -131,6 +142,7 @@ class WeightedStreamingMixer(IterableDataset):
         self.shuffle_block_size = int(c.shuffle_block_size)
         world = streaming_world()
         self.rank, self.world_size, self.local_rank = world.rank, world.size, world.local_rank
+        self.topology = Topology.of(world.rank, world.size, self.batch_size, global_batch_size)
         alpha0 = np.full(self.K, 1.0 / self.K) if weights is None else validate_weights(weights, self.K)
         locals_, stream_dirs = domain_dirs(self.domains)
         self._locals = locals_
@@ -149,23 +161,21 @@ class WeightedStreamingMixer(IterableDataset):
 
         # -- the plan ---------------------------------------------------------------------------------
         self._orders = [
-            DomainOrder(ds.samples_per_shard, name_seed(self.seed, d.name), self.shuffle, self.shuffle_block_size,
-                        self.rank, self.world_size)
+            DomainOrder(ds.samples_per_shard, name_seed(self.seed, d.name), self.shuffle, self.shuffle_block_size)
             for d, ds in zip(self.domains, self._datasets)
         ]
         self.max_epochs = [d.max_epochs for d in self.domains]
         self._composer = BatchComposer(
-            seed=self.seed, rank=self.rank, batch_size=self.batch_size, composition=self.composition,
+            seed=self.seed, topology=self.topology, composition=self.composition,
             domain_names=self.domain_names, orders=self._orders,
-            budgets=[budget_for(d.max_epochs, o.epoch_len) for d, o in zip(self.domains, self._orders)],
+            budgets=[budget_for(d.max_epochs, o.num_samples) for d, o in zip(self.domains, self._orders)],
             datasets=self._datasets, predownload=self.predownload,
             needs_prefetch=[bool(c.prefetch) and (d.remote is not None or any(s.compression for s in ds.shards))
                             for d, ds in zip(self.domains, self._datasets)],
             retry=[default_policy().with_deadline(d.own_or("retry_deadline", c.retry_deadline)) for d in self.domains],
         )
-        self._schedule = WeightSchedule(self.K, alpha0, c.schedule_capacity, c.lag)
-        self._resume_batch = 0
-        self._main_planner: QuotaPlanner | None = None
+        self._schedule = WeightSchedule(self.K, alpha0, c.schedule_capacity, c.lag, self.topology.micro)
+        self._position = StreamPosition(self._composer, self._schedule, self._fingerprint())
         self._main_readers: list[DomainReader] | None = None
         self._closed = False
         self._prefetchers: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
@@ -173,7 +183,7 @@ class WeightedStreamingMixer(IterableDataset):
     def __getstate__(self) -> dict[str, Any]:
         """For spawned DataLoader workers: drop the objects that belong to this process."""
         state = self.__dict__.copy()
-        state.update(_main_readers=None, _main_planner=None, _finalizer=None, _prefetchers=None)
+        state.update(_main_readers=None, _finalizer=None, _prefetchers=None)
         return state
 
     # ================================================================================================
@@ -274,80 +284,70 @@ class WeightedStreamingMixer(IterableDataset):
         return MixerDataLoader(self, num_workers=num_workers, **kwargs)
 
     def seek(self, batch: int) -> None:
-        """Make the next iteration start at batch ``batch`` (all earlier batches count as consumed)."""
+        """Make the next iteration start at loader batch ``batch`` (all earlier batches count as consumed)."""
         if int(batch) != batch or batch < 0:
             raise ValueError(f"batch must be a non-negative integer, got {batch!r}")
-        self._schedule.seek(int(batch), self._counts_at(int(batch)))
+        self._schedule.seek(int(batch), self._position.counts_at(self.topology.global_batch(int(batch))))
 
     # ================================================================================================
     # position, stats, Composer's dataset-state protocol
     # ================================================================================================
     @property
     def consumed_batches(self) -> int:
-        """Batches the trainer has taken (as far as the mixer can know; see :meth:`set_weights`)."""
+        """Loader batches this rank's trainer has taken (as far as the mixer can know; see :meth:`set_weights`)."""
         return self._schedule.consumed
 
-    def _counts_at(self, batch: int) -> np.ndarray:
-        """This rank's read position in every domain before batch ``batch`` (recomputed from the plan)."""
-        p = self._main_planner
-        if p is None or p.batch > batch:
-            p = self._composer.planner()
-            self._main_planner = p
-        p.advance_to(batch, self._schedule.effective.segments)
-        return p.counts.copy()
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per global batch (all ranks and micro-batches): what the stream is made of."""
+        return self.topology.global_batch_size
 
     def stats(self) -> dict[str, Any]:
-        """This rank's data position after the consumed batches: per-domain samples drawn, epochs, budgets."""
+        """The stream's position after this rank's consumed batches: per-domain samples drawn (all ranks
+        together), epochs, budgets, weights."""
         n = self._schedule.consumed
-        counts = self._counts_at(n)
-        p = self._main_planner
-        assert p is not None
-        version, alpha = self._schedule.effective.at(n)
+        g = self.topology.global_batch(n)
+        p = self._position.planner_at(g)
+        counts = p.counts.copy()
+        version, alpha = self._schedule.effective.at(g)
         avail = counts < p.budgets
         eff = effective_weights(alpha, avail) if avail.any() else np.zeros(self.K)
         return {
-            "batches": n,
-            "samples": n * self.batch_size,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "weights_version": version,
-            "latest_weights_version": self.weights_version,
-            "exhausted_at": p.exhausted_at,
+            "batches": n, "global_batches": g, "samples": n * self.batch_size, "rank": self.rank,
+            "world_size": self.world_size, "global_batch_size": self.global_batch_size, "weights_version": version,
+            "latest_weights_version": self.weights_version, "exhausted_at": p.exhausted_at,
             "domains": domain_stats(self.domains, self._orders, counts, avail, alpha, eff),
         }
 
     def _fingerprint(self) -> dict[str, Any]:
-        """What a checkpoint's position assumes about the mixer (a resumed mixer must match it)."""
+        """What a checkpoint's position assumes about the stream (a resumed mixer must match it)."""
         return {
-            "seed": self.seed, "batch_size": self.batch_size, "world_size": self.world_size,
-            "composition": self.composition, "shuffle": self.shuffle, "shuffle_block_size": self.shuffle_block_size,
-            "domains": list(self.domain_names), "domain_sizes": [int(o.num_samples) for o in self._orders],
-            "max_epochs": list(self.max_epochs),
+            "seed": self.seed, "composition": self.composition, "shuffle": self.shuffle,
+            "shuffle_block_size": self.shuffle_block_size, "domains": list(self.domain_names),
+            "domain_sizes": [int(o.num_samples) for o in self._orders], "max_epochs": list(self.max_epochs),
         }
 
     def state_dict(self, num_samples: int | None = None, from_beginning: bool = True) -> dict[str, Any]:
-        """The data position as plain Python types (rank-independent: save it from rank 0).
+        """The data position as plain Python types (topology-independent: save it from rank 0).
 
         ``num_samples`` counts samples over all ranks, as Composer and streaming do: since the start of
         the stream (``from_beginning=True``, what Composer passes) or since this run resumed
-        (``from_beginning=False``). None uses the batches the mixer knows were consumed.
+        (``from_beginning=False``); a whole number of global batches. None uses the batches the mixer
+        knows were consumed.
         """
-        batch = state_batch(num_samples, from_beginning, batch_size=self.batch_size, world_size=self.world_size,
-                            consumed=self._schedule.consumed, consumed_known=self._schedule.consumed_known(),
-                            resume_batch=self._resume_batch)
-        return make_state(batch, self._fingerprint(), self.weight_history)
+        return self._position.state(num_samples, from_beginning)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume: restore the weight schedule and start the next iteration at the saved batch.
+        """Resume: restore the weight schedule and start the next iteration at the saved global batch.
 
-        Call before iterating (Composer does). Every domain's read position is recomputed from
-        ``(seed, batch, schedule)``, so the samples from here on are exactly those of an uninterrupted run.
+        Call before iterating (Composer does). Any world size, worker count and micro-batch split: the
+        global batches from here on are exactly those of an uninterrupted run (given the same later
+        ``set_weights`` switch batches). A different ``global_batch_size`` continues every domain exactly
+        where it stopped, in batches of the new size. Refused with one line (:class:`MixerStateError`):
+        a checkpoint of another stream (seed, domains, sizes, budgets, ...) or of format ``/1``.
         """
-        batch, schedule = check_state(state, self._fingerprint())
-        self._schedule.restore(schedule, batch)
-        self._main_planner = None
-        self.seek(batch)
-        self._resume_batch = batch
+        batch = self._position.load(state)
+        self.seek(batch * self.topology.micro)
 
     # ================================================================================================
     # probes

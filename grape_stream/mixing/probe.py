@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from grape_stream.mixing.quotas import TAG_PROBE
+from grape_stream.mixing.counter_rng import TAG_PROBE
 from grape_stream.mixing.shard_reader import DomainReader
 
 __all__ = ["probe_ids", "probe_samples"]

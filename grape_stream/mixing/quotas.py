@@ -1,26 +1,32 @@
-"""Batch composition: how many samples of each domain batch ``i`` takes, as a pure function.
+"""How many samples of each domain global batch ``i`` takes, and each domain's position after ``n`` batches.
 
-The number of samples of domain ``k`` in batch ``i`` on rank ``r`` depends only on
-``(seed, i, r, the weights in force at batch i, which domains have spent their data budget)``. No
-random state is carried from batch to batch: every random number is a hash of its coordinates (a
-counter-based RNG, splitmix64 here; Philox for the multinomial option). Therefore
+The quotas of global batch ``i`` (``G`` samples, all ranks together) depend only on ``(seed, i, the
+weights in force at batch i and where that weight piece began, which domains have spent their data
+budget)``: no rank, no worker, no random state carried from batch to batch. Two schemes
+(``composition=``):
 
-* any DataLoader worker can compose any batch without talking to the others,
-* the per-domain read positions after ``n`` batches (the whole data position of the mixer) are a sum
-  of quotas that can be recomputed from ``(seed, n, weight schedule)`` on resume, vectorised, and
-* the composition of a batch never depends on the number of workers or on their timing.
+``"systematic"`` (default): stratified systematic resampling, in closed form
+    With the weights ``alpha`` of a piece that starts at batch ``s``, let ``c_k = G * (alpha_1 + ... +
+    alpha_k)`` (the cumulative edges, the last exactly ``G``). Batch ``s + d`` draws one offset ``u_d``
+    in [0, 1) and gives domain k ``edge_k(u_d) - edge_{k-1}(u_d)`` slots, ``edge_k(u) = floor(c_k) +
+    [u < frac(c_k)]`` (= ``ceil(c_k - u)``: systematic resampling of the ``G`` slots). Every batch's
+    quotas sum to ``G`` exactly, domain k gets ``floor(G alpha_k)`` or ``ceil(G alpha_k)``, a weight of 0
+    gives exactly 0, and each ``u_d`` is uniform, so the expectation is exactly ``G alpha_k``.
 
-Two schemes (``composition=``):
-
-``"systematic"`` (default)
-    Systematic resampling of the ``B`` slots of a batch: one uniform offset ``u`` per batch, slot
-    ``s`` goes to the domain whose cumulative-weight interval holds ``(s + u) / B``. Each domain gets
-    ``floor(B * alpha_k)`` or ``ceil(B * alpha_k)`` samples, with expectation exactly ``B * alpha_k``;
-    a weight of 0 gives exactly 0. After the slots are shuffled (also counter-based) every single
-    sample's domain is still distributed as ``alpha`` -- only the batch-to-batch noise is removed.
+    The offsets are a scrambled van der Corput sequence in base ``STRATA = 1024`` (:class:`PieceQuotas`):
+    every aligned block of 1024 consecutive batches of a piece has one offset in each of 1024 equal
+    strata of [0, 1), every block of 1024**2 batches one in each of 1024**2 strata, and so on (each
+    digit permuted by a hash of ``(seed, piece origin, the higher digits)``). So the cumulative edge after
+    ``d`` batches, ``E_k(d) = d floor(c_k) + #{j < d : u_j < frac(c_k)}``, is a closed formula of ``d``'s
+    digits -- at most 3 x 1024 comparisons per domain, whatever ``d``. A domain's position after ``n``
+    batches is a sum of such differences over the weight pieces: O(K * pieces), not O(n) (resuming at
+    batch 10^6 costs what resuming at batch 10^3 does). The stratification also keeps every domain within
+    a few tens of samples of ``n G alpha_k`` over a piece of any length (within 2 after every
+    aligned block of 1024 batches), where independent offsets drift like a random walk (``sqrt(n)``).
 ``"multinomial"``
-    ``Multinomial(B, alpha)`` per batch: i.i.d. domains, as in sampling one domain per sample. Higher
-    variance; resuming recomputes it batch by batch (slower on very long runs).
+    ``Multinomial(G, alpha)`` per batch (Philox keyed by ``(seed, i)``): i.i.d. domains, as in sampling
+    one domain per sample. Higher variance; positions are summed batch by batch (resuming at batch ``n``
+    costs O(n)).
 """
 
 from __future__ import annotations
@@ -28,87 +34,39 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
+from grape_stream.mixing.counter_rng import (
+    TAG_MULTI,
+    TAG_STRATA,
+    hash64,
+    hash_int,
+    keyed_permutation,
+    keyed_permutation_at,
+    uniform01,
+)
+
 __all__ = [
     "COMPOSITIONS",
+    "STRATA",
     "BatchPlan",
-    "QuotaPlanner",
+    "PieceQuotas",
     "Segment",
-    "hash64",
-    "uniform01",
-    "systematic_counts",
+    "StreamExhausted",
     "batch_quota",
-    "slot_permutation",
+    "budget_for",
+    "cumulative",
+    "default_on_spent",
     "effective_weights",
+    "systematic_counts",
 ]
 
 COMPOSITIONS = ("systematic", "multinomial")
 
-# Tags keep the random streams of different purposes independent.
-TAG_OFFSET = 0x0FF5E7
-TAG_PERM = 0x9E5D
-TAG_REFILL = 0x5EF111
-TAG_MULTI = 0x3A17
-TAG_PROBE = 0x960BE
-
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-
-
-def _mix(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser (bijective on uint64, full avalanche)."""
-    z = z + _GOLDEN
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
-    return z ^ (z >> np.uint64(31))
-
-
-_MASK = (1 << 64) - 1
-_GOLDEN_I, _M1_I, _M2_I = int(_GOLDEN), int(_M1), int(_M2)
-
-
-def _mix_int(z: int) -> int:
-    """:func:`_mix` on one Python int (the same uint64 arithmetic, without numpy's per-call cost)."""
-    z = (z + _GOLDEN_I) & _MASK
-    z = ((z ^ (z >> 30)) * _M1_I) & _MASK
-    z = ((z ^ (z >> 27)) * _M2_I) & _MASK
-    return z ^ (z >> 31)
-
-
-def hash64(*keys: int | np.integer | np.ndarray) -> np.ndarray:
-    """A uint64 hash of integer coordinates (arrays broadcast), e.g. ``hash64(seed, batch, rank, TAG)``.
-
-    Leading scalar keys are mixed with Python ints (bit-identical: the same operations modulo 2**64, a
-    negative key taken as its int64 two's complement, as ``astype(uint64)`` does); numpy takes over at the
-    first array key. That keeps a per-batch hash of a few coordinates at a few microseconds.
-    """
-    h_int = 0
-    i = 0
-    for k in keys:
-        if not isinstance(k, (int, np.integer)) or isinstance(k, np.uint64):
-            break
-        v = int(k)
-        if not -(1 << 63) <= v < (1 << 63):
-            raise OverflowError(f"hash key {v} does not fit in int64")
-        h_int = _mix_int(h_int ^ (v & _MASK))
-        i += 1
-    with np.errstate(over="ignore"):
-        h = np.asarray(h_int, dtype=np.uint64)
-        for k in keys[i:]:
-            arr = np.asarray(k)
-            if arr.dtype != np.uint64:
-                arr = np.asarray(arr, dtype=np.int64).astype(np.uint64)
-            h = _mix(h ^ arr)
-        return np.atleast_1d(h)
-
-
-def uniform01(h: np.ndarray) -> np.ndarray:
-    """Map uint64 hashes to floats in [0, 1) (53 random bits)."""
-    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
+#: The base of the systematic offsets' digits (a power of two: its permutations need no cycle-walking).
+STRATA = 1024
 
 
 def effective_weights(alpha: np.ndarray, available: np.ndarray) -> np.ndarray:
@@ -127,7 +85,7 @@ def effective_weights(alpha: np.ndarray, available: np.ndarray) -> np.ndarray:
     return available.astype(np.float64) / n
 
 
-def _cumulative(alpha: np.ndarray) -> np.ndarray:
+def cumulative(alpha: np.ndarray) -> np.ndarray:
     """Cumulative weights with exact zero-width intervals for zero weights and a last edge of exactly 1."""
     cum = np.cumsum(alpha)
     cum = cum / cum[-1]
@@ -138,42 +96,138 @@ def _cumulative(alpha: np.ndarray) -> np.ndarray:
 
 def systematic_counts(alpha: np.ndarray, slots: int, u: np.ndarray) -> np.ndarray:
     """(len(u), K) slot counts of systematic resampling with offsets ``u`` (one row per batch)."""
-    cum = _cumulative(np.asarray(alpha, dtype=np.float64))
+    cum = cumulative(np.asarray(alpha, dtype=np.float64))
     u = np.asarray(u, dtype=np.float64).reshape(-1, 1)
     edges = np.clip(np.ceil(slots * cum[None, :] - u), 0, slots).astype(np.int64)
     edges[:, -1] = slots
     return np.diff(edges, axis=1, prepend=0)
 
 
-def _philox(key: np.ndarray) -> np.random.Generator:
-    return np.random.Generator(np.random.Philox(key=int(key[0])))
-
-
-def batch_quota(composition: str, alpha: np.ndarray, slots: int, seed: int, batch: int, rank: int,
-                tag: int = TAG_OFFSET, round_: int = 0) -> np.ndarray:
-    """Quotas (K,) of one batch: the scalar form of the vectorised computation in :class:`QuotaPlanner`."""
+def batch_quota(composition: str, alpha: np.ndarray, slots: int, seed: int, batch: int, tag: int,
+                round_: int = 0) -> np.ndarray:
+    """Quotas (K,) of ``slots`` slots drawn once, keyed by ``(seed, batch, tag, round_)``: the multinomial
+    composition's batches and both compositions' re-draws of slots freed by a spent budget."""
     if composition == "systematic":
-        u = uniform01(hash64(seed, batch, rank, tag, round_))
-        return systematic_counts(alpha, slots, u)[0]
+        return systematic_counts(alpha, slots, uniform01(hash64(seed, batch, tag, round_)))[0]
     if composition == "multinomial":
-        rng = _philox(hash64(seed, batch, rank, TAG_MULTI if tag == TAG_OFFSET else tag, round_))
+        rng = np.random.Generator(np.random.Philox(key=int(hash64(seed, batch, tag, round_)[0])))
         p = np.asarray(alpha, dtype=np.float64)
         return rng.multinomial(slots, p / p.sum()).astype(np.int64)
     raise ValueError(f"composition must be one of {COMPOSITIONS}, got {composition!r}")
 
 
-def slot_permutation(seed: int, batch: int, rank: int, slots: int) -> np.ndarray:
-    """The order in which a batch's samples (grouped by domain) are emitted: a counter-based shuffle."""
-    keys = hash64(seed, batch, rank, TAG_PERM, np.arange(slots, dtype=np.int64))
-    return np.argsort(keys, kind="stable")
+def multinomial_quota(alpha: np.ndarray, slots: int, seed: int, batch: int) -> np.ndarray:
+    return batch_quota("multinomial", alpha, slots, seed, batch, TAG_MULTI)
 
 
-# --------------------------------------------------------------------------------------------------
-# Per-rank read positions
-# --------------------------------------------------------------------------------------------------
+#: The offsets' digits: ``LEVELS`` base-``STRATA`` digits of the batch index, each through its own keyed
+#: permutation, fill the top ``LEVELS * 10`` of ``U_BITS`` bits; the rest is one random number per
+#: ``STRATA ** LEVELS`` (about 10^9) batches.
+LEVELS, DIGIT_BITS, U_BITS = 3, 10, 52
+_TOP_BITS = U_BITS - LEVELS * DIGIT_BITS
+
+
+class PieceQuotas:
+    """The systematic quotas of the batches of one weight piece, in closed form (module docstring).
+
+    ``origin``: the batch where the piece's weights took effect (its randomness is keyed by it, so a
+    piece is the same whichever batch a process starts at); ``alpha``: the effective weights.
+
+    The offset of the piece's batch ``d`` is the integer ``U_d < 2**52`` (``u_d = U_d / 2**52``) whose
+    top 10 bits are ``pi(d mod 1024)``, the next 10 ``pi'((d // 1024) mod 1024)``, the next 10
+    ``pi''((d // 1024**2) mod 1024)`` (each permutation keyed by the higher digits) and the low 22 a hash
+    of ``d // 1024**3``: a scrambled van der Corput sequence. Any aligned block of ``1024**j`` batches
+    takes every value of its top ``10 j`` bits once, so how many of them have ``U < F`` is
+    ``(F >> (52 - 10 j)) + [their common low bits < F mod 2**(52 - 10 j)]``: counting over ``d`` batches
+    adds at most 3 x 1024 terms, and no domain drifts from ``d G alpha_k`` however long the piece (each
+    level is exact over its blocks; inside a block of 1024 the gap is that of a random stratified
+    prefix). Comparisons are on integers, so a batch's quota and the counts over its piece agree bit for
+    bit. Digits are looked up one at a time in Python ints (:func:`keyed_permutation_at`) and a block's
+    1024 offsets are computed at once when a process walks through it.
+    """
+
+    def __init__(self, seed: int, origin: int, alpha: np.ndarray, slots: int) -> None:
+        scaled = slots * cumulative(np.asarray(alpha, dtype=np.float64))
+        base = np.floor(scaled)
+        self.floor = base.astype(np.int64)
+        self.floor[-1] = slots
+        frac = scaled - base
+        frac[-1] = 0.0
+        #: batch gets edge floor_k + 1 when U < threshold_k (u < frac_k, up to 2**-52)
+        self.threshold = np.ceil(frac * float(1 << U_BITS)).astype(np.int64)
+        self.seed, self.origin, self.slots = int(seed), int(origin), int(slots)
+        self._state = hash_int(self.seed, self.origin, TAG_STRATA)  # the keys' common prefix, mixed once
+        self._block: tuple[int, np.ndarray] | None = None  # (level-0 block, U of its 1024 batches)
+
+    # -- the offsets ---------------------------------------------------------------------------------
+    def _key(self, level: int, block: int) -> int:
+        return hash_int(level, block, state=self._state)
+
+    def _digits(self, level: int, block: int, upto: int) -> np.ndarray:
+        """The permuted values of digits ``0 .. upto - 1`` of level ``level`` in block ``block``."""
+        return keyed_permutation(self._key(level, block), STRATA, np.arange(upto, dtype=np.int64))
+
+    def _digit(self, level: int, block: int, digit: int) -> int:
+        return keyed_permutation_at(self._key(level, block), STRATA, digit)
+
+    def _low(self, level: int, d: int) -> int:
+        """The bits below the top ``10 * level`` of ``U`` shared by batch ``d``'s aligned block of
+        ``1024**level`` batches (``level`` 0: ``U_d`` itself)."""
+        top = d >> (DIGIT_BITS * LEVELS)
+        low = hash_int(LEVELS, top, state=self._state) >> (64 - _TOP_BITS)
+        for lv in range(LEVELS - 1, level - 1, -1):
+            digit = (d >> (DIGIT_BITS * lv)) & (STRATA - 1)
+            low |= self._digit(lv, d >> (DIGIT_BITS * (lv + 1)), digit) << (U_BITS - DIGIT_BITS * (lv + 1))
+        return low
+
+    def _offsets(self, block: int) -> np.ndarray:
+        """``U`` of the 1024 batches of level-0 block ``block`` (cached: a process walks forward)."""
+        if self._block is None or self._block[0] != block:
+            perm = keyed_permutation(self._key(0, block), STRATA, np.arange(STRATA, dtype=np.int64))
+            self._block = (block, (perm << (U_BITS - DIGIT_BITS)) | self._low(1, block << DIGIT_BITS))
+        return self._block[1]
+
+    def prefix_hits(self, d: int) -> np.ndarray:
+        """(K,) how many of the piece's batches ``0 .. d - 1`` have ``U < threshold_k``."""
+        d = int(d)
+        f = self.threshold
+        top = d >> (DIGIT_BITS * LEVELS)
+        shift = _TOP_BITS
+        out = top * (f >> shift)
+        if top:  # whole blocks of 1024**3 batches: one random low part each
+            tops = hash64(self.seed, self.origin, TAG_STRATA, LEVELS, np.arange(top, dtype=np.int64))
+            top_lows = (tops >> np.uint64(64 - _TOP_BITS)).astype(np.int64)
+            out = out + (top_lows[:, None] < (f & ((1 << shift) - 1))[None, :]).sum(axis=0)
+        for lv in range(LEVELS - 1, -1, -1):  # whole blocks of 1024**lv batches under each digit before d's
+            n = (d >> (DIGIT_BITS * lv)) & (STRATA - 1)
+            if not n:
+                continue
+            split = U_BITS - DIGIT_BITS * lv  # a block's U: free top bits above `split`, its `lows` below
+            if lv == 0 and self._block is not None and self._block[0] == d >> DIGIT_BITS:
+                lows = self._block[1][:n]
+            else:
+                digits = self._digits(lv, d >> (DIGIT_BITS * (lv + 1)), n)
+                lows = (digits << (split - DIGIT_BITS)) | self._low(lv + 1, d)
+            out = out + n * (f >> split) + (lows[:, None] < (f & ((1 << split) - 1))[None, :]).sum(axis=0)
+        return out
+
+    # -- quotas and counts ---------------------------------------------------------------------------
+    def counts(self, d0: int, d1: int) -> np.ndarray:
+        """Samples of each domain in the piece's batches ``d0 .. d1 - 1`` (offsets from the origin)."""
+        e = (d1 - d0) * self.floor + self.prefix_hits(d1) - self.prefix_hits(d0)
+        return np.diff(e, prepend=0)
+
+    def quota(self, d: int) -> np.ndarray:
+        """Quotas (K,) of the piece's batch ``d`` (offset from the origin)."""
+        d = int(d)
+        u = int(self._offsets(d >> DIGIT_BITS)[d & (STRATA - 1)])
+        return np.diff(self.floor + (u < self.threshold), prepend=0)
+
+
 @dataclass(frozen=True)
 class Segment:
-    """Batches ``[start, end)`` use weights ``alpha`` of schedule version ``version``.
+    """Batches ``[start, end)`` use weights ``alpha`` of schedule version ``version``; the weights took
+    effect at batch ``origin <= start`` (the key of the piece's randomness).
 
     The planner's input: :class:`grape_stream.mixing.schedule.EffectiveSchedule` cuts the weight
     schedule into these pieces.
@@ -183,12 +237,13 @@ class Segment:
     end: int
     version: int
     alpha: np.ndarray
+    origin: int = 0
 
 
 @dataclass
 class BatchPlan:
-    """What batch ``batch`` takes: ``quota[k]`` samples of domain k at positions ``start[k]...`` of the
-    rank's stream of that domain."""
+    """What global batch ``batch`` takes: ``quota[k]`` samples of domain k at positions ``start[k] ...``
+    of the domain's global stream."""
 
     batch: int
     version: int
@@ -205,190 +260,6 @@ class StreamExhausted(Exception):
         self.batch = batch
 
 
-_NO_BUDGET = np.iinfo(np.int64).max
-_CHUNK = 1 << 14
-
-
-class QuotaPlanner:
-    """Walks batches in increasing order, keeping the number of samples each domain has served.
-
-    ``counts[k]`` is the position in this rank's stream of domain k before batch ``batch``; it is all
-    the data state the mixer has. Batches are processed in vectorised chunks; a batch in which a data
-    budget runs out is handled on its own (its overflowing quota is clipped and the freed slots are
-    re-drawn among the domains that still have data).
-    """
-
-    def __init__(self, *, seed: int, rank: int, batch_size: int, composition: str,
-                 budgets: Sequence[int | None] | np.ndarray, start_batch: int = 0,
-                 start_counts: Iterable[int] | None = None,
-                 on_spent: Callable[[int, int], None] | None = None) -> None:
-        if composition not in COMPOSITIONS:
-            raise ValueError(f"composition must be one of {COMPOSITIONS}, got {composition!r}")
-        self.seed = int(seed)
-        self.rank = int(rank)
-        self.B = int(batch_size)
-        self.composition = composition
-        self.budgets = np.array([_NO_BUDGET if b is None else int(b) for b in budgets], dtype=np.int64)
-        self.K = len(self.budgets)
-        self.batch = int(start_batch)
-        self.counts = np.zeros(self.K, np.int64) if start_counts is None else np.array(list(start_counts), np.int64)
-        if self.counts.shape != (self.K,):
-            raise ValueError(f"start_counts must have {self.K} entries")
-        self.exhausted_at: int | None = None
-        self.on_spent = on_spent
-        self._spent_reported = self.counts >= self.budgets
-        self._u_start = 0
-        self._u = np.empty(0)
-        self._budgeted = bool((self.budgets != _NO_BUDGET).any())
-        self._all_available = np.ones(self.K, bool)
-        self._weights_key: tuple | None = None
-        self._weights: tuple[np.ndarray, np.ndarray] = (np.empty(0), np.empty(0))
-
-    # -- public ------------------------------------------------------------------------------------
-    def plan(self, batch: int, segments: Callable[[int, int], list[Segment]]) -> BatchPlan | None:
-        """Advance to ``batch`` and return its plan (``None`` once every budget is spent)."""
-        if batch < self.batch:
-            raise ValueError(f"planner is at batch {self.batch}; cannot go back to {batch}")
-        self.advance_to(batch, segments)
-        if self.exhausted_at is not None:
-            return None
-        (seg,) = segments(batch, batch + 1)
-        start = self.counts.copy()
-        try:
-            quota, alpha = self._one_batch(batch, seg.alpha)
-        except StreamExhausted:
-            self.exhausted_at = batch
-            return None
-        self.counts += quota
-        self.batch = batch + 1
-        self._report_spent()
-        return BatchPlan(batch, seg.version, alpha, quota, start)
-
-    def advance_to(self, batch: int, segments: Callable[[int, int], list[Segment]]) -> None:
-        """Account for every batch in ``[self.batch, batch)``."""
-        if batch <= self.batch or self.exhausted_at is not None:
-            return
-        for seg in segments(self.batch, batch):
-            self._advance_segment(seg)
-            if self.exhausted_at is not None:
-                return
-
-    @property
-    def available(self) -> np.ndarray:
-        return self.counts < self.budgets
-
-    # -- internals ---------------------------------------------------------------------------------
-    def _advance_segment(self, seg: Segment) -> None:
-        b = seg.start
-        while b < seg.end:
-            avail = self.available
-            if not avail.any():
-                self.exhausted_at = b
-                return
-            alpha = effective_weights(seg.alpha, avail)
-            if self.composition == "multinomial":
-                self._scalar_batch(b, seg.alpha)
-                if self.exhausted_at is not None:
-                    return
-                b += 1
-                continue
-            n = min(seg.end - b, _CHUNK)
-            idx = np.arange(b, b + n, dtype=np.int64)
-            u = uniform01(hash64(self.seed, idx, self.rank, TAG_OFFSET, 0))
-            q = systematic_counts(alpha, self.B, u)
-            cum = np.cumsum(q, axis=0) + self.counts
-            hit = np.flatnonzero((cum[:, avail] >= self.budgets[avail]).any(axis=1))
-            if hit.size == 0:
-                self.counts = cum[-1].copy()
-                b += n
-                continue
-            t = int(hit[0])
-            if (cum[t] > self.budgets).any():
-                # Batch b+t overflows a budget: account up to it, then clip and refill it on its own.
-                if t > 0:
-                    self.counts = cum[t - 1].copy()
-                b += t
-                self.batch = b
-                self._scalar_batch(b, seg.alpha)
-                if self.exhausted_at is not None:
-                    return
-                b += 1
-            else:
-                # A budget is met exactly by batch b+t: later batches must be drawn without that domain.
-                self.counts = cum[t].copy()
-                b += t + 1
-                self.batch = b
-                self._report_spent()
-        self.batch = seg.end
-
-    def _scalar_batch(self, b: int, alpha: np.ndarray) -> None:
-        try:
-            quota, _ = self._one_batch(b, alpha)
-        except StreamExhausted:
-            self.exhausted_at = b
-            return
-        self.counts += quota
-        self.batch = b + 1
-        self._report_spent()
-
-    def _one_batch(self, b: int, alpha_sched: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        avail = self.available if self._budgeted else self._all_available
-        if not avail.any():
-            raise StreamExhausted(b)
-        key = (id(alpha_sched), avail.tobytes())
-        if self._weights_key is not None and self._weights_key[:2] == key and self._weights_key[2] is alpha_sched:
-            alpha, scaled = self._weights
-        else:  # new weights or a newly spent domain: computed once per segment, not per batch
-            alpha = effective_weights(alpha_sched, avail)
-            scaled = self.B * _cumulative(alpha)
-            self._weights_key, self._weights = (*key, alpha_sched), (alpha, scaled)
-        if self.composition == "systematic":
-            # systematic_counts(alpha, B, u)[0] with B * cum computed once (the same floating-point ops).
-            # (np.minimum/np.maximum: np.clip's Python wrapper costs more than the arithmetic; no NaN here.)
-            edges = np.minimum(np.maximum(np.ceil(scaled - self._offset(b)[0]), 0), self.B).astype(np.int64)
-            edges[-1] = self.B
-            q = edges.copy()
-            q[1:] -= edges[:-1]
-        else:
-            q = batch_quota(self.composition, alpha, self.B, self.seed, b, self.rank)
-        if not self._budgeted:
-            return q, alpha  # no max_epochs: nothing can be spent (the clipping below would change nothing)
-        remaining = self.budgets - self.counts
-        excess = int(np.maximum(q - remaining, 0).sum())
-        q = np.minimum(q, remaining)
-        round_ = 0
-        while excess > 0:
-            round_ += 1
-            room = (self.counts + q) < self.budgets
-            if not room.any():
-                raise StreamExhausted(b)
-            extra = batch_quota(self.composition, effective_weights(alpha_sched, room), excess, self.seed, b,
-                                self.rank, TAG_REFILL, round_)
-            q = q + extra
-            excess = int(np.maximum(q - remaining, 0).sum())
-            q = np.minimum(q, remaining)
-        return q, alpha
-
-    def _offset(self, b: int) -> np.ndarray:
-        """The systematic offset of batch ``b`` (hashes computed for 1024 batches at a time)."""
-        i = b - self._u_start
-        if not 0 <= i < len(self._u):
-            self._u_start = b
-            self._u = uniform01(hash64(self.seed, np.arange(b, b + 1024, dtype=np.int64), self.rank, TAG_OFFSET, 0))
-            i = 0
-        return self._u[i:i + 1]
-
-    def _report_spent(self) -> None:
-        if not self._budgeted:
-            return
-        spent = self.counts >= self.budgets
-        new = np.flatnonzero(spent & ~self._spent_reported)
-        self._spent_reported = spent
-        if self.on_spent is not None:
-            for k in new:
-                self.on_spent(int(k), self.batch)
-
-
 def default_on_spent(names: Sequence[str]) -> Callable[[int, int], None]:
     def _warn(k: int, batch: int) -> None:
         warnings.warn(
@@ -401,10 +272,10 @@ def default_on_spent(names: Sequence[str]) -> Callable[[int, int], None]:
     return _warn
 
 
-def budget_for(max_epochs: float | None, epoch_len: int) -> int | None:
-    """Samples a rank may read from a domain whose rank-epoch has ``epoch_len`` samples."""
+def budget_for(max_epochs: float | None, num_samples: int) -> int | None:
+    """Samples the whole run (all ranks together) may read from a domain of ``num_samples`` samples."""
     if max_epochs is None:
         return None
     if not (max_epochs > 0) or math.isinf(max_epochs):
         raise ValueError(f"max_epochs must be a positive finite number or None, got {max_epochs!r}")
-    return int(math.floor(max_epochs * epoch_len + 1e-9))
+    return int(math.floor(max_epochs * num_samples + 1e-9))

@@ -1,11 +1,15 @@
-"""The rows of a run of consecutive batches: which sample each row holds, and reading them in one pass.
+"""The rows of a run of a rank's loader batches: which sample each row holds, and reading them in one pass.
 
-A plan (:class:`~grape_stream.mixing.quotas.BatchPlan`) says how many samples of each domain a batch
-takes and from which read position; this module turns plans into rows (domain, sample id, epoch) in
-emission order and reads their columns. Why runs rather than batches: a batch of 32 samples from 20
-domains touches ~20 shards, and each shard touched costs a few microseconds of Python however few
-samples it gives; a run of 16 such batches (a DataLoader worker's message, or the main process's
-look-ahead) touches each shard about once, and every index below is computed for the whole run at once.
+A global batch's plan (:class:`~grape_stream.mixing.quotas.BatchPlan`) says how many samples of each
+domain it takes and from which positions of each domain's global stream. Laid out grouped by domain
+(domains in index order, each in stream order) that is ``G`` samples; slot ``s`` of the batch holds
+grouped sample ``perm[s]``, ``perm`` a keyed permutation of ``[0, G)`` (a hash of ``(seed, global
+batch)``: :func:`~grape_stream.mixing.counter_rng.slot_permutation`), so each slot's domain is
+distributed as ``alpha`` and a slice of slots is a mixture too. A rank holds slots ``first_slot ...
+first_slot + B - 1`` (:mod:`grape_stream.mixing.topology`) and evaluates the permutation at those slots
+only: its work per batch is O(B), not O(G). Why runs rather than batches: each shard touched costs a
+few microseconds of Python however few samples it gives, and every index below is computed for the
+whole run (a DataLoader worker's message, or the main process's look-ahead) at once.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from grape_stream.mixing.batch_read import BatchReader
+from grape_stream.mixing.counter_rng import TAG_PERM, hash64, keyed_permutation
 from grape_stream.mixing.epoch_order import DomainOrder
-from grape_stream.mixing.quotas import TAG_PERM, BatchPlan, hash64
 from grape_stream.mixing.shard_reader import DomainReader
+from grape_stream.mixing.topology import RankBatch
 
 __all__ = ["RESERVED_KEYS", "emission", "read_by_domain", "run_columns"]
 
@@ -25,65 +30,65 @@ __all__ = ["RESERVED_KEYS", "emission", "read_by_domain", "run_columns"]
 RESERVED_KEYS = ("domain", "weights_version", "batch_index", "sample_index", "epoch")
 
 
-def emission(orders: Sequence[DomainOrder], seed: int, rank: int,
-             plans: Sequence[BatchPlan]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(domain, sample id, epoch) of every row of ``plans``, batch after batch.
+def emission(orders: Sequence[DomainOrder], seed: int, batch_size: int, global_batch_size: int,
+             batches: Sequence[RankBatch]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(domain, sample id, epoch) of every row of ``batches``, batch after batch (``batch_size`` rows each).
 
-    Emission slot ``j`` of a batch holds the ``perm[j]``-th sample of the batch grouped by domain
-    (domains in index order, each in its read order), ``perm`` =
-    :func:`~grape_stream.mixing.quotas.slot_permutation` (the same hash, computed here for all batches). When the
-    plans continue one another (each domain's read position is where the previous batch left it, as
-    for the batches one process composes in a row), each domain's ids for the whole run are one
-    window of its order and every index below is computed for all batches at once.
+    Row ``t`` of a loader batch is slot ``s = first_slot + t`` of its global batch: grouped sample ``g =
+    perm(s)``, i.e. the ``g - c_{k-1}``-th sample of domain ``k`` (``c`` the cumulative quotas, ``c_{k-1}
+    <= g < c_k``), at position ``start_k + g - c_{k-1}`` of that domain's stream.
     """
-    quota = np.stack([p.quota for p in plans])  # (J, K)
-    start = np.stack([p.start for p in plans])
-    sizes = quota.sum(axis=1)
-    if len(plans) > 1 and ((sizes != sizes[0]).any() or (start[1:] != start[:-1] + quota[:-1]).any()):
-        parts = [emission(orders, seed, rank, [p]) for p in plans]
-        return tuple(np.concatenate(c) for c in zip(*parts))  # type: ignore[return-value]
-    runs, k_count = quota.shape
-    total = quota.sum(axis=0)
-    ks = np.flatnonzero(total)
-    windows = [orders[k].window_ids(s, t)
-               for k, s, t in zip(ks.tolist(), start[0, ks].tolist(), total[ks].tolist())]
-    ids = np.concatenate([w[0] for w in windows])
-    epochs = np.concatenate([w[1] for w in windows])
-    # Row r of the grouped layout (batch j, domain k, t-th sample of k in j) reads the window of
-    # domain k at (samples of k in batches before j) + t.
-    first = np.zeros(k_count, np.int64)
-    first[ks] = np.cumsum(total[ks]) - total[ks]
-    lens = quota.reshape(-1)
-    base = (first[None, :] + np.cumsum(quota, axis=0) - quota).reshape(-1)
-    ends = np.cumsum(lens)
-    grouped = np.repeat(base - (ends - lens), lens) + np.arange(int(ends[-1]), dtype=np.int64)
-    dom_grouped = np.repeat(np.tile(np.arange(k_count, dtype=np.int64), runs), lens)
-    n = int(sizes[0])
-    slots = np.arange(n, dtype=np.int64)
-    if runs == 1:  # slot_permutation's hash: leading scalar keys cost far less than an array of one
-        keys = hash64(seed, plans[0].batch, rank, TAG_PERM, slots)
+    n_rows, g_size = int(batch_size), int(global_batch_size)
+    runs = len(batches)
+    gb = np.fromiter((b.plan.batch for b in batches), np.int64, runs)
+    first = np.fromiter((b.first_slot for b in batches), np.int64, runs)
+    quota = np.stack([b.plan.quota for b in batches])  # (J, K)
+    start = np.stack([b.plan.start for b in batches])
+    k_count = quota.shape[1]
+    slots = first[:, None] + np.arange(n_rows, dtype=np.int64)[None, :]
+    if runs == 1:  # one key: leading scalar keys cost far less than an array of one
+        keys: Any = hash64(seed, int(gb[0]), TAG_PERM)
     else:
-        batches = np.array([p.batch for p in plans], np.int64)
-        keys = hash64(seed, batches[:, None], rank, TAG_PERM, slots[None, :])
-    rows = (np.argsort(keys.reshape(runs, n), axis=1, kind="stable") + n * np.arange(runs)[:, None]).reshape(-1)
-    src = grouped[rows]
-    return dom_grouped[rows], ids[src], epochs[src]
+        keys = hash64(seed, gb[:, None], TAG_PERM)
+    g = keyed_permutation(keys, g_size, slots)
+    cum = np.cumsum(quota, axis=1)
+    row = np.arange(runs, dtype=np.int64)[:, None]
+    # One searchsorted for all rows: row j's edges shifted by j * G stay sorted across rows.
+    dom = np.searchsorted((cum + row * g_size).reshape(-1), (g + row * g_size).reshape(-1), side="right")
+    dom = dom.reshape(runs, n_rows) - row * k_count
+    pos = (start - (cum - quota))[row, dom] + g
+    dom, pos = dom.reshape(-1), pos.reshape(-1)
+    ids = np.empty_like(pos)
+    epochs = np.empty_like(pos)
+    by_dom = np.argsort(dom, kind="stable")
+    cuts = np.searchsorted(dom[by_dom], np.arange(k_count + 1))
+    for k in np.flatnonzero(np.diff(cuts)).tolist():
+        rows = by_dom[cuts[k]:cuts[k + 1]]
+        p = pos[rows]
+        lo, hi = int(p.min()), int(p.max())
+        if hi - lo < 4 * len(p) + 64:  # the rank reads most of this stretch: one forward window, sliced
+            w_ids, w_epochs = orders[k].window_ids(lo, hi - lo + 1)
+            ids[rows], epochs[rows] = w_ids[p - lo], w_epochs[p - lo]
+        else:  # a few scattered positions (one slot in many): just those
+            ids[rows], epochs[rows] = orders[k].ids_at(p)
+    return dom, ids, epochs
 
 
-def run_columns(orders: Sequence[DomainOrder], seed: int, rank: int, names: Sequence[str], plans: Sequence[BatchPlan],
-                readers: Sequence[DomainReader], batch_reader: BatchReader | None) -> tuple[dict[str, Any], np.ndarray]:
-    """Data columns and the (len(RESERVED_KEYS), rows) metadata of ``plans``' rows (see :func:`emission`).
+def run_columns(orders: Sequence[DomainOrder], seed: int, batch_size: int, global_batch_size: int, names: Sequence[str],
+                batches: Sequence[RankBatch], readers: Sequence[DomainReader],
+                batch_reader: BatchReader | None) -> tuple[dict[str, Any], np.ndarray]:
+    """Data columns and the (len(RESERVED_KEYS), rows) metadata of ``batches``' rows (see :func:`emission`).
 
     The samples are read in one pass over the shards they lie in (:class:`BatchReader`); when a shard
     does not allow that, domain by domain (same samples, same order).
     """
-    dom, ids, epochs = emission(orders, seed, rank, plans)
+    dom, ids, epochs = emission(orders, seed, batch_size, global_batch_size, batches)
     cols = batch_reader.read(dom, ids) if batch_reader is not None else None
     data: dict[str, Any] = read_by_domain(dom, ids, readers, names) if cols is None else cols
-    n = len(ids) // len(plans)
+    n = len(ids) // len(batches)
     rows = {"domain": dom, "sample_index": ids, "epoch": epochs,
-            "weights_version": np.repeat(np.array([p.version for p in plans], np.int64), n),
-            "batch_index": np.repeat(np.array([p.batch for p in plans], np.int64), n)}
+            "weights_version": np.repeat(np.array([b.version for b in batches], np.int64), n),
+            "batch_index": np.repeat(np.array([b.batch for b in batches], np.int64), n)}
     meta = np.empty((len(RESERVED_KEYS), len(ids)), np.int64)
     for i, key in enumerate(RESERVED_KEYS):
         meta[i] = rows[key]

@@ -1,12 +1,13 @@
-"""The weight schedule: which weights compose each batch, and the rule that picks a switch batch.
+"""The weight schedule: which weights compose each global batch, and the rule that picks a switch batch.
 
-Every ``set_weights`` call becomes an entry ``(version, from_batch, alpha)``; the weights of batch ``j``
-are those of the latest entry whose ``from_batch <= j`` (:class:`EffectiveSchedule`). The mixer's side
-(:class:`WeightSchedule`) keeps the entries, publishes them to the DataLoader workers through the
+Every ``set_weights`` call becomes an entry ``(version, from_batch, alpha)``; the weights of global batch
+``j`` are those of the latest entry whose ``from_batch <= j`` (:class:`EffectiveSchedule`). The mixer's
+side (:class:`WeightSchedule`) keeps the entries, publishes them to the DataLoader workers through the
 shared :class:`~grape_stream.mixing.weight_table.SharedWeightTable`, and chooses ``from_batch`` so that
 no batch a worker may already have composed is changed:
-``from_batch = max(at_batch, consumed + lag)`` (docs/mixer.md, "Lag"). It also owns the loader position
-that rule depends on (batches consumed, loader depth), because the two only make sense together.
+``from_batch = max(at_batch, ceil((consumed + lag) / m))`` (docs/mixer.md, "Lag"; ``consumed`` and
+``lag`` count this rank's loader batches, ``m`` of them per global batch). It also owns the loader
+position that rule depends on (batches consumed, loader depth), because the two only make sense together.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class EffectiveSchedule:
             nxt = self._starts[i + 1] if i + 1 < len(self._starts) else end
             e = min(end, nxt)
             if e > b:
-                out.append(Segment(b, e, self._versions[i], self._alphas[i]))
+                out.append(Segment(b, e, self._versions[i], self._alphas[i], self._starts[i]))
             b = e
             i += 1
         return out
@@ -100,9 +101,10 @@ class WeightSchedule:
     process changes any of it; workers read the table.
     """
 
-    def __init__(self, num_domains: int, alpha0: np.ndarray, capacity: int, lag: int | None) -> None:
+    def __init__(self, num_domains: int, alpha0: np.ndarray, capacity: int, lag: int | None, micro: int = 1) -> None:
         self.K = int(num_domains)
-        self.fixed_lag = None if lag is None else int(lag)
+        self.micro = int(micro)  # loader batches per global batch
+        self.fixed_lag = None if lag is None else int(lag) * self.micro  # in loader batches
         self.history: list[tuple[int, int, np.ndarray]] = []  # (version, from_batch, alpha); version == index
         self.effective = EffectiveSchedule()
         self.table = SharedWeightTable(self.K, capacity)
@@ -117,7 +119,7 @@ class WeightSchedule:
     # -- reading -------------------------------------------------------------------------------------
     @property
     def lag(self) -> int:
-        """Batches between ``set_weights`` and the first batch it changes."""
+        """Loader batches between ``set_weights`` and the first batch it may change."""
         if self.fixed_lag is not None:
             return self.fixed_lag
         return self.loader_depth or 0
@@ -189,7 +191,8 @@ class WeightSchedule:
         # explicit lag always applies (switch points then depend only on the consumed count).
         in_flight = self.iterating or self.fixed_lag is not None or self.table.max_claimed(workers_only=True) >= 0
         floor = n_consumed + (self.lag if in_flight else 0) if known else None
-        composed = self.table.max_claimed()
+        composed = self.table.max_claimed()  # loader batches
+        m = self.micro
         if at_batch is None:
             if floor is None:
                 self._warn_once(
@@ -198,21 +201,22 @@ class WeightSchedule:
                     "were consumed, so the switch batch depends on worker timing. Use mixer.dataloader(...) "
                     "or pass at_batch= / consumed= for a reproducible switch.",
                 )
-                target = composed + 1
+                target = -(-(composed + 1) // m)
             else:
-                target = floor
+                target = -(-floor // m)
         else:
-            target = int(at_batch) if floor is None else max(int(at_batch), floor)
-        if target <= composed:
-            moved = composed + 1 + max(1, self.table.active_workers())
+            target = int(at_batch) if floor is None else max(int(at_batch), -(-floor // m))
+        if target <= composed // m:  # a loader batch of global batch `target` may be composed already
+            moved = -(-(composed + 1 + max(1, self.table.active_workers())) // m)
             self._warn_once(
                 "composed",
-                f"set_weights: batch {target} was already composed (workers are at batch {composed}); the new "
-                f"weights apply from batch {moved}. The loader prefetches deeper than lag={self.lag}: use "
+                f"set_weights: batch {target} was already composed (workers are at batch {composed // m}); the "
+                f"new weights apply from batch {moved}. The loader prefetches deeper than lag={self.lag}: use "
                 "mixer.dataloader(...), or pass lag= (>= num_workers * prefetch_factor) to the mixer.",
             )
             target = moved
-        self._check_pending(min(n_consumed, composed + 1) if composed >= 0 else n_consumed)
+        low = min(n_consumed, composed + 1) if composed >= 0 else n_consumed
+        self._check_pending(low // m)
         self.append(target, alpha)
         return target
 

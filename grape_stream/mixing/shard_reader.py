@@ -32,7 +32,8 @@ import numpy as np
 
 from grape_stream.errors import StorageError
 from grape_stream.mixing.shard_view import MappedShard, uniform_layout
-from grape_stream.retry import DEFAULT_RETRY, RetryError, RetryPolicy, call_with_retry, endpoint_note, is_transient
+from grape_stream.retry import DEFAULT_RETRY, CredentialsError, RetryError, RetryPolicy, endpoint_note, storage_call
+from grape_stream.streaming_compat.s3_session import install_shared_s3_session, refresh_credentials, session_generation
 from grape_stream.streaming_compat.shard_state import (
     is_mds_shard,
     prepare_shard,
@@ -52,8 +53,8 @@ class _NotYet(Exception):
     """The shard is not readable yet for a reason a retry can fix (a download failed elsewhere, eviction)."""
 
 
-def _is_transient(exc: BaseException) -> bool:
-    return isinstance(exc, _NotYet) or is_transient(exc)
+def _not_yet(exc: BaseException) -> bool:
+    return isinstance(exc, _NotYet)
 
 
 class DomainReader:
@@ -71,6 +72,7 @@ class DomainReader:
         self._stream = dataset.streams[0]
         self._layouts: dict[int, Any] = {}
         self._ready: set[int] = set()  # shard id -> its uniform layout (shard_view.Column tuple) or None
+        install_shared_s3_session()  # also in a spawned worker, which imports streaming afresh
 
     # ------------------------------------------------------------------------------------------------
     def _where(self) -> str:
@@ -100,7 +102,8 @@ class DomainReader:
         """Map the shard, downloading it first if needed, under the domain's retry policy.
 
         A failed download is retried with backoff until the policy's deadline (an outage of a minute is
-        ridden out with the same samples); a missing or forbidden object is not retried; a shard that
+        ridden out with the same samples; throttling is said once); a missing object is not retried;
+        refused credentials are read again once (rotated credentials) and then fail; a shard that
         another process's cache eviction keeps deleting fails after `max_vanished` tries (cache_limit too
         small). Every failure names the domain, the shard, the remote and the endpoint.
         """
@@ -129,13 +132,15 @@ class DomainReader:
                 raise _NotYet(f"shard {basename} was evicted before it could be read") from exc
 
         what = f"domain {self.name!r}: cannot fetch shard {basename} from {self._where()}{endpoint_note(self._where())}"
+        downloader = getattr(self._stream, "_downloader", None)
         try:
-            return call_with_retry(attempt, policy=self.retry, what=what, retryable=_is_transient)
+            return storage_call(attempt, policy=self.retry, what=what, url=self._where(), retryable=_not_yet,
+                                refresh=lambda: refresh_credentials(session_generation(downloader)))
         except DomainReadError:
             raise
-        except RetryError as err:
+        except (RetryError, CredentialsError) as err:
             raise DomainReadError(str(err)) from err
-        except Exception as err:  # a permanent failure (missing object, no access): one clear line
+        except Exception as err:  # a permanent failure (missing object): one clear line
             raise DomainReadError(f"{what}: {type(err).__name__}: {err}") from err
 
     def read(self, sample_ids: np.ndarray) -> list[dict[str, Any]]:

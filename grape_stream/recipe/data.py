@@ -13,14 +13,15 @@ import os
 import tempfile
 from typing import Any, Mapping
 
-from streaming.base.storage.download import CloudDownloader
 from torch.utils.data import DataLoader
 
 from grape_stream.config import RecipeConfig
-from grape_stream.errors import ConfigError, DataError
+from grape_stream.errors import ConfigError, DataError, StorageError
 from grape_stream.grape.tasks import TaskStream
 from grape_stream.mixing.mixer import DomainStream, WeightedStreamingMixer
 from grape_stream.recipe.schema import as_recipe
+from grape_stream.retry import classify
+from grape_stream.streaming_compat.local_index import fetch_remote_file
 
 __all__ = ["build_mixer", "check_local_data", "join_location", "manifest_at", "manifest_vocab_size", "read_manifest",
            "recipe_streams",
@@ -62,12 +63,17 @@ def manifest_at(remote: str | None, local: str | None) -> dict[str, Any] | None:
             return None
         with open(path, encoding="utf-8") as f:
             return json.load(f)
+    url = str(join_location(remote, "manifest.json"))
     with tempfile.TemporaryDirectory() as tmp:
         dest = os.path.join(tmp, "manifest.json")
-        try:
-            CloudDownloader.direct_download(join_location(remote, "manifest.json"), dest, 60)
-        except Exception as exc:  # no manifest is allowed when sizes are given explicitly
-            log.info("no manifest at %s: %s", remote, exc)
+        try:  # an outage is ridden out and refused credentials are one line, under the retry policy
+            fetch_remote_file(url, dest, what=f"cannot read {url}")
+        except StorageError:
+            raise
+        except Exception as exc:
+            if classify(exc) != "missing":
+                raise
+            log.info("no manifest at %s: %s", remote, exc)  # allowed when sizes are given explicitly
             return None
         with open(dest, encoding="utf-8") as f:
             return json.load(f)
@@ -129,7 +135,10 @@ def _datasets_under(root: str, split: str | None) -> list[str]:
                   if os.path.isfile(os.path.join(root, n, split or "", "index.json")))
 
 
-def _check_local(kind: str, name: str, local: str, split: str | None, base: str | None, base_key: str) -> None:
+def _check_local(kind: str, name: str, local: str, split: str | None, base: str | None, base_key: str,
+                 split_key: str = "data.split") -> None:
+    """`split_key` names where `split` came from (``data.split``, ``data.task_probe_split`` (or the entry's
+    own ``split``), ``data.task_test_split`` (or its ``test_split``)), so the error blames the right key."""
     index = os.path.join(local, split or "", "index.json")
     if os.path.isfile(index):
         return
@@ -142,25 +151,34 @@ def _check_local(kind: str, name: str, local: str, split: str | None, base: str 
                         f"{kind}s there: {there or 'none'}")
     if split and os.path.isfile(os.path.join(local, "index.json")):
         raise DataError(f"{kind} {name!r}: no split {split!r} at {local} (the data has no splits); "
-                        f"set data.split=null or the entry's split")
+                        f"set {split_key}=null")
     subs = sorted(d for d in os.listdir(local) if os.path.isfile(os.path.join(local, d, "index.json")))
     has = f"; splits there: {subs}" if subs else ""
-    raise DataError(f"{kind} {name!r}: no MDS index at {index}{has} (recipe key 'data.split' / the entry's split)")
+    raise DataError(f"{kind} {name!r}: no MDS index at {index}{has} (recipe key {split_key!r})")
 
 
 def check_local_data(cfg: Recipe, domains: list[dict[str, Any]], tasks: list[TaskStream]) -> None:
     """Before any model is built: every local-only domain and task (no remote) has its MDS index; else one
     :class:`DataError` naming the path and listing what the directory does hold."""
     data = as_recipe(cfg).data
+
+    def split_key(section: str, name: str, entry_key: str, default_key: str) -> str:
+        """The entry's own key when the recipe's entry sets it, else the section-wide default's."""
+        own = next((e for e in getattr(data, section) if isinstance(e, Mapping) and str(e["name"]) == name), {})
+        return f"data.{section}[name={name}].{entry_key}" if entry_key in own else default_key
+
     for d in domains:
         if d["remote"] is None and d["local"] is not None:
-            _check_local("domain", d["name"], d["local"], d["split"], data.local, "data.local")
+            _check_local("domain", d["name"], d["local"], d["split"], data.local, "data.local",
+                         split_key("domains", d["name"], "split", "data.split"))
     t_base = data.task_local if data.task_local is not None else data.local
     t_key = "data.task_local" if data.task_local is not None else "data.local"
     for t in tasks:
         if t.remote is None and t.local is not None:
+            keys = {t.test_split: split_key("tasks", t.name, "test_split", "data.task_test_split"),
+                    t.split: split_key("tasks", t.name, "split", "data.task_probe_split")}
             for split in dict.fromkeys(s for s in (t.split, t.test_split) if s is not None):
-                _check_local("task", t.name, t.local, split, t_base, t_key)
+                _check_local("task", t.name, t.local, split, t_base, t_key, keys[split])
 
 
 def recipe_streams(cfg: Recipe) -> tuple[list[dict[str, Any]], list[TaskStream]]:

@@ -139,7 +139,14 @@ def _check_mixtures(cfg: RecipeConfig) -> None:
             raise ConfigError(f"recipe key {key!r} must be non-negative finite numbers, got {list(value)}")
         if abs(sum(value) - 1.0) > 1e-6:
             raise ConfigError(f"recipe key {key!r} sums to {sum(value):.6g}, not 1: "
-                              f"e.g. {[round(v / sum(value), 6) for v in value] if sum(value) > 0 else 'uniform'}")
+                              f"e.g. {_normalised(value) if sum(value) > 0 else 'uniform'}")
+
+
+def _normalised(value: Any) -> list[float]:
+    """``value`` / its sum, rounded for a message, the last entry absorbing the rounding (so it sums to 1)."""
+    w = [round(v / sum(value), 6) for v in value]
+    w[-1] = round(1.0 - sum(w[:-1]), 6)
+    return w
 
 
 def validate(cfg: RecipeConfig | Mapping[str, Any]) -> None:

@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from grape_stream.atomic import atomic_open, atomic_write_json
 from grape_stream.errors import StorageError
-from grape_stream.retry import RetryError, call_with_retry, default_policy, endpoint_note, is_transient
+from grape_stream.retry import CredentialsError, RetryError, default_policy, endpoint_note, storage_call
+from grape_stream.streaming_compat.s3_session import install_shared_s3_session, refresh_credentials, shared_session
 from grape_stream.streaming_compat.shm import (  # noqa: F401 - re-exported: grape.tasks / apps.demo import them from here
     cleanup_stale_streaming_shm,
     detach_scanner_attachments,
@@ -46,6 +47,7 @@ __all__ = [
     "cleanup_stale_streaming_shm",
     "release_streaming_dataset",
     "sync_local_index",
+    "fetch_remote_file",
     "check_s3_credentials",
     "check_same_locals_across_ranks",
     "MARKER_NAME",
@@ -84,27 +86,36 @@ def _remote_join(remote: str, *parts: str | None) -> str:
     return out
 
 
-def _download_index(domain: str, remote: str, split: str | None, dest: str, timeout: float,
-                    retry_deadline: float | None) -> None:
-    """Download ``remote[/split]/index.json`` to ``dest`` with streaming's downloader.
+def fetch_remote_file(url: str, dest: str, *, what: str, timeout: float = 60.0,
+                      retry_deadline: float | None = None) -> None:
+    """Download one object to ``dest`` with streaming's downloader, under the retry policy.
 
     Network and server errors are retried under the retry deadline (a job started during an outage
-    waits it out); a missing object is not, and is told apart from refused credentials (streaming
-    reports both as "not found").
+    waits it out; throttling is said once); refused credentials are read again once (rotated), then
+    raise :class:`~grape_stream.retry.CredentialsError`; a missing object is raised as streaming raises it.
     """
     from streaming.base.storage.download import CloudDownloader
 
-    url = _remote_join(remote, split, "index.json")
+    install_shared_s3_session()
 
     def attempt() -> None:
         if os.path.exists(dest):
             os.unlink(dest)
         CloudDownloader.direct_download(url, dest, timeout)
 
-    try:  # the deadline bounds the attempts (streaming's download_retry is per shard download)
-        call_with_retry(attempt, policy=default_policy().with_deadline(retry_deadline),
-                        what=f"domain {domain!r}: cannot read {url}{endpoint_note(url)}",
-                        retryable=is_transient)
+    # the deadline bounds the attempts (streaming's download_retry is per shard download)
+    storage_call(attempt, policy=default_policy().with_deadline(retry_deadline), what=f"{what}{endpoint_note(url)}",
+                 url=url, refresh=refresh_credentials)
+
+
+def _download_index(domain: str, remote: str, split: str | None, dest: str, timeout: float,
+                    retry_deadline: float | None) -> None:
+    """Download ``remote[/split]/index.json`` to ``dest``; every failure is one DomainUnavailableError (a
+    missing object told apart from refused credentials: streaming reports both as "not found")."""
+    url = _remote_join(remote, split, "index.json")
+    try:
+        fetch_remote_file(url, dest, what=f"domain {domain!r}: cannot read {url}", timeout=timeout,
+                          retry_deadline=retry_deadline)
     except RetryError as exc:
         raise DomainUnavailableError(str(exc)) from exc
     except Exception as exc:
@@ -115,11 +126,10 @@ def _explain_missing(url: str, exc: BaseException) -> str:
     """Streaming turns S3 403 and 404 alike into "not found": ask S3 which one it was."""
     if url.startswith("s3://"):
         try:
-            import boto3
             import botocore.exceptions
 
             bucket, _, key = url[len("s3://"):].partition("/")
-            boto3.client("s3", endpoint_url=os.environ.get("S3_ENDPOINT_URL") or None).get_object(
+            shared_session().client("s3", endpoint_url=os.environ.get("S3_ENDPOINT_URL") or None).get_object(
                 Bucket=bucket, Key=key, Range="bytes=0-0")  # not HEAD: its error has no body, so no code
         except botocore.exceptions.ClientError as err:
             code = str(err.response.get("Error", {}).get("Code", ""))
@@ -131,6 +141,8 @@ def _explain_missing(url: str, exc: BaseException) -> str:
                 return f"bucket of {url} does not exist{endpoint_note(url)} (NoSuchBucket)"
         except Exception:  # noqa: BLE001 - the explanation is best effort; the original error stands
             pass
+    if isinstance(exc, CredentialsError):
+        return str(exc)
     return f"{url} not found{endpoint_note(url)}: was this domain converted there? ({type(exc).__name__}: {exc})"
 
 
@@ -241,7 +253,7 @@ def check_s3_credentials(domains: Iterable[tuple[str, str | None]], *, dummy_cre
         return
     import boto3
 
-    if boto3.session.Session().get_credentials() is not None:
+    if boto3.session.Session().get_credentials() is not None:  # a fresh lookup: once per mixer, at start-up
         return
     if dummy_credentials:
         os.environ.setdefault("AWS_ACCESS_KEY_ID", "grape-stream-anonymous")

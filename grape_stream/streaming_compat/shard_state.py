@@ -47,6 +47,7 @@ __all__ = [
     "reset_failed_download",
     "shard_is_preparing",
     "shm_prefix",
+    "fetch_shards",
 ]
 
 #: The streaming releases whose internals this module was written against: (major, minor).
@@ -166,6 +167,24 @@ def shard_is_preparing(dataset: Any, shard_id: int) -> bool:
     from streaming.base.dataset import _ShardState
 
     return bool(dataset._shard_states[shard_id] == _ShardState.PREPARING)
+
+
+def fetch_shards(dataset: Any, *, what: str, url: str, policy: Any = None) -> int:
+    """Download (and decompress) every shard of `dataset` not local yet, each under the retry policy (see
+    :func:`grape_stream.retry.storage_call`), so that later reads through streaming's own iteration find
+    them local. Returns how many were fetched. For small datasets (target tasks) read without a cache_limit."""
+    from grape_stream.retry import storage_call
+    from grape_stream.streaming_compat.s3_session import refresh_credentials
+
+    fetched = 0
+    for shard_id in range(len(dataset.shards)):
+        if shard_is_local(dataset, shard_id):
+            continue
+        name = dataset.shards[shard_id].raw_data.basename
+        storage_call(functools.partial(prepare_shard, dataset, shard_id), policy=policy, url=url,
+                     what=f"{what}: cannot fetch shard {name} from {url}", refresh=refresh_credentials)
+        fetched += 1
+    return fetched
 
 
 def shm_prefix(dataset: Any) -> int:

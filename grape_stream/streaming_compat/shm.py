@@ -21,47 +21,43 @@ and what this module does:
   keeps them looking alive. Owner records make such mappings irrelevant for the mixer's own prefixes,
   and :func:`detach_scanner_attachments` unmaps them in this process.
 * **Leaks on normal close.** Streaming unlinks at exit only, never its file locks: :func:`release_streaming_dataset`.
-* **Racy registration.** Two jobs that start at once can pick the same prefix (scan, then create, with
-  no lock) and share each other's shard states: :func:`registration_lock` serialises registration on
-  this machine with an ``flock`` on the temp directory itself (nothing is created).
+* **Ending by name.** Prefix numbers are reused at once, so a name may belong to another job by the time
+  it is unlinked: segments are ended by identity (:mod:`grape_stream.streaming_compat.segments`), and
+  a sweep unlinks only the files it judged stale (same inode).
+* **Racy registration** (two jobs picking one prefix) and the release at exit:
+  :mod:`grape_stream.streaming_compat.registration`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import logging
 import os
-import random
 import re
 import tempfile
-import time
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any
 
 import numpy as np
 
 from grape_stream.atomic import atomic_write_json
 from grape_stream.streaming_compat.processes import (  # noqa: F401 - segments_in_use_elsewhere re-exported
-    flock_holder,
     mapped_shm_names,
     process_alive,
     process_start_time,
     segments_in_use_elsewhere,
 )
+from grape_stream.streaming_compat.segments import end_created_segment, unlink_if_unchanged
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 __all__ = [
-    "create_registered",
     "SHM_NAMES",
     "cleanup_stale_streaming_shm",
     "describe_local_users",
     "detach_scanner_attachments",
+    "live_streaming_datasets",
     "record_owner",
-    "registration_lock",
     "release_streaming_dataset",
     "segments_in_use_elsewhere",
 ]
@@ -81,6 +77,11 @@ SHM_DIR = "/dev/shm"
 # --------------------------------------------------------------------------------------------------
 # streaming objects in this process
 # --------------------------------------------------------------------------------------------------
+def live_streaming_datasets() -> list[Any]:
+    """The StreamingDatasets alive in this process."""
+    return _streaming_objects()[0]
+
+
 def _streaming_objects() -> tuple[list[Any], list[Any]]:
     """Live StreamingDatasets and streaming SharedMemory objects of this process (via the gc)."""
     try:
@@ -190,7 +191,8 @@ def cleanup_stale_streaming_shm(*, shm_dir: str = SHM_DIR, lock_dir: str | None 
     its whole life, and a segment's creator holds its descriptor from the instant the name exists, so
     a segment being created is never taken for a stale one (candidates are listed before the
     processes are inspected). In this process only the prefixes of live datasets count. Only entries
-    of this user are touched; file locks of a prefix go only when no segment of it is alive. Safe to
+    of this user are touched; file locks of a prefix go only when no segment of it is alive, or when they
+    are older than the prefix's live owner (an earlier holder's: see :func:`_lock_is_stale`). Safe to
     call on every rank at any time. Returns ``{"shm": [...], "locks": [...], "owners": [...]}``.
     """
     lock_dir = lock_dir or tempfile.gettempdir()
@@ -202,13 +204,16 @@ def cleanup_stale_streaming_shm(*, shm_dir: str = SHM_DIR, lock_dir: str | None 
         return removed
     recorded = _read_owner_records(shm_dir, owners)
     live = _live_prefixes(shm_dir, shm, recorded)
-    for kind, entries, folder in (("shm", shm, shm_dir), ("locks", locks, lock_dir)):
-        for name, prefix, _ in entries:
-            if prefix not in live and _unlink(os.path.join(folder, name)):
-                removed[kind].append(name)
-    for name, prefix, _ in owners:
+    for name, prefix, inode in shm:  # by inode: a new job may have taken the name since the listing
+        if prefix not in live and unlink_if_unchanged(os.path.join(shm_dir, name), inode):
+            removed["shm"].append(name)
+    for name, prefix, inode in locks:
+        path = os.path.join(lock_dir, name)
+        if _lock_is_stale(path, prefix, live, recorded) and unlink_if_unchanged(path, inode):
+            removed["locks"].append(name)
+    for name, prefix, inode in owners:
         if prefix in recorded and not recorded[prefix][0]:
-            if _unlink(os.path.join(shm_dir, name)):
+            if unlink_if_unchanged(os.path.join(shm_dir, name), inode):
                 removed["owners"].append(name)
     if any(removed.values()):
         logger.info("removed stale streaming state of dead processes: %s", removed)
@@ -236,22 +241,39 @@ def _listing(directory: str, pattern: re.Pattern[str]) -> list[tuple[str, str, i
     return out
 
 
-def _read_owner_records(shm_dir: str, owners: list[tuple[str, str, int]]) -> dict[str, tuple[bool, set[int]]]:
-    """Owner records: prefix -> (owner alive?, inodes of the segments it created)."""
-    recorded: dict[str, tuple[bool, set[int]]] = {}
+_Record = tuple[bool, set[int], float]  # owner alive?, inodes it created, when it registered them (the record's mtime)
+
+
+def _read_owner_records(shm_dir: str, owners: list[tuple[str, str, int]]) -> dict[str, _Record]:
+    """Owner records: prefix -> (owner alive?, inodes of the segments it created, when it wrote the record)."""
+    recorded: dict[str, _Record] = {}
     for name, prefix, _ in owners:
         try:
-            with open(os.path.join(shm_dir, name)) as f:
+            path = os.path.join(shm_dir, name)
+            with open(path) as f:
                 rec = json.load(f)
             alive = process_alive(int(rec["pid"]), rec.get("start_time"))
-            recorded[prefix] = (alive, set(rec.get("inodes", {}).values()))
+            recorded[prefix] = (alive, set(rec.get("inodes", {}).values()), os.stat(path).st_mtime)
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return recorded
 
 
-def _live_prefixes(shm_dir: str, shm: list[tuple[str, str, int]],
-                   recorded: dict[str, tuple[bool, set[int]]]) -> set[str]:
+def _lock_is_stale(path: str, prefix: str, live: set[str], recorded: dict[str, _Record]) -> bool:
+    """A lock file is stale when no live process uses its prefix, or when it is older than the prefix's live
+    owner (its record is written as it registers the segments; its own locks come later): a lock left by an
+    earlier holder of the number (seen with a per-job TMPDIR beside a shared /dev/shm: another job swept
+    the dead job's segments, not its locks, and took the number)."""
+    if prefix not in live:
+        return True
+    registered = recorded[prefix][2] if prefix in recorded and recorded[prefix][0] else None
+    try:
+        return registered is not None and os.stat(path).st_mtime < registered - 1.0
+    except OSError:
+        return False
+
+
+def _live_prefixes(shm_dir: str, shm: list[tuple[str, str, int]], recorded: dict[str, _Record]) -> set[str]:
     """Prefixes some live process still uses (see :func:`cleanup_stale_streaming_shm` for the rules)."""
     me = os.getpid()
     mapped = mapped_shm_names()
@@ -270,7 +292,7 @@ def _live_prefixes(shm_dir: str, shm: list[tuple[str, str, int]],
             live.add(prefix)
         else:
             own_only.add(prefix)
-    for prefix, (alive, _) in recorded.items():
+    for prefix, (alive, _, _) in recorded.items():
         if alive:
             live.add(prefix)
     if own_only - live:
@@ -289,23 +311,12 @@ def _live_prefixes(shm_dir: str, shm: list[tuple[str, str, int]],
     return live
 
 
-def _unlink(path: str) -> bool:
-    """Remove a stale file; False when it is already gone or cannot be removed (logged, never raised)."""
-    try:
-        os.unlink(path)
-        return True
-    except FileNotFoundError:
-        return False
-    except OSError as exc:  # pragma: no cover - permissions on an odd system
-        logger.debug("could not remove stale %s: %s", path, exc)
-        return False
-
-
 def release_streaming_dataset(dataset: Any) -> None:
     """Unlink the shared memory a StreamingDataset created and delete its file locks, now.
 
     Streaming only does this at interpreter exit (and never for the locks). Call it once the dataset,
-    its download threads and every DataLoader worker that used it are done. Safe to call twice.
+    its download threads and every DataLoader worker that used it are done. Safe to call twice. A segment
+    whose name another job holds by now (ours was removed behind our back) is left to that job.
     """
     shms = _dataset_shms(dataset)
     locals_shm = getattr(dataset, "_locals_shm", None)
@@ -318,18 +329,13 @@ def release_streaming_dataset(dataset: Any) -> None:
         created, opened = list(obj.created_shms), list(obj.opened_shms)
         obj.created_shms.clear()  # streaming's atexit cleanup then has nothing left to do
         obj.opened_shms.clear()
-        for seg in created + opened:
+        for seg in opened:
             try:
                 seg.close()
-            except (BufferError, OSError):  # a numpy view still alive: the unlink below still frees it
+            except (BufferError, OSError):
                 pass
         for seg in created:
-            try:
-                seg.unlink()
-            except FileNotFoundError:
-                pass
-            except OSError as exc:  # pragma: no cover - best effort, never mask the caller's error
-                logger.debug("shared memory unlink failed: %s", exc)
+            end_created_segment(seg)  # unlinked only if the name is still this segment's (see segments.py)
     prefix = getattr(dataset, "_shm_prefix_int", None)
     root = getattr(dataset, "_filelock_root", None) or tempfile.gettempdir()
     if prefix is not None:
@@ -364,57 +370,3 @@ def describe_local_users(local: str) -> str:
     return "; ".join(found) + (
         ". A crashed job's leftovers stay registered while a process that once scanned them is alive; "
         "restart such processes or use another local directory")
-
-
-@contextlib.contextmanager
-def registration_lock(enabled: bool = True, timeout: float = 600.0) -> Iterator[None]:
-    """Serialise streaming's shared-memory registration among the processes of this machine.
-
-    Streaming picks its prefix by scanning /dev/shm and then creating the segments, without a lock: two
-    jobs that start at the same moment can pick the same prefix and share each other's shard states.
-    This takes an exclusive ``flock`` on the temp directory itself (nothing is created, so nothing is
-    left behind) while this process registers its datasets. Take it on the local leader only: other
-    ranks wait for the leader inside streaming's own barriers.
-    """
-    if not enabled:
-        yield
-        return
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX
-        yield
-        return
-    fd = os.open(tempfile.gettempdir(), os.O_RDONLY)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"waited {timeout:.0f} s for another process registering "
-                                       f"StreamingDatasets on this machine{flock_holder(fd)}") from None
-                time.sleep(0.01)
-        try:
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
-
-
-def create_registered(factory: Callable[[], T], *, enabled: bool = True, attempts: int = 20) -> T:
-    """``factory()`` (a StreamingDataset constructor) under :func:`registration_lock`, retried when the
-    shared-memory prefix streaming chose was taken meanwhile by a job that does not take our lock (a plain
-    streaming job, another library): streaming 0.13 then raises ``FileExistsError: '/NNNNNN_locals'``
-    before it registered anything, so trying again after a short random pause picks the next prefix."""
-    for attempt in range(attempts):
-        try:
-            with registration_lock(enabled=enabled):
-                return factory()
-        except FileExistsError as exc:
-            if "_locals" not in str(exc) or attempt == attempts - 1:
-                raise
-            time.sleep(random.uniform(0.05, 0.25))
-    raise AssertionError("unreachable")  # pragma: no cover

@@ -3,12 +3,20 @@
 It sits between the client (boto3 / streaming, through S3_ENDPOINT_URL) and a real server (moto_server)
 on 127.0.0.1 and, per request, either forwards it unchanged or injects one fault:
 
-* ``error_rate``    answer 503 SlowDown (an S3 XML error body) without forwarding,
+* ``error_rate``    answer ``error_status`` (503 SlowDown, or 500 InternalError) without forwarding,
 * ``reset_rate``    read the request, then drop the connection with a TCP reset (no response),
 * ``latency``       sleep this many seconds before forwarding,
 * ``forbidden``     answer 403 InvalidAccessKeyId (what a wrong or revoked key gets), without forwarding,
 * ``outage(s)``     refuse connections for ``s`` seconds: the listening socket is closed and re-opened
-                    on the same port, so clients see ECONNREFUSED exactly as when a server restarts.
+                    on the same port, so clients see ECONNREFUSED exactly as when a server restarts;
+                    ``outage_after(n, s)`` starts one after the next ``n`` forwarded requests,
+* ``fail(...)``     one call site: requests of a method whose path matches a pattern get a 500, 503
+                    SlowDown, 403 or a reset, after ``skip`` of them passed, ``times`` times (a
+                    :class:`Rule`, which counts its hits); ``slow_down(prefix)`` is S3 throttling one
+                    prefix (503 SlowDown for a fraction of its requests, for as long as it is set),
+* ``accept_keys(k)`` the server's credential check: a request signed with an access key not in ``k``
+                    gets 403 InvalidAccessKeyId (change ``k`` mid-run to rotate credentials);
+                    ``stats.keys`` counts the requests per access key.
 
 Faults are drawn from a seeded RNG, so a scenario is repeatable. Used by the tests (fixtures drive it
 in-process) and by bench/faults.py; point it at your own MinIO / R2 endpoint to try your job against a
@@ -21,12 +29,14 @@ from __future__ import annotations
 import http.client
 import os
 import random
+import re
 import socket
 import struct
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 _HOP_HEADERS = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te", "trailer"}
@@ -39,6 +49,14 @@ _SLOWDOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
     b"<Message>Please reduce your request rate. (injected by fault_proxy)</Message></Error>"
 )
+_INTERNAL = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InternalError</Code>'
+    b"<Message>We encountered an internal error. Please try again. (injected by fault_proxy)</Message></Error>"
+)
+#: action -> (status, reason, body) of the injected answers
+_ANSWERS = {"503": (503, "Slow Down", _SLOWDOWN), "500": (500, "Internal Server Error", _INTERNAL),
+            "403": (403, "Forbidden", _FORBIDDEN)}
+_KEY_RE = re.compile(r"Credential=([^/,\s]+)/|X-Amz-Credential=([^%/&]+)")
 
 
 @dataclass
@@ -47,6 +65,25 @@ class FaultStats:
     errors: int = 0
     resets: int = 0
     refused_windows: int = 0
+    refused_keys: int = 0
+    keys: Counter = field(default_factory=Counter)  # access key -> requests signed with it
+
+
+@dataclass
+class Rule:
+    """Faults for one call site: ``method`` (None: any) and a regex searched in the request path+query."""
+
+    method: str | None
+    path: str
+    action: str = "500"  # "500" | "503" (SlowDown) | "403" | "reset"
+    times: int | None = None  # None: for as long as the rule is set
+    skip: int = 0  # let this many matching requests through first
+    rate: float = 1.0  # the fraction of (not skipped) matching requests that fail
+    seen: int = 0
+    hits: int = 0
+
+    def matches(self, method: str, target: str) -> bool:
+        return (self.method is None or self.method == method) and re.search(self.path, target) is not None
 
 
 class FaultProxy:
@@ -64,7 +101,11 @@ class FaultProxy:
         self.error_rate = 0.0
         self.reset_rate = 0.0
         self.latency = 0.0
+        self.error_status = 503
         self.forbidden = False
+        self.accepted_keys: set[str] | None = None
+        self.rules: list[Rule] = []
+        self._outage_after: tuple[int, float] | None = None
         self.stats = FaultStats()
         self._stopping = threading.Event()
         self._refuse_until = 0.0
@@ -79,14 +120,39 @@ class FaultProxy:
     def url(self) -> str:
         return f"http://{self._host}:{self._port}"
 
-    def set_faults(self, *, error_rate: float = 0.0, reset_rate: float = 0.0, latency: float = 0.0) -> None:
+    def set_faults(self, *, error_rate: float = 0.0, reset_rate: float = 0.0, latency: float = 0.0,
+                   error_status: int = 503) -> None:
         with self._lock:
             self.error_rate, self.reset_rate, self.latency = error_rate, reset_rate, latency
+            self.error_status = error_status
+
+    def fail(self, path: str, *, method: str | None = None, action: str = "500", times: int | None = None,
+             skip: int = 0, rate: float = 1.0) -> Rule:
+        """Inject faults at one call site (see :class:`Rule`); returns the rule, whose ``hits`` count."""
+        if action not in (*_ANSWERS, "reset"):
+            raise ValueError(f"action must be one of {sorted(_ANSWERS)} or 'reset', got {action!r}")
+        rule = Rule(method, path, action, times, skip, rate)
+        with self._lock:
+            self.rules.append(rule)
+        return rule
+
+    def slow_down(self, prefix: str, rate: float = 1.0) -> Rule:
+        """S3 throttling one prefix (``bucket/key-prefix``): 503 SlowDown for `rate` of its requests."""
+        return self.fail("^/" + re.escape(prefix.strip("/")) + r"(/|\?|$)", action="503", rate=rate)
+
+    def accept_keys(self, keys: set[str] | None) -> None:
+        """Accept only requests signed with these access keys (None: any, the default)."""
+        with self._lock:
+            self.accepted_keys = None if keys is None else set(keys)
 
     def clear(self) -> None:
         self.set_faults()
         self.forbidden = False
         self._refuse_until = 0.0
+        with self._lock:
+            self.rules = []
+            self.accepted_keys = None
+            self._outage_after = None
 
     def outage(self, seconds: float) -> None:
         """Refuse every connection for `seconds`, starting now (existing connections are cut too)."""
@@ -94,6 +160,11 @@ class FaultProxy:
             self._refuse_until = time.monotonic() + seconds
             self.stats.refused_windows += 1
         self._close_listener()
+
+    def outage_after(self, requests: int, seconds: float) -> None:
+        """Start an outage of `seconds` once `requests` more requests have been forwarded."""
+        with self._lock:
+            self._outage_after = (self.stats.forwarded + requests, seconds)
 
     def in_outage(self) -> bool:
         return time.monotonic() < self._refuse_until
@@ -187,21 +258,18 @@ class FaultProxy:
                 if self.in_outage():
                     _reset(conn)
                     return
-                if self.forbidden:
-                    body = b"" if method == "HEAD" else _FORBIDDEN
-                    conn.sendall(_response(403, [("Content-Type", "application/xml")], body, reason="Forbidden"))
-                    continue
-                with self._lock:
-                    roll = self._rng.random()
-                    err, rst, lat = self.error_rate, self.reset_rate, self.latency
-                if roll < rst:
+                action = self._decide(method, target, headers)
+                if action == "reset":
                     self.stats.resets += 1
                     _reset(conn)
                     return
-                if roll < rst + err:
-                    self.stats.errors += 1
-                    conn.sendall(_response(503, [("Content-Type", "application/xml")], _SLOWDOWN))
+                if action is not None:
+                    status, reason, answer = _ANSWERS[action]
+                    self.stats.errors += action != "403"
+                    conn.sendall(_response(status, [("Content-Type", "application/xml")],
+                                           b"" if method == "HEAD" else answer, reason=reason))
                     continue
+                lat = self.latency
                 if lat:
                     time.sleep(lat)
                 if upstream is None:
@@ -221,7 +289,7 @@ class FaultProxy:
                 except (OSError, http.client.HTTPException):
                     _reset(conn)
                     return
-                self.stats.forwarded += 1
+                self._count_forwarded()
                 out_headers = [(k, v) for k, v in resp.getheaders() if k.lower() not in _HOP_HEADERS]
                 out_headers = [(k, v) for k, v in out_headers if k.lower() != "content-length"]
                 if method == "HEAD":
@@ -243,6 +311,39 @@ class FaultProxy:
                 conn.close()
             except OSError:
                 pass
+
+
+    def _decide(self, method: str, target: str, headers: list[tuple[str, str]]) -> str | None:
+        """The fault for one request ("500", "503", "403", "reset"), or None to forward it."""
+        auth = next((v for k, v in headers if k.lower() == "authorization"), "") + " " + target
+        m = _KEY_RE.search(auth)
+        key = (m.group(1) or m.group(2)) if m else None
+        with self._lock:
+            self.stats.keys[key or "(unsigned)"] += 1
+            if self.forbidden or (self.accepted_keys is not None and key not in self.accepted_keys):
+                self.stats.refused_keys += 1
+                return "403"
+            for rule in self.rules:
+                if rule.matches(method, target) and (rule.times is None or rule.hits < rule.times):
+                    rule.seen += 1
+                    if rule.seen > rule.skip and self._rng.random() < rule.rate:
+                        rule.hits += 1
+                        return rule.action
+            roll = self._rng.random()
+            if roll < self.reset_rate:
+                return "reset"
+            if roll < self.reset_rate + self.error_rate:
+                return str(self.error_status)
+        return None
+
+    def _count_forwarded(self) -> None:
+        start = None
+        with self._lock:
+            self.stats.forwarded += 1
+            if self._outage_after is not None and self.stats.forwarded >= self._outage_after[0]:
+                start, self._outage_after = self._outage_after[1], None
+        if start is not None:
+            self.outage(start)
 
 
 #: Running proxies. A forked child (a DataLoader worker of the process that runs a proxy) inherits their

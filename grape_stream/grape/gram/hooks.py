@@ -176,37 +176,10 @@ class FusedGramEngine:
 
     def _capture(self, name, mod, kind, params, key, inp, output, lead) -> Any:
         """Run mode: record the use and hook its output gradient."""
-        batch = self._mb.batch_size
-        layout, lead1 = self.layouts.get(key, ("unsupported", None))
-        if lead is None:
-            self._layout_error(params, f"{name}: non-tensor input or output")
+        attributed = self._attribute(name, mod, kind, params, key, inp, output, lead)
+        if attributed is None:
             return None
-        returned = None
-        same_tail = lead1 is not None and len(lead) == len(lead1) and lead[1:] == lead1[1:]
-        if layout in ("shared", "shared1") and lead != lead1:
-            layout = "unsupported"  # not the call the layout probe saw: never guess
-        if batch == 1:
-            rows = max(1, math.prod(lead))  # one sample owns every row, whatever the layout
-        elif layout == "batch" and same_tail and lead[0] == batch:
-            rows = math.prod(lead) // batch
-        elif (layout == "flat" and same_tail and lead1 is not None and lead[0] == batch * lead1[0]
-              and is_sample_major_view(inp, batch)):
-            rows = math.prod(lead) // batch
-        elif layout in ("shared", "shared1"):
-            # Computed once for the whole batch and broadcast: hand the model a per-sample expansion so
-            # that each sample's share of the output gradient stays separate (verified equivalent once).
-            inp = expand_shared(inp, layout, batch)
-            output = expand_shared(output, layout, batch)
-            if not output.requires_grad:
-                output = output.detach().requires_grad_(True)
-                self.roots.append(output)
-            returned = output
-            lead = lead_shape(kind, mod, inp)
-            rows = math.prod(lead) // batch
-        else:
-            self._layout_error(params, f"{name}: rows of input shape {tuple(inp.shape)} cannot be attributed to "
-                                       f"samples (layout {layout!r})")
-            return None
+        inp, output, returned, rows = attributed
         use = Use(name=name, kind=kind, module=mod, params=params, inp=inp, rows_per_sample=rows)
         if kind == "embedding":
             ids = inp.reshape(-1)
@@ -224,6 +197,37 @@ class FusedGramEngine:
         for p in params.values():
             self.pending.setdefault(id(p), []).append(use)
         return returned
+
+    def _attribute(self, name, mod, kind, params, key, inp, output, lead) -> Optional[tuple[Tensor, Tensor, Any, int]]:
+        """(input, output, what the hook returns, token rows per sample) of a run-mode call; None (a layout
+        error for its parameters) when rows cannot be attributed. A broadcast call comes back expanded."""
+        batch = self._mb.batch_size
+        layout, lead1 = self.layouts.get(key, ("unsupported", None))
+        if lead is None:
+            self._layout_error(params, f"{name}: non-tensor input or output")
+            return None
+        returned = None
+        same_tail = lead1 is not None and len(lead) == len(lead1) and lead[1:] == lead1[1:]
+        if layout in ("shared", "shared1") and lead != lead1:
+            layout = "unsupported"  # not the call the layout probe saw: never guess
+        if batch == 1:
+            rows = max(1, math.prod(lead))  # one sample owns every row, whatever the layout
+        elif layout == "batch" and same_tail and lead[0] == batch:
+            rows = math.prod(lead) // batch
+        elif (layout == "flat" and same_tail and lead1 is not None and lead[0] == batch * lead1[0]
+              and is_sample_major_view(inp, batch)):
+            rows = math.prod(lead) // batch
+        elif layout in ("shared", "shared1"):
+            # Broadcast over the batch: a per-sample expansion keeps each sample's gradient share apart (verified)
+            inp = expand_shared(inp, layout, batch)
+            returned = output = expand_shared(output, layout, batch)  # _capture makes it a leaf if need be
+            lead = lead_shape(kind, mod, inp)
+            rows = math.prod(lead) // batch
+        else:
+            self._layout_error(params, f"{name}: rows of input shape {tuple(inp.shape)} cannot be attributed to "
+                                       f"samples (layout {layout!r})")
+            return None
+        return inp, output, returned, rows
 
     def _layout_error(self, params: dict[str, nn.Parameter], why: str) -> None:
         for p in params.values():

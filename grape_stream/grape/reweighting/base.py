@@ -23,7 +23,8 @@ from typing import Any, ClassVar, Mapping
 import numpy as np
 
 from grape_stream.errors import UnknownOptionError, did_you_mean
-from grape_stream.grape.reweighting import noise
+from grape_stream.grape.reweighting import noise, step_rule
+from grape_stream.grape.reweighting.from_scores import FromScores
 from grape_stream.grape.reweighting.gram_input import GRAM_ASYMMETRY_RTOL, check_and_symmetrise, to_matrix
 from grape_stream.grape.reweighting.options import ReweighterOptions, option_names, positive_int, real
 from grape_stream.grape.reweighting.state import (
@@ -32,7 +33,7 @@ from grape_stream.grape.reweighting.state import (
     log_weights_from_json,
     log_weights_to_json,
 )
-from grape_stream.grape.reweighting.step import WeightStep, condition_gram, raw_scores
+from grape_stream.grape.reweighting.step import WeightStep, condition_gram, mirror_step, raw_scores
 from grape_stream.simplex import as_float_vector, log_normalize, probs_from_log, uniform
 
 __all__ = ["BOOKKEEPING_OPTIONS", "GRAM_ASYMMETRY_RTOL", "Reweighter"]
@@ -42,7 +43,7 @@ __all__ = ["BOOKKEEPING_OPTIONS", "GRAM_ASYMMETRY_RTOL", "Reweighter"]
 BOOKKEEPING_OPTIONS = ("history_limit",)
 
 
-class Reweighter:
+class Reweighter(FromScores):
     """Domain weights alpha (K) and task weights z (N), moved by one Gram matrix per update.
 
     ``Reweighter(K, N, config=Options(...), **options)``: ``config`` an instance of the method's options
@@ -99,6 +100,7 @@ class Reweighter:
         self._z = probs_from_log(self._log_z)
         self._loss_ema: np.ndarray | None = None
         self._gram_ema: np.ndarray | None = None  # option gram_ema: the running Gram the alignments use
+        self._lr_peak: float | None = None  # the trust region's lr reference (the largest lr seen)
 
     # -- public state --------------------------------------------------------------------------------
     @property
@@ -142,20 +144,13 @@ class Reweighter:
         )
 
     # -- the update ----------------------------------------------------------------------------------
-    def step_sizes(self, lr: float | None) -> tuple[float, float]:
-        """(eta_alpha, eta_z) for this learning rate; 0 for a side the method never moves."""
-        o = self._options
-        etas = []
-        for side, moves in (("alpha", self.moves_alpha), ("z", self.moves_z)):
-            if not moves:
-                etas.append(0.0)
-            elif o["step_size"] == "constant":
-                etas.append(float(o[f"eta_{side}"]))
-            elif lr is None:  # update() checks this first (_check_lr); same message for a direct call
-                raise ValueError("lr is required with step_size='lr_over_mu' (eta = lr / mu)")
-            else:
-                etas.append(float(lr) / o[f"mu_{side}"])
-        return etas[0], etas[1]
+    def step_sizes(self, lr: float | None, a: Any = None, b: Any = None) -> tuple[float, float]:
+        """(eta_alpha, eta_z) for this learning rate (and, under the trust region, these exponents a, b);
+        0 for a side the method never moves (grape.reweighting.step_rule)."""
+        o, peak = self._options, max(self._lr_peak or 0.0, lr or 0.0) or None
+        return (step_rule.side_eta(o, "alpha", lr, peak, self._log_alpha, b) if self.moves_alpha else 0.0,
+                step_rule.side_eta(o, "z", lr, peak, self._log_z, None if a is None else -np.asarray(a))
+                if self.moves_z else 0.0)
 
     def update(
         self,
@@ -188,9 +183,7 @@ class Reweighter:
         if losses.shape[0] != n:
             raise ValueError(f"task_losses has {losses.shape[0]} entries, expected num_tasks = {n}")
         lr_value = self._check_lr(lr)
-        eta_alpha, eta_z = self.step_sizes(lr_value)
-        eta_alpha = eta_alpha if update_alpha else 0.0
-        eta_z = eta_z if update_z else 0.0
+        eta_alpha, eta_z = self._etas(lr_value, None, update_alpha, update_z)  # what a skip records
 
         nonfinite = ~np.isfinite(g)
         if nonfinite.any():
@@ -211,11 +204,40 @@ class Reweighter:
             g = self._condition(g)
             gram_ema = noise.ema(self._gram_ema, g, self._options["gram_ema"]) if "gram_ema" in self._options else None
             g = g if gram_ema is None else gram_ema
+            # the trust region sizes the step from the exponents themselves (the other rules ignore them)
+            scores = self._scores(g, losses, index) if self._options.get("step_size") == "trust_region" else None
+        eta_alpha, eta_z = self._etas(lr_value, scores, update_alpha, update_z)
         moved, loss_ema = self._step(g, losses, eta_alpha, eta_z, index, update_alpha, update_z)
+        return self._commit(index, step, lr_value, losses, moved, eta_alpha, eta_z, loss_ema, gram_ema)
+
+    def _apply_scores(self, index: int, step: int | None, lr_value: float | None, losses: np.ndarray,
+                      a: np.ndarray, b: np.ndarray, update_alpha: bool, update_z: bool,
+                      loss_ema: np.ndarray | None, gram_ema: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """One step along given exponents a (tasks) and b (domains): the in-step update (FromScores)."""
+        eta_alpha, eta_z = self._etas(lr_value, (a, b), update_alpha, update_z)
+        moved = mirror_step(self._log_alpha, self._log_z, a, b, eta_alpha, eta_z,
+                            **self._step_options(update_alpha, update_z))
+        return self._commit(index, step, lr_value, losses, moved, eta_alpha, eta_z, loss_ema, gram_ema)
+
+    def _etas(self, lr_value: float | None, scores: tuple[np.ndarray, np.ndarray] | None, update_alpha: bool,
+              update_z: bool) -> tuple[float, float]:
+        """The step rule's (eta_alpha, eta_z) for this update, 0 for a side not updated; the trust region's
+        from the scores (a, b) when they are finite (else 0: nothing to size)."""
+        finite = scores is not None and all(np.all(np.isfinite(v)) for v in scores)
+        eta_alpha, eta_z = self.step_sizes(lr_value, *scores) if finite and scores is not None \
+            else self.step_sizes(lr_value)
+        return (eta_alpha if update_alpha else 0.0), (eta_z if update_z else 0.0)
+
+    def _commit(self, index: int, step: int | None, lr_value: float | None, losses: np.ndarray, moved: WeightStep,
+                eta_alpha: float, eta_z: float, loss_ema: np.ndarray | None,
+                gram_ema: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """Keep the step's weights (or record why there was none), the EMAs and the trust region's peak lr."""
         if moved.skipped is not None:
             return self._skip(index, step, lr_value, losses, eta_alpha, eta_z, moved.skipped, a=moved.a, b=moved.b)
         self._log_alpha, self._log_z = moved.log_alpha, moved.log_z
         self._alpha, self._z = probs_from_log(moved.log_alpha), probs_from_log(moved.log_z)
+        if lr_value is not None:
+            self._lr_peak = max(self._lr_peak or 0.0, lr_value)
         self._loss_ema = loss_ema
         self._gram_ema = gram_ema
         self._record(index, step, lr_value, losses, moved.a, moved.b, eta_alpha, eta_z, None)
@@ -223,7 +245,7 @@ class Reweighter:
         return self._alpha.copy(), self._z.copy()
 
     def _check_lr(self, lr: Any) -> float | None:
-        constant = self._options.get("step_size") == "constant" or not (self.moves_alpha or self.moves_z)
+        constant = self._options.get("step_size") != "lr_over_mu" or not (self.moves_alpha or self.moves_z)
         if lr is None:
             if constant:
                 return None
@@ -329,6 +351,7 @@ class Reweighter:
             "history_dropped": self._history_dropped,
             **({"gram_ema": None if self._gram_ema is None else self._gram_ema.tolist()}
                if "gram_ema" in self._options else {}),
+            **({"lr_peak": self._lr_peak} if self._options.get("step_size") == "trust_region" else {}),
         }
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
@@ -376,6 +399,7 @@ class Reweighter:
         self._loss_ema = ema
         self._gram_ema = noise.gram_ema_from_state(state.get("gram_ema"), self.num_domains + self.num_tasks)
         self._num_updates = num_updates
+        self._lr_peak = None if state.get("lr_peak") is None else float(state["lr_peak"])
         self._num_skipped = int(state.get("num_skipped", 0))
         self._history = deque(history, maxlen=self._options["history_limit"])
         self._history_dropped = int(state.get("history_dropped", 0)) + max(0, len(history) - len(self._history))

@@ -105,6 +105,9 @@ class DogeReweighter(Reweighter):
                          move_alpha=o["move_alpha"], alpha_ema=o["alpha_ema"],
                          alpha_floor=o["alpha_floor"]), self._loss_ema
 
+    def target_coefficients(self, task_losses: np.ndarray, task_gram: np.ndarray | None) -> np.ndarray:
+        return np.full(self.num_tasks, 1.0 / self.num_tasks)
+
 
 @dataclass
 class DogePCGradOptions(StepOptions):
@@ -127,3 +130,10 @@ class DogePCGradReweighter(DogeReweighter):
 
     def _orders(self, index: int) -> list[list[int]] | None:
         return pcgrad_task_orders(self._options["seed"], index, self.num_tasks)
+
+    def target_coefficients(self, task_losses: np.ndarray, task_gram: np.ndarray | None) -> np.ndarray:
+        if task_gram is None:
+            raise ValueError("doge_pcgrad needs the task Gram for its target direction")
+        orders = self._orders(self._num_updates)
+        assert orders is not None
+        return pcgrad_coefficients(np.asarray(task_gram, dtype=np.float64), orders).mean(axis=0)

@@ -59,8 +59,9 @@ class GrapeOptions(StepOptions):
 
     sides: ClassVar[tuple[str, ...]] = ("alpha", "z")
 
-    mu_z: Optional[float] = None  # eta_z = lr / mu_z (None: the paper's PAPER_MU_Z)
+    mu_z: Optional[float] = None  # step_size="lr_over_mu" only: eta_z = lr / mu_z (None: PAPER_MU_Z)
     eta_z: Optional[float] = None  # step_size="constant" only
+    kl_z: Optional[float] = None  # step_size="trust_region" only: KL per update at peak lr (None: 0.04)
     z0: Optional[list[float]] = None  # initial task weights (None: uniform)
     z_smoothing: float = 0.0  # share of the uniform vector mixed into z after each step (authors' code: 0.001)
 
@@ -96,6 +97,14 @@ class GrapeReweighter(Reweighter):
         task_div, domain_div, loss_ema = self._divisors(losses)
         return grape_step(self._log_alpha, self._log_z, g, losses, eta_alpha, eta_z, task_divisor=task_div,
                           domain_divisor=domain_div, **self._step_options(update_alpha, update_z)), loss_ema
+
+    def target_coefficients(self, task_losses: np.ndarray, task_gram: np.ndarray | None) -> np.ndarray:
+        _, domain_div, _ = self._divisors(np.asarray(task_losses, dtype=np.float64))
+        return self._z / domain_div
+
+    def task_scores(self, task_alignment: np.ndarray, task_losses: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        task_div, _, loss_ema = self._divisors(np.asarray(task_losses, dtype=np.float64))
+        return np.asarray(task_alignment, dtype=np.float64) / task_div, loss_ema
 
 
 @register

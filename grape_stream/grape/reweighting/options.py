@@ -24,6 +24,7 @@ import numpy as np
 from grape_stream.config import PAPER_MU_ALPHA, PAPER_MU_Z  # the one statement of the paper's defaults
 from grape_stream.errors import ConfigError
 from grape_stream.grape.reweighting.noise import ALIGNMENTS
+from grape_stream.grape.reweighting.step_rule import DEFAULT_KL, STEP_SIZES
 from grape_stream.simplex import check_simplex
 
 __all__ = [
@@ -39,9 +40,6 @@ __all__ = [
     "resolve_history_limit",
 ]
 
-
-#: "lr_over_mu": the paper's eta = lr / mu; "constant": the authors' released code, eta given directly.
-STEP_SIZES = ("lr_over_mu", "constant")
 
 
 def positive_int(value: Any, name: str) -> int:
@@ -124,23 +122,28 @@ class NoiseOptions:
 class StepOptions(NoiseOptions, ReweighterOptions):
     """The options of a method that moves alpha (DoGE) by a log-space step; :class:`GrapeOptions` adds z's."""
 
-    #: the weights this method moves; each has a ``mu_<side>`` and an ``eta_<side>``
+    #: the weights this method moves; each has a ``kl_<side>``, a ``mu_<side>`` and an ``eta_<side>``
     sides: ClassVar[tuple[str, ...]] = ("alpha",)
 
-    mu_alpha: Optional[float] = None  # eta_alpha = lr / mu_alpha (None: the paper's PAPER_MU_ALPHA)
-    step_size: str = "lr_over_mu"  # "lr_over_mu" (paper) | "constant" (eta given: the authors' code)
+    # the step rule (grape.reweighting.step_rule): "trust_region" (the default: a KL divergence per update),
+    # "lr_over_mu" (the paper: eta = lr / mu; chosen when mu is given and step_size is not) or "constant"
+    # (eta given: the authors' code). None (step_size): unset, resolved by that rule.
+    mu_alpha: Optional[float] = None  # step_size="lr_over_mu" only: eta_alpha = lr / mu_alpha (None: PAPER_MU_ALPHA)
+    step_size: Optional[str] = None
     eta_alpha: Optional[float] = None  # step_size="constant" only
+    kl_alpha: Optional[float] = None  # step_size="trust_region" only: KL per update at peak lr (None: 0.02)
     clip_norm: Optional[float] = None  # clip every probe gradient to this norm (None: no clipping)
     alpha0: Optional[list[float]] = None  # initial domain weights (None: uniform)
     alpha_floor: float = 0.0  # no domain weight below this (<= 1/K)
 
     def resolve(self, num_domains: int, num_tasks: int) -> dict[str, Any]:
-        if self.step_size not in STEP_SIZES:
-            raise ConfigError(
-                f"step_size must be 'lr_over_mu' (paper) or 'constant' (authors' code), got {self.step_size!r}")
-        out: dict[str, Any] = {"step_size": self.step_size}
+        step_size = self.resolved_step_size()
+        out: dict[str, Any] = {"step_size": step_size}
         for side in self.sides:
-            out[f"mu_{side}"], out[f"eta_{side}"] = self._side_step(side)
+            if step_size == "trust_region":
+                out[f"kl_{side}"] = self._side_kl(side)
+            else:
+                out[f"mu_{side}"], out[f"eta_{side}"] = self._side_step(side, step_size)
         clip = self.clip_norm
         if clip is not None:
             clip = real(clip, "clip_norm")
@@ -157,10 +160,39 @@ class StepOptions(NoiseOptions, ReweighterOptions):
         out.update(ReweighterOptions.resolve(self, num_domains, num_tasks))
         return out
 
-    def _side_step(self, side: str) -> tuple[float | None, float | None]:
+    def resolved_step_size(self) -> str:
+        """The step rule: ``step_size`` if given; unset, giving mu (the paper's knob) asks for the paper's step
+        (lr_over_mu), otherwise the trust region (the default)."""
+        if self.step_size is None:
+            given_mu = any(getattr(self, f"mu_{side}") is not None for side in self.sides)
+            return "lr_over_mu" if given_mu else STEP_SIZES[0]
+        if self.step_size not in STEP_SIZES:
+            raise ConfigError(f"step_size must be 'trust_region' (default: a KL divergence per update), "
+                              f"'lr_over_mu' (paper) or 'constant' (authors' code), got {self.step_size!r}")
+        return self.step_size
+
+    def _side_kl(self, side: str) -> float:
+        """kl_<side> of step_size='trust_region' (mu and eta belong to the other rules)."""
+        for other in (f"mu_{side}", f"eta_{side}"):
+            if getattr(self, other) is not None:
+                rule = "lr_over_mu" if other.startswith("mu") else "constant"
+                raise ConfigError(
+                    f"{other} is used only with step_size='{rule}'; step_size='trust_region' sizes each "
+                    f"update by kl_{side} (a KL divergence per update, default {DEFAULT_KL[side]}); set "
+                    f"step_size='{rule}' for {'the paper' if rule == 'lr_over_mu' else 'the authors'}'s step"
+                )
+        given = getattr(self, f"kl_{side}")
+        kl = DEFAULT_KL[side] if given is None else real(given, f"kl_{side}")
+        if not (math.isfinite(kl) and kl >= 0):
+            raise ConfigError(f"kl_{side} must be a finite number >= 0 (nats per update), got {kl!r}")
+        return kl
+
+    def _side_step(self, side: str, step_size: str) -> tuple[float | None, float | None]:
         """(mu, eta) of one side: exactly one of them is set, the one `step_size` uses."""
+        if getattr(self, f"kl_{side}") is not None:
+            raise ConfigError(f"kl_{side} is used only with step_size='trust_region', not {step_size!r}")
         mu, eta = getattr(self, f"mu_{side}"), getattr(self, f"eta_{side}")
-        if self.step_size == "lr_over_mu":
+        if step_size == "lr_over_mu":
             if eta is not None:
                 raise ConfigError(f"eta_{side} is only used with step_size='constant'; with 'lr_over_mu' the step is "
                                   f"lr / mu_{side}")

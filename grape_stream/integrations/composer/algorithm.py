@@ -31,12 +31,16 @@ from composer.loggers import Logger
 from grape_stream.config import AlgorithmConfig
 from grape_stream.errors import ConfigError
 from grape_stream.grape.controller import GrapeController
+from grape_stream.grape.gram.instep import sort_by_domain
 from grape_stream.integrations.common import find_mixer
 from grape_stream.integrations.composer.model import composer_per_sample_loss
 from grape_stream.integrations.grape_loop import GrapeLoop, PerSampleLoss
 from grape_stream.integrations.sharded import is_sharded, probe_skeleton, unsharded_replica
 
 __all__ = ["GrapeAlgorithm"]
+
+#: The events of an observed training step (alignments: steps): the batch, each micro-batch's forward and backward.
+_STEP_EVENTS = (Event.AFTER_DATALOADER, Event.BEFORE_FORWARD, Event.AFTER_BACKWARD)
 
 
 class GrapeAlgorithm(Algorithm):
@@ -87,6 +91,8 @@ class GrapeAlgorithm(Algorithm):
 
     # -- Composer hooks ------------------------------------------------------------------------------
     def match(self, event: Event, state: State) -> bool:
+        if event in _STEP_EVENTS:  # alignments: steps observes the training forward / backward itself
+            return self.controller is not None and self.controller.instep is not None
         return event in (Event.INIT, Event.FIT_START, Event.BATCH_END)
 
     def apply(self, event: Event, state: State, logger: Logger) -> Optional[int]:
@@ -96,6 +102,9 @@ class GrapeAlgorithm(Algorithm):
             return None
         if event == Event.FIT_START:
             self._fit_start(state)
+            return None
+        if event in _STEP_EVENTS:
+            self._observe(event, state)
             return None
         step = int(state.timestamp.batch)
         if not self.loop.acts_at(step):
@@ -111,6 +120,23 @@ class GrapeAlgorithm(Algorithm):
             logger.log_metrics(metrics)
         return None
 
+    def _observe(self, event: Event, state: State) -> None:
+        """alignments: steps. The batch of an observed step is put in domain order (its samples' order within
+        the batch: contiguous rows per domain make the per-domain gradients plain matmuls of views); each
+        micro-batch's forward + backward is observed (step = the optimizer step being trained, 1-based)."""
+        instep = self.controller.instep if self.controller is not None else None
+        assert instep is not None
+        step = int(state.timestamp.batch) + 1
+        if event == Event.AFTER_DATALOADER:
+            if instep.observed(step) and isinstance(state.batch, Mapping) and "domain" in state.batch:
+                state.batch = sort_by_domain(state.batch)
+        elif event == Event.BEFORE_FORWARD:
+            self.loop.begin_step(state.model, step, state.batch,
+                                 optimizer=state.optimizers[0] if state.optimizers else None,
+                                 autocast=self._autocast(state))
+        else:
+            self.loop.end_step()
+
     def _fit_start(self, state: State) -> None:
         if self._skeleton is None and is_sharded(state.model):
             raise NotImplementedError(
@@ -118,6 +144,9 @@ class GrapeAlgorithm(Algorithm):
                 "algorithms= (it keeps the architecture at Event.INIT), not to a Trainer whose model is already "
                 "wrapped."
             )
+        if self._skeleton is not None and self.config.alignments != "probe":
+            raise ConfigError("alignments: steps is not supported under FSDP: each rank's backward sees a shard of "
+                              "every weight gradient; use alignments: probe (docs/alignment.md, 'In-step alignments')")
         if self._skeleton is not None and self.config.geometry != "sgd":
             raise ConfigError(
                 "geometry='adam' is not supported under FSDP: the probe runs on an unsharded replica whose "

@@ -191,20 +191,30 @@ def _task_evals(state: State, fresh: bool = False) -> dict[str, float]:
 class JSONLMetricsLogger(LoggerDestination):
     """Every logged metric as one JSON line ``{"step": batch, name: value, ...}`` (global rank 0 only).
 
-    Lines are flushed as they are written, so a run killed mid-way keeps what it logged; a resumed run
-    appends (a reader keeps the last value per step and name).
+    Lines are flushed as they are written, so a run killed mid-way keeps what it logged. The number of
+    lines is part of the checkpoint (this logger's state), so a run resumed from a checkpoint first cuts
+    the file back to the lines written when that checkpoint was saved: the steps between the checkpoint
+    and the kill, which the resumed run trains (and logs) again, appear once, as in a run never killed.
+    A new run (no checkpoint loaded) on an existing file appends.
     """
 
     def __init__(self, path: str) -> None:
         super().__init__()
         self.path = path
         self._file: Any = None
+        self._rows = 0  # lines in the file, once opened
+        self._keep: int | None = None  # lines to keep when the file is opened (set by a resume)
 
     def _open(self) -> Any:
         if not process_world().is_leader:
             return None
         if self._file is None:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            lines = _read_lines(self.path)
+            if self._keep is not None and self._keep < len(lines):
+                lines = lines[: self._keep]  # the rows a resume replays are logged again by this run
+                atomic_write_text(self.path, "".join(lines))
+            self._rows = len(lines)
             self._file = open(self.path, "a", encoding="utf-8")
         return self._file
 
@@ -222,8 +232,27 @@ class JSONLMetricsLogger(LoggerDestination):
                 row[k] = float(v)
         f.write(json.dumps(row) + "\n")
         f.flush()
+        self._rows += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._file is None and process_world().is_leader:
+            return {"rows": self._keep if self._keep is not None else len(_read_lines(self.path))}
+        return {"rows": self._rows}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "rows" in state:  # absent in checkpoints of earlier versions: the file is appended to, as then
+            self._keep = int(state["rows"])
 
     def close(self, state: State, logger: Logger) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _read_lines(path: str) -> list[str]:
+    """The complete lines of a metrics file (a last line cut off by a kill is dropped); [] if absent."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [line for line in f if line.endswith("\n")]
+    except FileNotFoundError:
+        return []

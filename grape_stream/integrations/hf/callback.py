@@ -23,7 +23,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from grape_stream.atomic import atomic_open
 from grape_stream.config import AlgorithmConfig
-from grape_stream.errors import DataError
+from grape_stream.errors import ConfigError, DataError
 from grape_stream.grape.probes import unwrap_for_probe
 from grape_stream.integrations.common import find_mixer, logits_per_sample_loss
 from grape_stream.integrations.grape_loop import GrapeLoop, PerSampleLoss
@@ -78,7 +78,11 @@ class GrapeTrainerCallback(TrainerCallback):
         mixer = find_mixer(kwargs.get("train_dataloader"), who="GrapeTrainerCallback")
         unwrap_for_probe(kwargs["model"])  # sharded parameters (FSDP) fail here, before the first step
         self.loop.default_trajectory(_output_dir(args))
-        self.loop.attach(mixer)
+        if self.loop.attach(mixer).instep is not None:
+            raise ConfigError("alignments: steps is not available with the Hugging Face Trainer: the model computes "
+                              "its own loss (a token mean) and the batch reaches it without its 'domain' column, so "
+                              "no per-sample loss can be watched; use alignments: probe (docs/alignment.md, "
+                              "'In-step alignments')")
         folder = self.resume_from
         if folder is None and state.global_step > 0:  # resumed by a Trainer that did not say from where
             folder = os.path.join(_output_dir(args), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")

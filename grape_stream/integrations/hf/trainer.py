@@ -62,6 +62,14 @@ class GrapeTrainer(Trainer):
             raise ConfigError(f"per_device_train_batch_size={self.args.per_device_train_batch_size} differs from the "
                               f"mixer's batch_size={mixer.batch_size}; leave it out (the mixer's is used) or set "
                               "them equal")
+        per_step = self.args.per_device_train_batch_size * self.args.world_size * self.args.gradient_accumulation_steps
+        if per_step != mixer.global_batch_size:
+            raise ConfigError(
+                f"per_device_train_batch_size={self.args.per_device_train_batch_size} x {self.args.world_size} ranks x "
+                f"gradient_accumulation_steps={self.args.gradient_accumulation_steps} = {per_step} samples a step, but "
+                f"the mixer's global_batch_size is {mixer.global_batch_size}; pass global_batch_size={per_step} to "
+                "the mixer (keep it fixed to resume on another number of ranks)"
+            )
         if self.args.max_steps <= 0:
             raise ConfigError("GrapeTrainer needs max_steps > 0 in TrainingArguments: the mixer is an endless stream")
         if not self.args.ignore_data_skip:

@@ -74,6 +74,15 @@ class GrapeLightningCallback(Callback):
             raise DataError(f"the checkpoint's GRAPE state is of step {self._restored_step} but the Trainer resumes at "
                             f"step {trainer.global_step}")
 
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        # alignments: steps observes this (micro-)batch's forward + backward (the step being trained is 1-based)
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        self.loop.begin_step(pl_module, int(trainer.global_step) + 1, batch, optimizer=optimizer,
+                             autocast=trainer.precision_plugin.forward_context)
+
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.loop.end_step()
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._batches += 1
@@ -100,5 +109,7 @@ class GrapeLightningCallback(Callback):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         self.loop.load_state_dict(state_dict, where="the Lightning checkpoint")
-        self._batches = int(state_dict["batches"])
+        # the loader batches of *this* topology up to the saved global batch (a resume may change world
+        # size or micro-batches; the checkpoint's "batches" counted the writer's)
+        self._batches = self.mixer.consumed_batches
         self._step = self._restored_step = int(state_dict["step"])

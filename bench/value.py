@@ -1,0 +1,411 @@
+"""Benchmark (issue #25): does adaptive mixing pay, in a setting where the mixture matters and the best static
+mixture is known?
+
+The setting (``docs/results.md`` says why each choice was made):
+- **Corpus**: the bundled multilingual corpus (``data/demo``), all 13 languages as source domains: six
+  high-resource ones (en fr de es ru it, ~0.9M tokens each) and the *small* training splits of the seven
+  low-resource targets (tr da ca pl nl uk pt, 110-160k tokens each), i.e. a pool where most text is
+  irrelevant to the targets and a little is very relevant, as in real multilingual pretraining.
+- **Targets**: the seven low-resource languages; GRAPE, RegMix and the oracle search see only their
+  ``probe`` split, every reported figure is on their ``test`` split (held-out pages).
+- **Tokenizer**: a 4,096-id byte-level BPE trained on the 13 source training splits
+  (``grape-stream train-tokenizer``), so the head is small and every language gets multi-character tokens.
+- **Model and budget**: our GPT, 4 layers, d=128, 4 heads (1.3M parameters), 128-token sequences, batch 32,
+  400 steps = 1.64M training tokens per run (107x benchmark 2's), AdamW lr 1e-3 (at 2e-3 uniform's seed-to-
+  seed spread was 5-10x larger), 10% warm-up, cosine to 0.1.
+- **Oracle (best static mixture)**: RegMix-style search on the *probe* split: ``--proxies`` Dirichlet mixtures
+  trained for a quarter of the budget, a LightGBM regressor, its predicted argmin; then the candidates
+  (uniform, the regressor's argmin, the best proxies' mixtures) trained at the full budget (seed 0) and scored
+  on the probe split; the best becomes ``oracle``.
+
+Every run is the product path (``grape-stream convert`` shards -> recipe -> Composer Trainer with
+``GrapeAlgorithm``) through :func:`grape_stream.apps.demo_run.run_method`. Runs already finished with identical
+settings are reused (``--fresh`` redoes them), so an interrupted bench continues where it stopped;
+``bench/results/value.json`` is rewritten after every run, with a ``claims`` object computed from the runs.
+
+    .venv/bin/python bench/value.py                          # search + every method x 3 seeds (hours on 2 cores)
+    .venv/bin/python bench/value.py --stage search           # the oracle search only
+    .venv/bin/python bench/value.py --methods uniform,oracle,grape --seeds 0,1,2
+    .venv/bin/python bench/value.py --quick                  # smoke run: tiny budget, 1 seed, 2 methods
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+RESULTS = REPO / "bench" / "results" / "value.json"
+SOURCES = ("en", "fr", "de", "es", "ru", "it", "tr", "da", "ca", "pl", "nl", "uk", "pt")
+TARGETS = ("tr", "da", "ca", "pl", "nl", "uk", "pt")
+VOCAB, SEQ_LEN, STEPS, LR = 4096, 128, 400, 1e-3
+MODEL = ["model.vocab_size=4096", "model.n_layer=4", "model.n_head=4", "model.d_model=128", "model.d_ff=512"]
+DATA = [f"data.seq_len={SEQ_LEN}", f"data.domains=[{','.join(SOURCES)}]", f"data.tasks=[{','.join(TARGETS)}]",
+        "data.eval_batch_size=64"]
+
+
+def settings(steps: int) -> Any:
+    """The demo's runner at this benchmark's size: an alpha/z update every steps/16, the test curve every steps/16."""
+    from grape_stream.apps.demo_settings import DEMO
+    from grape_stream.config import AlgorithmConfig
+
+    every = max(steps // 16, 1)
+    lib = AlgorithmConfig()  # GRAPE's step sizes: the library's defaults (the demo's tuned ones are a method)
+    return DEMO.replace(steps=steps, global_batch=32, lr=LR, warmup=max(steps // 10, 1), update_every=every,
+                        curve_every=every, curve_samples=48, final_eval=False, final_samples=256,
+                        probe_domain_batch=8, probe_task_batch=8, eval_batch_size=64,
+                        mu_alpha=lib.mu_alpha, mu_z=lib.mu_z, clip_norm=None)
+
+
+def _vec(xs: Sequence[float]) -> str:
+    """Weights as a recipe list, rounded to 1e-8 with the last one absorbing the rounding (sums to 1)."""
+    total = float(sum(xs))
+    w = [round(float(x) / total, 8) for x in xs]
+    w[-1] = round(1.0 - sum(w[:-1]), 8)
+    return "[" + ",".join(repr(x) for x in w) + "]"
+
+
+# ----------------------------------------------------------------------------- methods
+
+def _paper_step(lr: float) -> list[str]:
+    """The paper's update at its published step sizes: eta_alpha = 1.5, eta_z = 10 at peak lr (mu = lr / eta)."""
+    return ["algorithm.options.step_size=lr_over_mu", f"algorithm.mu_alpha={lr / 1.5!r}", f"algorithm.mu_z={lr / 10!r}",
+            "algorithm.options.clip_norm=null"]
+
+
+def _demo_step(lr: float) -> list[str]:
+    """The demo's hand-tuned update (tuned on the byte-level demo, docs/results.md): eta 10, clip_norm 1."""
+    return ["algorithm.options.step_size=lr_over_mu", f"algorithm.mu_alpha={lr / 10!r}", f"algorithm.mu_z={lr / 10!r}",
+            "algorithm.options.clip_norm=1.0"]
+
+
+#: bench method -> (registry method, overrides(lr, docs, seed, runs) -> list). ``docs``: the search's documents.
+METHODS: dict[str, tuple[str, Callable[..., list[str]]]] = {
+    "uniform": ("uniform", lambda lr, d, s, r: []),
+    "oracle": ("static", lambda lr, d, s, r: [f"algorithm.options.weights={_vec(d['oracle']['weights'])}"]),
+    "regmix": ("static", lambda lr, d, s, r: [f"algorithm.options.weights={_vec(d['regmix']['weights'])}"]),
+    "crisp": ("static", lambda lr, d, s, r: [f"algorithm.options.weights={_vec(d['crisp']['weights'])}"]),
+    "grape": ("grape", lambda lr, d, s, r: []),  # the library's defaults, untouched
+    "grape_paper": ("grape", lambda lr, d, s, r: _paper_step(lr)),
+    "grape_demo_tuned": ("grape", lambda lr, d, s, r: _demo_step(lr)),
+    "grape_adam": ("grape", lambda lr, d, s, r: ["algorithm.geometry=adam"]),
+    "grape_ema": ("grape_ema", lambda lr, d, s, r: []),
+    "grape_gap": ("grape_gap", lambda lr, d, s, r: []),
+    "doge": ("doge", lambda lr, d, s, r: []),
+    "doge_paper": ("doge", lambda lr, d, s, r: _paper_step(lr)),
+    # reuse: a previous GRAPE run (the seed before, cyclically) replayed from step 0, or its final weights
+    "grape_replay": ("schedule", lambda lr, d, s, r: [f"algorithm.schedule_path={_prev(r, 'grape', s)['traj']}"]),
+    "grape_final_static": ("static",
+                           lambda lr, d, s, r: [f"algorithm.options.weights={_vec(_prev(r, 'grape', s)['alpha'])}"]),
+}
+#: Methods whose weights come from the search (the others run before it has finished).
+NEEDS_SEARCH = {"oracle", "regmix", "crisp"}
+DEFAULT_METHODS = ["uniform", "oracle", "grape", "grape_paper", "grape_demo_tuned", "doge", "regmix", "crisp",
+                   "grape_adam", "grape_ema", "grape_replay", "grape_final_static"]
+
+
+def _prev(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], method: str, seed: int) -> dict[str, Any]:
+    """The run of ``method`` at the seed before ``seed`` among the finished ones (cyclically): 'last week's run'."""
+    have = sorted(runs.get(method, {}))
+    if not have:
+        raise SystemExit(f"reuse methods need finished {method} runs first (run --methods {method})")
+    prev = [s for s in have if s < seed]
+    s = prev[-1] if prev else have[-1]
+    r = runs[method][s]
+    return {"traj": str(Path(r["run_dir"]) / "grape_trajectory.jsonl"), "alpha": r["trajectory"][-1]["alpha"]}
+
+
+# ----------------------------------------------------------------------------- data
+
+def prepare(out: Path, corpus: Path) -> Path:
+    """Train the BPE (once) and convert the corpus with it; returns the MDS directory."""
+    from grape_stream.apps.demo_corpus import ensure_converted
+    from grape_stream.convert.train_tokenizer import corpus_texts, train_bpe
+
+    tok = out / "tokenizer.json"
+    if not tok.is_file():
+        files = [str(corpus / "train" / f"{s}.jsonl.zst") for s in SOURCES]
+        train_bpe(corpus_texts(files), VOCAB, tok)
+        print(f"trained {tok}", flush=True)
+    digest = hashlib.sha256(tok.read_bytes()).hexdigest()[:12]
+    mds = out / f"mds-{digest}"
+    ensure_converted(corpus, mds, seq_len=SEQ_LEN, progress=False, tokenizer=str(tok), domain_field="lang")
+    return mds
+
+
+# ----------------------------------------------------------------------------- oracle search
+
+def search(out: Path, mds: Path, corpus: Path, *, proxies: int, steps: int, candidates: int,
+           fresh: bool) -> dict[str, Any]:
+    """RegMix proxies + full-budget candidates, all on the probe split (seed 0); also CRISP's weights."""
+    from grape_stream.apps.demo_run import run_method
+    from grape_stream.apps.mixture import crisp_from_corpus, regmix_from_proxies, run_proxies, weights_document
+    from grape_stream.mixture.regmix import dirichlet_mixtures
+
+    path = out / "search.json"
+    key = {"proxies": proxies, "steps": steps, "candidates": candidates, "mds": mds.name}
+    if path.is_file() and not fresh:
+        doc = json.loads(path.read_text())
+        if doc.get("key") == key:
+            return doc
+    overrides = [*MODEL, *DATA, f"optimizer.lr={LR}"]
+    t0 = time.perf_counter()
+    proxy_steps = max(steps // 4, 4)
+    mixes = dirichlet_mixtures(len(SOURCES), proxies, 0)
+    runs = run_proxies(mixes, mds=str(mds), out=str(out / "proxies"), steps=proxy_steps, seed=0, overrides=overrides)
+    regmix = regmix_from_proxies(SOURCES, runs, seconds=time.perf_counter() - t0)
+    regmix["details"]["proxy_steps"] = proxy_steps
+    print(f"regmix: {json.dumps(regmix['alpha'])} ({regmix['seconds']:.0f} s)", flush=True)
+    ranked = sorted(runs, key=lambda r: r["loss"])
+    cands = [("uniform", [1.0 / len(SOURCES)] * len(SOURCES)), ("regmix", regmix["weights"])]
+    cands += [(f"proxy{i}", list(r["mixture"])) for i, r in enumerate(ranked[:candidates])]
+    scored = []
+    for name, w in cands:
+        res = run_method("static", mds=mds, out_dir=out / "candidates" / name, settings=settings(steps), seed=0,
+                         progress=False, extra_overrides=[*overrides, f"algorithm.options.weights={_vec(w)}",
+                                                          "data.task_test_split=probe", "data.task_probe_split=test"])
+        scored.append({"name": name, "weights": w, "probe_avg": res["final_avg"], "probe_worst": res["final_worst"],
+                       "probe": res["final"], "seconds": res["seconds"]["total"]})
+        print(f"candidate {name}: probe avg {res['final_avg']:.4f} worst {res['final_worst']:.4f}", flush=True)
+    best = min(scored, key=lambda c: c["probe_avg"])
+    oracle = weights_document("oracle", SOURCES, best["weights"], time.perf_counter() - t0,
+                              {"chosen": best["name"], "criterion": "probe-split average at the full budget, seed 0",
+                               "candidates": scored})
+    crisp = crisp_from_corpus(corpus, SOURCES, TARGETS, samples=64, seed=0)
+    doc = {"key": key, "regmix": regmix, "oracle": oracle, "crisp": crisp}
+    path.write_text(json.dumps(doc, indent=1))
+    return doc
+
+
+# ----------------------------------------------------------------------------- statistics
+
+def mean_std(xs: Sequence[float]) -> tuple[float, float]:
+    n = len(xs)
+    if not n:
+        return float("nan"), float("nan")
+    m = sum(xs) / n
+    return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1)) if n > 1 else 0.0)
+
+
+def tokens_to_reach(curve: Mapping[str, Any], level: float) -> float | None:
+    """First training-token count at which the curve's average is <= level (linear interpolation)."""
+    xs, ys = curve["tokens"], curve["avg"]
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        if y <= level:
+            if i == 0:
+                return float(x)
+            x0, y0 = xs[i - 1], ys[i - 1]
+            return float(x0 + (x - x0) * (y0 - level) / (y0 - y)) if y0 != y else float(x)
+    return None
+
+
+def aggregate(runs: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> dict[str, Any]:
+    """Per method: avg / worst / per-target test loss (mean, std), oracle gain captured, tokens to uniform."""
+    u, o = runs.get("uniform", {}), runs.get("oracle", {})
+    out: dict[str, Any] = {}
+    if not u:
+        return out
+    u_avg = mean_std([r["final_avg"] for r in u.values()])
+    u_worst = mean_std([r["final_worst"] for r in u.values()])
+    o_avg = mean_std([r["final_avg"] for r in o.values()]) if o else None
+    o_worst = mean_std([r["final_worst"] for r in o.values()]) if o else None
+    for m, by_seed in runs.items():
+        seeds = sorted(by_seed)
+        avg = [by_seed[s]["final_avg"] for s in seeds]
+        worst = [by_seed[s]["final_worst"] for s in seeds]
+        st: dict[str, Any] = {"seeds": seeds, "avg": mean_std(avg), "worst": mean_std(worst),
+                              "avg_values": avg, "worst_values": worst,
+                              "per_target": {t: mean_std([by_seed[s]["final"][t] for s in seeds]) for t in TARGETS}}
+        if o_avg and o_worst:
+            # per seed: the method's gain over uniform's seed mean, as a share of the oracle's gain (seed means)
+            st["gain_captured_avg"] = mean_std([(u_avg[0] - a) / (u_avg[0] - o_avg[0]) for a in avg])
+            st["gain_captured_worst"] = mean_std([(u_worst[0] - w) / (u_worst[0] - o_worst[0]) for w in worst])
+            st["gain_captured_per_target"] = {
+                t: (u_t - st["per_target"][t][0]) / (u_t - o_t) if abs(u_t - o_t) > 1e-12 else None
+                for t in TARGETS
+                for u_t, o_t in [(mean_std([r["final"][t] for r in u.values()])[0],
+                                  mean_std([r["final"][t] for r in o.values()])[0])]}
+        reach = []
+        for s in seeds:
+            if s in u:
+                t = tokens_to_reach(by_seed[s]["curve"], u[s]["curve"]["avg"][-1])
+                reach.append(None if t is None else t / u[s]["train_tokens"])
+        got = [x for x in reach if x is not None]
+        st["tokens_to_uniform_final"] = {"values": reach, "mean": mean_std(got)[0] if got else None,
+                                         "reached": len(got), "of": len(reach)}
+        tv = []
+        for s in seeds:
+            traj = by_seed[s].get("trajectory") or []
+            if traj:
+                a0 = np.full(len(SOURCES), 1.0 / len(SOURCES))
+                tv.append(max(0.5 * float(np.abs(np.asarray(r["alpha"]) - a0).sum()) for r in traj))
+        st["alpha_moved_tv"] = mean_std(tv)[0] if tv else 0.0
+        finals = [by_seed[s]["trajectory"][-1]["alpha"] for s in seeds if by_seed[s].get("trajectory")]
+        st["final_alpha"] = dict(zip(SOURCES, np.mean(finals, axis=0).round(4).tolist())) if finals else None
+        st["seconds"] = mean_std([by_seed[s]["seconds"]["total"] for s in seeds])[0]
+        st["reweighting_seconds"] = mean_std([by_seed[s]["seconds"]["reweighting"] for s in seeds])[0]
+        out[m] = st
+    return out
+
+
+def claims(agg: Mapping[str, Any], method: str = "grape") -> dict[str, Any]:
+    """The issue's acceptance figures for ``method`` (the default GRAPE), computed from the runs."""
+    if "uniform" not in agg or "oracle" not in agg:
+        return {}
+    u, o = agg["uniform"], agg["oracle"]
+    c: dict[str, Any] = {
+        "oracle_margin_in_uniform_std": {
+            k: ((u[k][0] - o[k][0]) / u[k][1] if u[k][1] > 0 else None) for k in ("avg", "worst")},
+        "uniform_seed_std": {"avg": u["avg"][1], "worst": u["worst"][1]},
+    }
+    if method in agg:
+        g = agg[method]
+        c["method"] = method
+        c["oracle_gain_captured"] = {
+            "avg": {"mean": g["gain_captured_avg"][0], "std": g["gain_captured_avg"][1]},
+            "worst": {"mean": g["gain_captured_worst"][0], "std": g["gain_captured_worst"][1]}}
+        c["tokens_to_uniform_final"] = {"mean": g["tokens_to_uniform_final"]["mean"],
+                                        "reached": g["tokens_to_uniform_final"]["reached"],
+                                        "of": g["tokens_to_uniform_final"]["of"]}
+        ok = [g[k][0] - g[k][1] > 0 and g[k][0] >= 0.5 for k in ("gain_captured_avg", "gain_captured_worst")]
+        t = c["tokens_to_uniform_final"]
+        c["goal_met"] = {"gain_captured_ge_0.5_and_mean_minus_std_gt_0": all(ok),
+                         "tokens_le_0.6x": bool(t["mean"] is not None and t["reached"] == t["of"] and t["mean"] <= 0.6)}
+    return c
+
+
+def table(agg: Mapping[str, Any]) -> str:
+    def pm(x: tuple[float, float], d: int = 4) -> str:
+        return f"{x[0]:.{d}f} +- {x[1]:.{d}f}"
+
+    rows = [("method", "seeds", "avg test loss", "worst test loss", "gain captured avg", "gain captured worst",
+             "tokens to uniform", "alpha moved", "s/run")]
+    for m, st in agg.items():
+        t = st["tokens_to_uniform_final"]
+        part = "" if t["reached"] == t["of"] else f" ({t['reached']}/{t['of']})"
+        reach = "-" if not t["of"] else ("not reached" if not t["reached"] else f"{t['mean']:.2f}x{part}")
+        rows.append((m, str(len(st["seeds"])), pm(st["avg"]), pm(st["worst"]),
+                     pm(st["gain_captured_avg"], 2) if "gain_captured_avg" in st else "-",
+                     pm(st["gain_captured_worst"], 2) if "gain_captured_worst" in st else "-",
+                     reach, f"{st['alpha_moved_tv']:.2f}", f"{st['seconds']:.0f}"))
+    w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(x) for c, x in zip(r, w)) for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    lines += ["", "per-target test loss (nats/token, mean over seeds; * = best):",
+              f"{'method':<20}" + "".join(f"{t:>8}" for t in TARGETS)]
+    best = {t: min(st["per_target"][t][0] for st in agg.values()) for t in TARGETS}
+    for m, st in agg.items():
+        lines.append(f"{m:<20}" + "".join(
+            f"{st['per_target'][t][0]:>7.3f}{'*' if st['per_target'][t][0] == best[t] else ' '}" for t in TARGETS))
+    lines += ["", "final alpha (mean over seeds):"]
+    for m, st in agg.items():
+        if st.get("final_alpha"):
+            lines.append(f"{m:<20}" + " ".join(f"{k} {v:.2f}" for k, v in st["final_alpha"].items()))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- main
+
+def _run(method: str, seed: int, steps: int, mds: Path, out: Path, docs: Mapping[str, Any],
+         runs: Mapping[str, Mapping[int, Mapping[str, Any]]], fresh: bool, extra: Sequence[str]) -> dict[str, Any]:
+    from grape_stream.apps.demo_run import recipe_overrides, run_method
+
+    base, make = METHODS[method]
+    s = settings(steps)
+    extra_o = [*MODEL, *DATA, *make(LR, docs, seed, runs), *extra]
+    run_dir = out / f"{method}-seed{seed}"
+    want = recipe_overrides(base, s, mds=mds, out_dir=run_dir, seed=seed, extra=extra_o)
+    res_path = run_dir / "result.json"
+    if res_path.is_file() and not fresh:
+        prev = json.loads(res_path.read_text())
+        if prev.get("overrides") == want:
+            return prev
+    t0 = time.perf_counter()
+    res = run_method(base, mds=mds, out_dir=run_dir, settings=s, seed=seed, progress=False, extra_overrides=extra_o)
+    res["method"], res["run_dir"] = method, str(run_dir)
+    res_path.write_text(json.dumps(res, indent=1))
+    print(f"{method} seed {seed}: avg {res['final_avg']:.4f} worst {res['final_worst']:.4f} "
+          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    return res
+
+
+def write(path: Path, runs: Mapping[str, Mapping[int, Mapping[str, Any]]], docs: Mapping[str, Any], args: Any,
+          partial: bool) -> dict[str, Any]:
+    agg = aggregate(runs)
+    doc = {"bench": "value", "partial": partial, "command": "python bench/value.py " + " ".join(sys.argv[1:]),
+           "setting": {"sources": SOURCES, "targets": TARGETS, "vocab": VOCAB, "seq_len": SEQ_LEN, "steps": args.steps,
+                       "batch": 32, "train_tokens": args.steps * 32 * SEQ_LEN, "lr": LR, "model": MODEL,
+                       "metric": "token-level test cross-entropy (nats/token), 256 strided test sequences per target"},
+           "claims": claims(agg), "table": table(agg) if agg else "",
+           "search": {k: {kk: v for kk, v in d.items() if kk != "details"} | {"chosen": d["details"].get("chosen")}
+                      for k, d in docs.items() if isinstance(d, dict) and "weights" in d},
+           "methods": agg,
+           "runs": {m: {str(s): {k: r[k] for k in ("final", "final_avg", "final_worst", "curve", "trajectory",
+                                                     "seconds", "train_loss") if k in r}
+                        for s, r in by_seed.items()} for m, by_seed in runs.items()}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=list))
+    tmp.replace(path)
+    return doc
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"of {list(METHODS)}")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument("--proxies", type=int, default=24, help="RegMix proxies of the oracle search")
+    p.add_argument("--candidates", type=int, default=3, help="best proxies retrained at the full budget")
+    p.add_argument("--stage", choices=("all", "search"), default="all")
+    p.add_argument("--out", default=str(REPO / "runs" / "bench_value"))
+    p.add_argument("--data", default=str(REPO / "data" / "demo"))
+    p.add_argument("--results", default=str(RESULTS))
+    p.add_argument("--extra", action="append", default=[], help="extra recipe override for every method run")
+    p.add_argument("--fresh", action="store_true")
+    p.add_argument("--quick", action="store_true", help="smoke run: 32 steps, seed 0, uniform + grape, 4 proxies")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.seeds, args.methods, args.proxies, args.candidates = 32, "0", "uniform,oracle,grape", 4, 1
+        args.out, args.results = args.out + "_quick", str(Path(args.results).with_name("value_quick.json"))
+    import torch
+
+    torch.set_num_threads(1)
+    out, corpus = Path(args.out), Path(args.data)
+    out.mkdir(parents=True, exist_ok=True)
+    mds = prepare(out, corpus)
+    methods = [m for m in args.methods.split(",") if m]
+    docs: dict[str, Any] = {}
+    if args.stage == "search" or set(methods) & NEEDS_SEARCH or (out / "search.json").is_file():
+        docs = search(out, mds, corpus, proxies=args.proxies, steps=args.steps, candidates=args.candidates,
+                      fresh=args.fresh)
+        print(f"oracle ({docs['oracle']['details']['chosen']}): {json.dumps(docs['oracle']['alpha'])}", flush=True)
+    if args.stage == "search":
+        return 0
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        p.error(f"unknown methods {bad}; choose from {list(METHODS)}")
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    runs: dict[str, dict[int, dict[str, Any]]] = {}
+    order = [(m, s) for m in methods for s in seeds]  # method-major: reuse methods need their source runs
+    for i, (m, s) in enumerate(order, 1):
+        runs.setdefault(m, {})[s] = _run(m, s, args.steps, mds, out, docs, runs, args.fresh, args.extra)
+        write(Path(args.results), runs, docs, args, partial=i < len(order))
+    doc = write(Path(args.results), runs, docs, args, partial=False)
+    print("\n" + doc["table"])
+    print("\nclaims: " + json.dumps(doc["claims"], indent=1))
+    print(f"wrote {args.results}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,108 @@
+"""Registering streaming's shared memory: one process of the machine at a time, released at exit safely.
+
+* **Racy registration.** Two jobs that start at once can pick the same prefix (streaming 0.12 / 0.13
+  scan /dev/shm, then create, with no lock) and share each other's shard states: :func:`registration_lock`
+  serialises registration on this machine with an ``flock`` on the temp directory itself (nothing is
+  created). A job that does not take the lock (plain streaming) can still take the prefix between the
+  scan and the create: :func:`create_registered` retries then.
+* **Unlinking by name at exit.** A dataset this process created and never released (a task's splits,
+  a mixer not closed) would be unlinked by name at exit by streaming's own hook, whatever the name holds
+  by then; :func:`create_registered` arranges for grape_stream's release (by identity, see
+  :mod:`grape_stream.streaming_compat.segments`) to run first, in the creating process only.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import random
+import tempfile
+import time
+from typing import Any, Callable, Iterator, TypeVar
+
+from grape_stream.streaming_compat.processes import flock_holder
+from grape_stream.streaming_compat.shm import live_streaming_datasets, record_owner, release_streaming_dataset
+
+__all__ = ["create_registered", "registration_lock"]
+
+T = TypeVar("T")
+_CREATOR = "_grape_stream_creator_pid"
+
+
+def _release_at_exit() -> None:
+    """Release every StreamingDataset this process created and still holds (runs before streaming's hooks)."""
+    for ds in live_streaming_datasets():
+        if getattr(ds, _CREATOR, None) == os.getpid():
+            try:
+                release_streaming_dataset(ds)
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+
+
+def _release_before_streaming_at_exit(dataset: Any) -> None:
+    """Mark `dataset` as created here and (re-)register the exit hook: atexit runs hooks last-in first-out,
+    so registering it after streaming registered the dataset's segment hooks makes it run before them."""
+    try:
+        setattr(dataset, _CREATOR, os.getpid())
+    except AttributeError:  # not a StreamingDataset (a test's stand-in): nothing to release
+        return
+    atexit.unregister(_release_at_exit)
+    atexit.register(_release_at_exit)
+
+
+@contextlib.contextmanager
+def registration_lock(enabled: bool = True, timeout: float = 600.0) -> Iterator[None]:
+    """Serialise streaming's shared-memory registration among the processes of this machine.
+
+    Streaming picks its prefix by scanning /dev/shm and then creating the segments, without a lock: two
+    jobs that start at the same moment can pick the same prefix and share each other's shard states.
+    This takes an exclusive ``flock`` on the temp directory itself (nothing is created, so nothing is
+    left behind) while this process registers its datasets. Take it on the local leader only: other
+    ranks wait for the leader inside streaming's own barriers.
+    """
+    if not enabled:
+        yield
+        return
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    fd = os.open(tempfile.gettempdir(), os.O_RDONLY)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"waited {timeout:.0f} s for another process registering "
+                                       f"StreamingDatasets on this machine{flock_holder(fd)}") from None
+                time.sleep(0.01)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def create_registered(factory: Callable[[], T], *, enabled: bool = True, attempts: int = 20) -> T:
+    """``factory()`` (a StreamingDataset constructor) under :func:`registration_lock`, retried when the
+    shared-memory prefix streaming chose was taken meanwhile by a job that does not take our lock (a plain
+    streaming job, another library): streaming 0.13 then raises ``FileExistsError: '/NNNNNN_locals'``
+    before it registered anything, so trying again after a short random pause picks the next prefix."""
+    for attempt in range(attempts):
+        try:
+            with registration_lock(enabled=enabled):
+                dataset = factory()
+            record_owner(dataset)  # every dataset's segments are judged by their owner, not by who maps them
+            _release_before_streaming_at_exit(dataset)
+            return dataset
+        except FileExistsError as exc:
+            if "_locals" not in str(exc) or attempt == attempts - 1:
+                raise
+            time.sleep(random.uniform(0.05, 0.25))
+    raise AssertionError("unreachable")  # pragma: no cover

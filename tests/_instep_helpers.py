@@ -1,0 +1,61 @@
+"""Shared pieces of the in-step alignment tests: random directions, the slow truth, one observed step."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from grape_stream.grape.gram.batches import map_tensors
+from grape_stream.grape.gram.instep import StepAlignments
+
+PerSampleLoss = Callable[[nn.Module, Any], torch.Tensor]
+
+
+def directions(model: nn.Module, count: int = 2, seed: int = 7) -> list[dict[nn.Parameter, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{p: torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) for p in params}
+            for _ in range(count)]
+
+
+def truth(model: nn.Module, loss_fn: PerSampleLoss, batch: Any, domains: torch.Tensor, dirs: Sequence[dict],
+          num_domains: int) -> torch.Tensor:
+    """The definition: one autograd.grad per domain of the mean loss of its samples, dotted with each direction
+    (NaN rows for domains without a sample). The forward runs on the whole batch (the other samples weighted
+    0), so a model that computes parts in float32 (HF Llama's RMSNorm) sees the same batch shapes."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = torch.full((num_domains, len(dirs)), float("nan"), dtype=torch.float64)
+    for k in range(num_domains):
+        mask = (domains == k).to(torch.float64)
+        if mask.sum() == 0:
+            continue
+        losses = loss_fn(model, batch)
+        grads = torch.autograd.grad((losses * mask.to(losses.dtype)).sum() / mask.sum(), params, allow_unused=True)
+        for d, u in enumerate(dirs):
+            out[k, d] = sum(float((g.double() * u[p].double()).sum()) for g, p in zip(grads, params)
+                            if g is not None and p in u)
+    return out
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    ok = ~torch.isnan(b)
+    assert torch.equal(torch.isnan(a), ~ok), (a, b)
+    return float((a[ok] - b[ok]).abs().max() / b[ok].abs().max())
+
+
+def observed_step(sa: StepAlignments, model: nn.Module, loss_fn: PerSampleLoss, batch: Any,
+                  micro: Optional[int] = None, watch: bool = False) -> None:
+    """One training step's backward (loss = mean of per-sample losses over the batch), in micro-batches
+    of ``micro`` samples scaled as Composer does (micro-batch mean x its share of the batch)."""
+    size = int(batch["domain"].shape[0])
+    step = micro or size
+    for a in range(0, size, step):
+        mb = map_tensors(batch, lambda t, a=a: t[a : a + step])
+        n = int(mb["domain"].shape[0])
+        with sa.observe(mb):
+            losses = loss_fn(model, mb)
+            if watch:
+                sa.watch(losses)
+            (losses.mean() * (n / size)).backward()
