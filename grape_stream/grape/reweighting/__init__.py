@@ -4,7 +4,9 @@
     alpha, z = r.update(gram, task_losses, lr)
 
 Layout: ``base`` (the Reweighter class: state, input checks, Gram conditioning, history, checkpoints),
-``step`` (the functional core: the shared mirror-descent step as a pure function), ``options`` (the
+``step`` (the functional core: the shared mirror-descent step as a pure function), ``step_rule`` (how
+big a step is: the default KL trust region, the paper's lr / mu, constant; pure functions), ``from_scores``
+(updates from in-step scores instead of a Gram: ``alignments: steps``), ``options`` (the
 options dataclasses every method builds on, their checks, the paper's defaults PAPER_MU_ALPHA /
 PAPER_MU_Z), ``gram_input`` (reading, checking, clipping the Gram), ``noise`` (the math of the options
 beyond the paper: cosine alignments, Gram / alpha EMA), ``state`` (exact JSON forms), ``registry`` (the
