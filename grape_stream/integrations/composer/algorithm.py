@@ -8,7 +8,9 @@ BATCH_END, after the optimizer step and the scheduler step, where nothing of the
 disturb: it differentiates the unwrapped module with ``torch.autograd.grad`` (``.grad``, gradient
 accumulation, microbatching and the optimizer state are untouched) and reads the learning rate the
 next step will use. BATCH_END runs before BATCH_CHECKPOINT, so a checkpoint taken at an update step
-already holds the new weights.
+already holds the new weights. With ``alignments: steps`` it also puts an observed step's batch in domain
+order (AFTER_DATALOADER) and observes each micro-batch's forward + backward (BEFORE_FORWARD / AFTER_BACKWARD:
+``GrapeLoop.begin_step`` / ``end_step``); the step's sums join the interval's at BATCH_END.
 
 FSDP (``fsdp_config`` / ``parallelism_config``): at INIT, before Composer wraps the model, a meta-device
 skeleton of it is kept; at each update every rank probes an unsharded replica rebuilt from the full
