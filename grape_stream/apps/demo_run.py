@@ -100,12 +100,20 @@ def _release(built: Any) -> None:
 
 def run_method(method: str, *, mds: str | os.PathLike[str], out_dir: str | os.PathLike[str],
                settings: DemoSettings = DEMO, seed: int = 17, progress: bool = True, position: str = "",
-               extra_overrides: Sequence[str] = (), extra_callbacks: Sequence[Any] = ()) -> dict[str, Any]:
+               extra_overrides: Sequence[str] = (), extra_callbacks: Sequence[Any] = (),
+               reuse: bool = False) -> dict[str, Any]:
     """Train one method with the ``demo-cpu`` recipe and return its result (also written to
     ``out_dir/result.json``): final per-target test log-perplexity (nats per token = per byte), the
     test-loss curve, the alpha/z trajectory and timings. ``extra_callbacks``: more Composer callbacks (the
-    benchmark's multiple-choice scorer reads the trained model at fit end)."""
+    benchmark's multiple-choice scorer reads the trained model at fit end). ``reuse``: return the result
+    already in ``out_dir`` when it was trained with exactly these overrides (runs are deterministic, so a
+    benchmark killed halfway resumes its search instead of retraining finished runs)."""
     out_dir = Path(out_dir)
+    if reuse and not extra_callbacks:
+        done = _finished(out_dir, recipe_overrides(method, settings, mds=mds, out_dir=out_dir, seed=seed,
+                                                   extra=extra_overrides))
+        if done is not None:
+            return done
     if out_dir.exists():
         shutil.rmtree(out_dir)  # a fresh run: metrics.jsonl appends, the trajectory must not mix runs
     out_dir.mkdir(parents=True)
@@ -129,6 +137,15 @@ def run_method(method: str, *, mds: str | os.PathLike[str], out_dir: str | os.Pa
     with open(out_dir / "result.json", "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
     return result
+
+
+def _finished(out_dir: Path, overrides: list[str]) -> dict[str, Any] | None:
+    """The result in ``out_dir`` if it was written by a run with exactly ``overrides``."""
+    try:
+        prev = json.loads((out_dir / "result.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return prev if isinstance(prev, dict) and prev.get("overrides") == overrides else None
 
 
 def _result(method: str, seed: int, settings: DemoSettings, cfg: Mapping[str, Any], overrides: list[str], built: Any,

@@ -74,7 +74,7 @@ def _proxy(job: tuple[int, list[float], str, str, int, int, list[str], int]) -> 
                             curve_samples=32, final_eval=False, final_samples=64)
     vec = "[" + ",".join(repr(float(x)) for x in mix) + "]"
     res = run_method("static", mds=mds, out_dir=Path(out) / f"proxy-{i:03d}", settings=settings, seed=seed,
-                     progress=False, extra_overrides=[*overrides, f"algorithm.options.weights={vec}",
+                     progress=False, reuse=True, extra_overrides=[*overrides, f"algorithm.options.weights={vec}",
                                                       # static never probes: the roles swap so that the
                                                       # proxies are scored on probe text, never on test
                                                       "data.task_test_split=probe", "data.task_probe_split=test"])
