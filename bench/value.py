@@ -171,8 +171,9 @@ def search(out: Path, mds: Path, corpus: Path, *, proxies: int, steps: int, cand
     scored = []
     for name, w in cands:
         res = run_method("static", mds=mds, out_dir=out / "candidates" / name, settings=settings(steps), seed=0,
-                         progress=False, reuse=not fresh, extra_overrides=[*overrides, f"algorithm.options.weights={_vec(w)}",
-                                                          "data.task_test_split=probe", "data.task_probe_split=test"])
+                         progress=False, reuse=not fresh,
+                         extra_overrides=[*overrides, f"algorithm.options.weights={_vec(w)}",
+                                          "data.task_test_split=probe", "data.task_probe_split=test"])
         scored.append({"name": name, "weights": w, "probe_avg": res["final_avg"], "probe_worst": res["final_worst"],
                        "probe": res["final"], "seconds": res["seconds"]["total"]})
         print(f"candidate {name}: probe avg {res['final_avg']:.4f} worst {res['final_worst']:.4f}", flush=True)
