@@ -286,8 +286,13 @@ def read_mds(path: str | os.PathLike, cache: str | os.PathLike | None = None) ->
     from streaming import StreamingDataset
 
     cache = str(cache) if cache else tempfile.mkdtemp(prefix="mds_read_")
+    from grape_stream.streaming_compat.shm import release_streaming_dataset
+
     ds = StreamingDataset(remote=str(path), local=cache, shuffle=False, batch_size=1)
-    return [ds[i] for i in range(len(ds))]
+    try:
+        return [ds[i] for i in range(len(ds))]
+    finally:
+        release_streaming_dataset(ds)  # streaming keeps a dataset's segments (and descriptors) until exit
 
 
 def expected_packed(docs: Sequence[Sequence[int]], seq_len: int, eos_id: int) -> np.ndarray:

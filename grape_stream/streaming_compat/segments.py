@@ -27,7 +27,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["end_created_segment", "unlink_if_unchanged"]
+__all__ = ["close_segment", "end_created_segment", "unlink_if_unchanged"]
 
 SHM_DIR = "/dev/shm"
 
@@ -52,15 +52,35 @@ def _forget(name: str) -> None:
         logger.debug("resource_tracker.unregister(%s) failed: %s", name, exc)
 
 
+def close_segment(seg: Any) -> None:
+    """Close a ``SharedMemory`` even while a numpy view of it is alive.
+
+    ``SharedMemory.close`` (CPython 3.11) releases its buffer first and raises ``BufferError`` while a view
+    is exported, before it closes its descriptor; its ``__del__`` then fails the same way, so every such
+    segment kept one descriptor open for the life of the process (thousands over a test session or a
+    benchmark that opens many datasets: "Too many open files"). The mapping needs no descriptor (mmap keeps
+    its own until the last view dies), so the descriptor is closed here whatever the views.
+    """
+    try:
+        seg.close()
+        return
+    except (BufferError, OSError):
+        pass
+    fd = getattr(seg, "_fd", -1)
+    if isinstance(fd, int) and fd >= 0:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        seg._fd = -1
+
+
 def end_created_segment(seg: Any) -> bool:
     """Close a segment this process created (a ``multiprocessing.shared_memory.SharedMemory``); unlink it
     if the name is still that segment's; in every case the resource tracker forgets the name. Returns
     whether it unlinked. Call it once per segment (the caller drops it from streaming's lists)."""
     ours = _is_ours(seg)  # before close(): it needs the descriptor
-    try:
-        seg.close()
-    except (BufferError, OSError):  # a numpy view still alive: the unlink below still frees it
-        pass
+    close_segment(seg)  # a numpy view may still be alive: the unlink below still frees the memory
     name = getattr(seg, "_name", None)
     if not name:
         return False

@@ -47,7 +47,7 @@ from grape_stream.streaming_compat.processes import (  # noqa: F401 - segments_i
     process_start_time,
     segments_in_use_elsewhere,
 )
-from grape_stream.streaming_compat.segments import end_created_segment, unlink_if_unchanged
+from grape_stream.streaming_compat.segments import close_segment, end_created_segment, unlink_if_unchanged
 
 logger = logging.getLogger(__name__)
 
@@ -134,11 +134,8 @@ def detach_scanner_attachments() -> int:
         if id(obj) in keep or obj.created_shms or not obj.opened_shms:
             continue
         for seg in obj.opened_shms:
-            try:
-                seg.close()
-                n += 1
-            except (BufferError, OSError):
-                pass
+            close_segment(seg)
+            n += 1
         obj.opened_shms.clear()
     return n
 
@@ -330,10 +327,7 @@ def release_streaming_dataset(dataset: Any) -> None:
         obj.created_shms.clear()  # streaming's atexit cleanup then has nothing left to do
         obj.opened_shms.clear()
         for seg in opened:
-            try:
-                seg.close()
-            except (BufferError, OSError):
-                pass
+            close_segment(seg)
         for seg in created:
             end_created_segment(seg)  # unlinked only if the name is still this segment's (see segments.py)
     prefix = getattr(dataset, "_shm_prefix_int", None)
