@@ -10,8 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from grape_stream.lazy import lazy_exports
-
-__version__ = "0.1.0"
+from grape_stream.version import __version__
 
 if TYPE_CHECKING:  # pragma: no cover - what the lazy names resolve to ("X as X": explicit re-exports)
     from grape_stream.convert import ConvertResult as ConvertResult

@@ -14,9 +14,9 @@ import importlib
 import sys
 from typing import Callable, Sequence
 
-from grape_stream import __version__
 from grape_stream.console import configure_logging, parse_console_args
 from grape_stream.errors import run_cli
+from grape_stream.version import __version__
 
 # name -> (module, function, one-line help). Each function takes argv (list[str]) and returns an exit code.
 COMMANDS: dict[str, tuple[str, str, str]] = {

@@ -10,9 +10,10 @@ traceback.
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 __all__ = [
     "UserFacingError",
@@ -21,9 +22,16 @@ __all__ = [
     "ConfigTypeError",
     "DataError",
     "StorageError",
+    "UnknownOptionError",
     "debug_enabled",
+    "did_you_mean",
     "run_cli",
 ]
+
+#: How alike a misspelt key and a valid one must be (difflib's ratio) for the error to suggest it: close
+#: enough for a typo (clip_nrom -> clip_norm: 0.89), not so loose that any key of the section is offered
+#: (model.name -> model.n_layer: 0.55).
+SUGGEST_CUTOFF = 0.75
 
 DEBUG_ENV = "GRAPE_STREAM_DEBUG"
 
@@ -45,6 +53,10 @@ class ConfigKeyError(ConfigError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class UnknownOptionError(ConfigKeyError, TypeError):
+    """A keyword option the receiver does not take (still a TypeError, as Python's unexpected keyword is)."""
+
+
 class ConfigTypeError(ConfigError, TypeError):
     """A value of the wrong type for its key (still a TypeError for callers that catch one)."""
 
@@ -57,6 +69,13 @@ class StorageError(UserFacingError, ConnectionError):
     """Remote storage is unreachable, forbidden, or kept failing past the retry deadline."""
 
     exit_code = 1
+
+
+def did_you_mean(name: str, valid: Iterable[str], *, prefix: str = "") -> str:
+    """``"; did you mean '<prefix><closest>'?"`` for the valid name closest to ``name``, or ``""`` when none is
+    close (:data:`SUGGEST_CUTOFF`). The one rule every unknown-key error (recipe, options, mixer) follows."""
+    close = difflib.get_close_matches(name, list(valid), n=1, cutoff=SUGGEST_CUTOFF)
+    return f"; did you mean {prefix + close[0]!r}?" if close else ""
 
 
 def debug_enabled(argv: Sequence[str] = ()) -> bool:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from grape_stream.config import ModelConfig
+from grape_stream.config import DecoderShape
 from grape_stream.head_loss import (
     SOFTMAX_ELEMENTS,
     current_head_observer,
@@ -27,21 +27,14 @@ from grape_stream.head_loss import (
 )
 from grape_stream.loss_watch import watch_losses
 
-_RECIPE = ModelConfig()
-
 
 @dataclass
-class GPTConfig:
-    """Defaults are the paper's "tiny proxy" (2 layers, 8 heads, d=256, hidden 512, ctx 512)."""
+class GPTConfig(DecoderShape):
+    """Defaults are the paper's "tiny proxy" (2 layers, 8 heads, d=256, hidden 512, ctx 512). The architecture
+    fields are :class:`~grape_stream.config.DecoderShape`'s, which the recipe's ``model`` section shares."""
 
     vocab_size: int = 50257
     seq_len: int = 512
-    n_layer: int = _RECIPE.n_layer  # the architecture defaults are the recipe's (grape_stream.config), stated once
-    n_head: int = _RECIPE.n_head
-    d_model: int = _RECIPE.d_model
-    d_ff: int = _RECIPE.d_ff
-    dropout: float = _RECIPE.dropout
-    tie_embeddings: bool = _RECIPE.tie_embeddings
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

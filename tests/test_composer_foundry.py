@@ -72,7 +72,7 @@ callbacks:
     assert mixer.domain_names == ["d0", "d1"] and mixer.seed == 3
 
     algo = _ep("llmfoundry_algorithms", "grape")(**cfg["algorithms"]["grape"])
-    assert algo.alpha_every == 50 and [t.name for t in algo.tasks] == ["t0"]
+    assert algo.config.alpha_every == 50 and [t.name for t in algo.tasks] == ["t0"]
     # no mu given: the library's default step (a KL trust region) needs none
     assert algo.reweighter_options == {}
     cb = _ep("llmfoundry_callbacks", "grape_trajectory")(**cfg["callbacks"]["grape_trajectory"])

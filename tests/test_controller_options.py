@@ -210,21 +210,26 @@ def test_defaults_record_nothing_new(data_dir):
     assert not {"geometry", "probe_rse"} & set(ctl.meta())
 
 
-def test_recipe_fields_reach_the_controller():
+def test_recipe_fields_reach_the_controller(data_dir):
     from grape_stream.integrations.composer.algorithm import GrapeAlgorithm
-    from grape_stream.recipe import load_recipe
-    from grape_stream.recipe.grape import algorithm_kwargs
+    from grape_stream.recipe import load_config
 
-    cfg = load_recipe("demo-cpu", ["algorithm.geometry=adam", "algorithm.probe_rse=0.3",
+    cfg = load_config("demo-cpu", ["algorithm.geometry=adam", "algorithm.probe_rse=0.3",
                                    "algorithm.probe_batch_bounds=[2,16]", "algorithm.options.alignment=cosine",
                                    "algorithm.options.gram_ema=0.5", "algorithm.options.alpha_ema=0.2"])
-    algo = GrapeAlgorithm(**algorithm_kwargs(cfg))
-    assert algo.controller_options == {"probe_mode": "sharded", "geometry": "adam", "probe_rse": 0.3,
-                                       "probe_batch_bounds": [2, 16]}
+    algo = GrapeAlgorithm(cfg.algorithm)  # the recipe's typed section, handed over as it is
+    c = algo.config
+    assert c is cfg.algorithm
+    assert (c.probe_mode, c.geometry, c.probe_rse, c.probe_batch_bounds) == ("sharded", "adam", 0.3, [2, 16])
     assert {k: algo.reweighter_options[k] for k in ("alignment", "gram_ema", "alpha_ema")} == \
         {"alignment": "cosine", "gram_ema": 0.5, "alpha_ema": 0.2}
-    plain = algorithm_kwargs(load_recipe("demo-cpu", []))  # defaults = the paper: nothing new is passed
-    assert not {"geometry", "probe_rse", "probe_batch_bounds", "alignment", "gram_ema", "alpha_ema"} & set(plain)
+    ctl = _controller(data_dir, config=cfg.algorithm, probe_domain_batch=4, probe_task_batch=4)  # where they act
+    assert ctl.probe.meta() == {"geometry": "adam", "probe_rse": 0.3, "probe_batch_bounds": [2, 16]}
+    assert {k: ctl.reweighter.options[k] for k in ("alignment", "gram_ema", "alpha_ema")} == \
+        {"alignment": "cosine", "gram_ema": 0.5, "alpha_ema": 0.2}
+    plain = GrapeAlgorithm(load_config("demo-cpu", []).algorithm)  # defaults = the paper: nothing new is passed
+    assert (plain.config.geometry, plain.config.probe_rse) == ("sgd", None)
+    assert not {"alignment", "gram_ema", "alpha_ema"} & set(plain.reweighter_options)
 
 
 @pytest.mark.integration

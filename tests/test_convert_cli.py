@@ -49,6 +49,28 @@ def test_registry_lookup_and_unknown_source():
         build_reader("jsonl", colour="red")
 
 
+def test_the_command_line_is_one_convert_config_with_its_defaults(tmp_path):
+    """Every flag left out takes ConvertConfig's default (stated there once); the flags given set its fields;
+    a misspelt keyword of convert() is one error naming the closest field."""
+    from grape_stream.config import ConvertConfig
+    from grape_stream.convert import convert
+    from grape_stream.convert.cli import config_from_args
+    from grape_stream.errors import UnknownOptionError
+
+    unset = {name: None if not opt.is_flag else False for name, (opt, _) in reader_options().items()}
+    plain = config_from_args(build_parser().parse_args(["jsonl", "-i", "a.jsonl", "-o", "out"]))
+    assert plain == ConvertConfig(source="jsonl", inputs=["a.jsonl"], out="out", reader=unset)
+    given = config_from_args(build_parser().parse_args(
+        ["jsonl", "-i", "a.jsonl", "-o", "out", "--shard-size", "2kb", "--compression", "none",
+         "--hashes", "sha1,xxh64", "--no-progress", "--text-errors", "skip", "--domain-field", "lang",
+         "--per-example"]))
+    assert (given.shard_size, given.compression, given.hashes, given.progress, given.text_policy, given.per_example) \
+        == ("2kb", None, ["sha1", "xxh64"], False, "skip", True)
+    assert given.reader["domain_field"] == "lang"
+    with pytest.raises(UnknownOptionError, match=r"argument 'shard_sise'; did you mean 'shard_size'"):
+        convert("jsonl", [str(tmp_path)], str(tmp_path / "o"), shard_sise="1kb")
+
+
 def test_package_exports_the_main_names():
     import grape_stream.convert as gc
     from grape_stream.convert import pipeline

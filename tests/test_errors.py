@@ -73,12 +73,67 @@ def _train_args(data: Path | str, tmp_path: Path, *extra: str) -> list[str]:
     ("trainer.max_durations=1ba",
      ["unknown recipe key 'trainer.max_durations'", "did you mean 'trainer.max_duration'"]),
     ("trainer.autoresume=true|trainer.save_folder=null", ["'trainer.autoresume'", "trainer.save_folder"]),
+    # the typed sections: a misspelt key anywhere is one line with the closest valid one
+    ("algorithm.options.clip_nrom=1",
+     ["unknown recipe key 'algorithm.options.clip_nrom'", "did you mean 'algorithm.options.clip_norm'"]),
+    ("data.mixer.retry_deadlin=5",
+     ["unknown recipe key 'data.mixer.retry_deadlin'", "did you mean 'data.mixer.retry_deadline'"]),
+    ("algorithm.gram_options.micro_batch=4",
+     ["unknown recipe key 'algorithm.gram_options.micro_batch'",
+      "did you mean 'algorithm.gram_options.micro_batch_size'"]),
+    ("algorithm.alpha_every=0", ["algorithm.alpha_every must be a positive integer, got 0"]),
+    ("algorithm.options.clip_norm=-1", ["algorithm (method grape)", "clip_norm must be None (no clipping) or"]),
+    ("algorithm.method=static", ["algorithm (method static)", "needs weights=[...] (7 domain weights"]),
 ])
 def test_bad_recipe_keys_are_one_line_naming_the_key(override, needles, capsys):
     assert cli_main(["train", "slimpajama-125m", "--dry-run", *override.split("|")]) == 2
     captured = capsys.readouterr()
     one_line(captured.err, *needles)
     assert captured.out == ""  # failed before anything was built or printed
+
+
+def test_a_key_with_no_close_match_gets_no_suggestion(capsys):
+    assert cli_main(["train", "slimpajama-125m", "--dry-run", "model.name=x"]) == 2
+    line = one_line(capsys.readouterr().err, "unknown recipe key 'model.name'")
+    assert "did you mean" not in line  # not model.n_layer: only close matches are suggested
+
+
+def test_python_keywords_misspelt_are_one_line_with_the_closest(converted):
+    """The same rule for Python users: a keyword override of a typed config, misspelt, is one
+    UnknownOptionError (a TypeError) naming it and the closest field."""
+    from grape_stream.errors import UnknownOptionError
+    from grape_stream.integrations.grape_loop import GrapeLoop
+    from grape_stream.mixing.mixer import DomainStream, WeightedStreamingMixer
+
+    with pytest.raises(UnknownOptionError, match=r"^GRAPE got an unexpected option 'clip_nrom'; did you mean "
+                                                 r"'clip_norm'\?$"):
+        GrapeLoop(clip_nrom=1.0)
+    with pytest.raises(UnknownOptionError, match=r"unknown option 'algorithm.options.z_smooth'.*'algorithm.options."
+                                                 r"z_smoothing'"):
+        GrapeLoop(options={"z_smooth": 0.1})
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'retry_deadlin'; did you mean 'retry_deadline'"):
+        WeightedStreamingMixer([DomainStream("en", local=str(converted / "en"))], batch_size=4, retry_deadlin=5)
+
+
+def test_the_recipe_s_typed_sections_reach_their_consumers_as_they_are(converted):
+    """data.mixer is the mixer's own config object (its retry_deadline in the retry policies of the reads, a
+    domain's own value winning); algorithm is the GRAPE loop's config object."""
+    from grape_stream.integrations.grape_loop import GrapeLoop
+    from grape_stream.mixing.mixer import DomainStream, WeightedStreamingMixer
+    from grape_stream.recipe import build_mixer, load_config
+
+    recipe = load_config("demo-cpu", [f"data.local={converted}", "data.split=null", "data.domains=[en, fr]",
+                                      "data.mixer.retry_deadline=7.5", "algorithm.alpha_every=3"])
+    with build_mixer(recipe, [{"name": d, "remote": None, "local": str(converted / d), "split": None}
+                              for d in ("en", "fr")], batch_size=4, seed=0) as mixer:
+        assert mixer.config is recipe.data.mixer
+        assert [r.deadline for r in mixer._composer.retry] == [7.5, 7.5]
+    own = [DomainStream("en", local=str(converted / "en"), retry_deadline=2.0),
+           DomainStream("fr", local=str(converted / "fr"))]
+    with WeightedStreamingMixer(own, batch_size=4, config=recipe.data.mixer) as mixer:
+        assert [r.deadline for r in mixer._composer.retry] == [2.0, 7.5]  # DomainStream.own_or: the domain's first
+    loop = GrapeLoop(recipe.algorithm)
+    assert loop.config is recipe.algorithm and loop.config.alpha_every == 3
 
 
 @pytest.mark.parametrize("override", [

@@ -90,7 +90,9 @@ def test_hf_trainer_sigkill_then_resume_replays_the_straight_run(data, tmp_path,
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert max(int(d.split("-")[1]) for d in os.listdir(broken) if d.startswith("checkpoint-")) == last
     state = torch.load(os.path.join(broken, f"checkpoint-{last}", "grape_stream.pt"), weights_only=True)
-    assert state["step"] == last and state["mixer"]["batch"] == last * accumulate
+    # the mixer's position counts global batches (one per optimizer step: accumulate micro-batches each)
+    assert state["step"] == last and state["mixer"]["batch"] == last
+    assert state["mixer"]["written_by"]["micro_batches"] == accumulate
     _ok(_run(data, broken, case, "--resume"))
 
     a, b = _samples(straight), _samples(broken)
@@ -150,5 +152,5 @@ def test_hf_trainer_ddp_two_ranks_agree_on_alpha_and_read_disjoint_samples(data,
     seen1 = {(d, i) for r in s1 for d, i in zip(r["domains"], r["ids"])}
     assert not seen0 & seen1  # each rank reads its own part of every domain
     state = torch.load(os.path.join(out, "checkpoint-8", "grape_stream.pt"), weights_only=True)
-    assert state["step"] == 8 and state["mixer"]["batch"] == 8 and state["mixer"]["world_size"] == 2
+    assert state["step"] == 8 and state["mixer"]["batch"] == 8 and state["mixer"]["written_by"]["world_size"] == 2
     assert [t[1] for t in _trajectory(out)] == [a for _, a in r0]

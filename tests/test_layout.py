@@ -31,13 +31,13 @@ LEVELS: dict[str, int] = {
     "grape_stream.testing": 0,
     "grape_stream.stale_temp": 0,
     "grape_stream.lazy": 0,
+    "grape_stream.version": 0,
     "grape_stream.streaming_compat": 1,
     "grape_stream.mixing": 2,
     "grape_stream.convert": 2,
     "grape_stream.grape": 3,
     "grape_stream.mixture": 3,
     "grape_stream.recipe": 4,
-    "grape_stream.recipes": 4,
     "grape_stream.integrations": 5,
     "grape_stream.apps": 6,
     "grape_stream.cli": 6,
@@ -59,8 +59,16 @@ def _module_name(path: Path) -> str:
 MODULES = {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
 
 
+#: The package root (``grape_stream/__init__.py``): its public API is lazy (grape_stream.lazy), so at run time
+#: it imports only level-0 modules, and nothing inside the package may import it (version.py holds the version).
+ROOT = "grape_stream"
+ROOT_LEVEL = 0
+
+
 def _area(module: str) -> str | None:
-    """The LEVELS key a module belongs to (its longest matching prefix); the package root has none."""
+    """The LEVELS key a module belongs to (its longest matching prefix); the root is its own area."""
+    if module == ROOT:
+        return ROOT
     best = None
     for key in LEVELS:
         if (module == key or module.startswith(key + ".")) and (best is None or len(key) > len(best)):
@@ -78,13 +86,13 @@ def _type_checking_only(tree: ast.AST) -> set[int]:
     return skip
 
 
-def _imports(module: str, path: Path) -> set[str]:
+def _imports(module: str, path: Path, *, annotations: bool = False) -> set[str]:
     """Every grape_stream module this one imports at run time, at top level or inside functions (lazy
-    imports count; imports for type annotations only do not)."""
+    imports count); with ``annotations``, also those under ``if TYPE_CHECKING:``."""
     tree = ast.parse(path.read_text(), filename=str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
-    skip = _type_checking_only(tree)
+    skip = set() if annotations else _type_checking_only(tree)
     for node in ast.walk(tree):
         if id(node) in skip:
             continue
@@ -110,11 +118,24 @@ def _imports(module: str, path: Path) -> set[str]:
 
 
 GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}
+#: The same edges plus the imports for annotations only: a cycle through them is still a cycle of design
+#: (two modules that each need the other to be read), even though Python never runs it.
+GRAPH_ANNOTATED = {m: _imports(m, p, annotations=True) for m, p in MODULES.items()}
+
+
+def _level(area: str) -> int:
+    return ROOT_LEVEL if area == ROOT else LEVELS[area]
 
 
 def test_every_module_has_a_level() -> None:
-    missing = [m for m in MODULES if m != "grape_stream" and _area(m) is None]
+    missing = [m for m in MODULES if _area(m) is None]
     assert not missing, f"add these to LEVELS (and to docs/design.md's map): {missing}"
+
+
+def test_nothing_imports_the_package_root() -> None:
+    """The root only re-exports (lazily): a module importing it would reach higher levels through it."""
+    bad = sorted(m for m, deps in GRAPH_ANNOTATED.items() if ROOT in deps)
+    assert not bad, f"import what you need from its module (grape_stream.version for __version__), not the root: {bad}"
 
 
 def test_no_upward_or_sideways_imports() -> None:
@@ -126,18 +147,17 @@ def test_no_upward_or_sideways_imports() -> None:
         for dep in deps:
             dst = _area(dep)
             if dst is None:
-                # only the package root's lazy public API may be imported from everywhere... but not used
-                # as a shortcut into higher levels; importing `grape_stream` itself is for __version__.
                 continue
-            if LEVELS[dst] > LEVELS[src] or (src, dst) in SIBLINGS_APART:
+            if _level(dst) > _level(src) or (src, dst) in SIBLINGS_APART:
                 bad.append(f"{mod} -> {dep}")
     assert not bad, "imports that go up (or across level-2 siblings):\n" + "\n".join(sorted(bad))
 
 
 def test_no_import_cycles() -> None:
-    # A package's __init__ re-exporting its own submodules is not a cycle of design; everything else is.
+    # A package's __init__ re-exporting its own submodules is not a cycle of design; everything else is,
+    # imports for annotations only (under TYPE_CHECKING) included.
     def edges(m: str) -> set[str]:
-        return {d for d in GRAPH[m] if not (m.startswith(d + ".") and MODULES[d].name == "__init__.py")}
+        return {d for d in GRAPH_ANNOTATED[m] if not (m.startswith(d + ".") and MODULES[d].name == "__init__.py")}
 
     index: dict[str, int] = {}
     low: dict[str, int] = {}

@@ -117,5 +117,5 @@ def test_lightning_ddp_two_ranks_agree_on_alpha_and_read_disjoint_samples(data, 
     seen1 = {(d, i) for r in s1 for d, i in zip(r["domains"], r["ids"])}
     assert not seen0 & seen1  # each rank reads its own part of every domain
     state = _final(out, 8)["callbacks"]["GrapeLightningCallback"]
-    assert state["step"] == 8 and state["mixer"]["batch"] == 8 and state["mixer"]["world_size"] == 2
+    assert state["step"] == 8 and state["mixer"]["batch"] == 8 and state["mixer"]["written_by"]["world_size"] == 2
     assert [t[1] for t in _trajectory(out)] == [a for _, a in r0]

@@ -79,7 +79,7 @@ def test_wheel_declares_extras_entry_points_and_package_data(wheel):
     ):
         section = eps.split(f"[{group}]")[1].split("[")[0]
         assert f"{name} = {target}" in section, (group, section)
-    assert any(n.startswith("grape_stream/recipes/") and n.endswith(".yaml") for n in names)
+    assert any(n.startswith("grape_stream/recipe_yaml/") and n.endswith(".yaml") for n in names)
     assert "grape_stream/integrations/summary.py" in names and not any(n.startswith("tests/") for n in names)
     assert "grape_stream/py.typed" in names  # PEP 561
     assert any(n.endswith(".dist-info/LICENSE") or "/licenses/LICENSE" in n for n in names), names

@@ -3,6 +3,7 @@ keys by name; overrides work; `grape-stream train` trains a recipe end to end on
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -12,6 +13,7 @@ import yaml
 
 from _grape_data import SEQ, VOCAB, write_dataset
 from grape_stream.cli import main as cli_main
+from grape_stream.config import MixerConfig
 from grape_stream.integrations.composer.trainer import build, main
 from grape_stream.recipe import apply_overrides, build_model, bundled_recipes, load_recipe
 
@@ -87,7 +89,9 @@ def test_overrides_parse_yaml_values_and_reach_free_maps():
     ])
     assert cfg["trainer"]["max_duration"] == "20ba" and cfg["optimizer"]["lr"] == 1e-3
     assert cfg["data"]["domains"] == ["en", "fr"] and cfg["algorithm"]["options"] == {"clip_norm": 1.0}
-    assert cfg["model"]["hf_overrides"] == {"n_layer": 1} and cfg["data"]["mixer"] == {"cache_limit": "1gb"}
+    # data.mixer is a MixerConfig (typed, not a free map): the override sets one field, the rest are its defaults
+    assert cfg["model"]["hf_overrides"] == {"n_layer": 1}
+    assert cfg["data"]["mixer"] == {**dataclasses.asdict(MixerConfig()), "cache_limit": "1gb"}
     assert cfg["trainer"]["save_folder"] is None
     again = apply_overrides(cfg, ["algorithm={method: uniform}"])  # omegaconf: merged with what is there
     assert again["algorithm"]["method"] == "uniform" and again["algorithm"]["alpha_every"] == 25  # demo-cpu's

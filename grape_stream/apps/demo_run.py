@@ -18,7 +18,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from grape_stream.apps.demo_callbacks import Progress, TestCurve
 from grape_stream.apps.demo_settings import DEMO, DemoSettings
 from grape_stream.integrations.composer.trainer import build
-from grape_stream.recipe import load_recipe
+from grape_stream.recipe import as_recipe, load_recipe
 from grape_stream.streaming_compat.local_index import release_streaming_dataset
 
 __all__ = ["RECIPE", "recipe_overrides", "run_method"]
@@ -152,7 +152,7 @@ def _result(method: str, seed: int, settings: DemoSettings, cfg: Mapping[str, An
             curve: TestCurve, bar: Progress, history: list[dict[str, Any]], domains: list[str],
             seconds: float) -> dict[str, Any]:
     """What one run reports (result.json): final losses, the test-loss curve, the trajectory, timings."""
-    seq_len = int(cfg["data"]["seq_len"] or 256)
+    seq_len = int(as_recipe(cfg).data.seq_len or 256)
     tokens_per_step = settings.global_batch * seq_len
     tasks = [t.name for t in built.tasks]
     final = curve.final or {n: curve.loss[n][-1] for n in tasks}

@@ -1,6 +1,7 @@
 """`grape-stream convert SOURCE --input PATH_OR_GLOB... --out DIR_OR_URL [options]`.
 
-A thin argparse layer over `grape_stream.convert.pipeline.convert`; docs/converters.md has one worked example per
+A thin argparse layer: the flags build one `grape_stream.config.ConvertConfig` (each default and meaning read
+from it) that `grape_stream.convert.pipeline.convert` takes; docs/converters.md has one worked example per
 source. Run under `grape-stream` (:func:`grape_stream.errors.run_cli`), a known failure prints one line. Exit
 status: 0 done, 1 bad input under --strict, an output that holds another conversion, or storage that cannot be
 reached / written (re-run the same command to resume), 2 a usage error (unknown option, missing input file,
@@ -11,14 +12,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
+from grape_stream.config import ConvertConfig, field_default, field_names
 from grape_stream.console import is_quiet
 from grape_stream.convert.pipeline import convert
 from grape_stream.convert.readers import REGISTRY, reader_options
 from grape_stream.errors import ConfigError, DataError, StorageError, UserFacingError
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "config_from_args"]
 
 
 def _add_reader_flags(group: argparse._ArgumentGroup) -> None:
@@ -37,57 +39,81 @@ def _add_reader_flags(group: argparse._ArgumentGroup) -> None:
                            help=f"{opt.help} ({where}{default})")
 
 
+def _compression(value: str) -> str | None:
+    return None if value.lower() in ("none", "") else value
+
+
+def _hashes(value: str) -> list[str]:
+    return [h for h in value.split(",") if h]
+
+
+def _option(group: argparse._ArgumentGroup, flag: str, name: str, help: str, **kwargs: Any) -> None:
+    """A flag for ConvertConfig field ``name``: its default is the field's (shown in the help), stated once."""
+    default = field_default(ConvertConfig, name)
+    if kwargs.get("action") in ("store_true", "store_false"):
+        group.add_argument(flag, dest=name, help=help, **kwargs)
+    else:
+        shown = f" (default: {default})" if default not in (None, []) else ""
+        group.add_argument(flag, dest=name, default=default, help=help + shown, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The flags of ``grape-stream convert``: one per :class:`~grape_stream.config.ConvertConfig` field (its
+    default and meaning from there) and one per reader option (from the readers' registry)."""
     p = argparse.ArgumentParser(
         prog="grape-stream convert",
         description="Convert a corpus into per-domain MDS shards (OUT/<domain>[/<split>]/), locally or to s3://.",
         epilog="Re-run the same command after an interruption to resume. See docs/converters.md.",
     )
     p.add_argument("source", choices=tuple(REGISTRY), help="input layout")
-    p.add_argument("--input", "-i", required=True, nargs="+", action="extend", metavar="PATH",
+    p.add_argument("--input", "-i", dest="inputs", required=True, nargs="+", action="extend", metavar="PATH",
                    help="input files, globs (quote them) or directories; repeatable")
     p.add_argument("--out", "-o", required=True, help="output directory, or a remote URL such as s3://bucket/prefix")
 
     t = p.add_argument_group("tokens and samples")
-    t.add_argument("--tokenizer", default="gpt2",
-                   help="gpt2 (offline), bytes (UTF-8 bytes, EOS=256), a tokenizer.json path or a Hugging Face name "
-                        "(default: gpt2)")
-    t.add_argument("--eos-id", type=int, default=None,
-                   help="end-of-sequence id, when the tokenizer's cannot be guessed")
-    t.add_argument("--seq-len", type=int, default=1024, help="tokens per sample (default: 1024)")
-    t.add_argument("--eos", choices=("auto", "always", "none"), default="auto",
-                   help="EOS after each document: auto = unless it already ends with EOS (default), always, none")
-    t.add_argument("--remainder", choices=("drop", "pad"), default="drop",
-                   help="last partial sequence of each work unit: drop (default) or pad with a loss_mask column")
-    t.add_argument("--per-example", action="store_true",
+    _option(t, "--tokenizer", "tokenizer",
+            "gpt2 (offline), bytes (UTF-8 bytes, EOS=256), a tokenizer.json path or a Hugging Face name")
+    _option(t, "--eos-id", "eos_id", "end-of-sequence id, when the tokenizer's cannot be guessed", type=int)
+    _option(t, "--seq-len", "seq_len", "tokens per sample", type=int)
+    _option(t, "--eos", "eos", "EOS after each document: auto = unless it already ends with EOS, always, none",
+            choices=("auto", "always", "none"))
+    _option(t, "--remainder", "remainder", "last partial sequence of each work unit: drop, or pad with a loss_mask "
+            "column", choices=("drop", "pad"))
+    t.add_argument("--per-example", dest="per_example", action="store_const", const=True, default=None,
                    help="one padded sample per record with a loss_mask (always on for the task source)")
 
     s = p.add_argument_group("domains and splits")
-    s.add_argument("--holdout", type=float, default=None, metavar="FRACTION",
-                   help="carve a val split of this fraction per domain (splits train/val)")
-    s.add_argument("--split", default=None, metavar="NAME=FRAC,...",
-                   help="hash splits, e.g. train=0.8,probe=0.1,test=0.1")
-    s.add_argument("--split-seed", type=int, default=0, help="seed of the hash split (default: 0)")
+    _option(s, "--holdout", "holdout", "carve a val split of this fraction per domain (splits train/val)",
+            type=float, metavar="FRACTION")
+    _option(s, "--split", "split", "hash splits, e.g. train=0.8,probe=0.1,test=0.1", metavar="NAME=FRAC,...")
+    _option(s, "--split-seed", "split_seed", "seed of the hash split", type=int)
     _add_reader_flags(p.add_argument_group("reader options (each applies to the sources named)"))
 
     w = p.add_argument_group("output and execution")
-    w.add_argument("--workers", type=int, default=1, help="worker processes (default: 1)")
-    w.add_argument("--files-per-unit", type=int, default=1, help="input files per work unit (default: 1)")
-    w.add_argument("--compression", default="zstd", help="shard compression, e.g. zstd, zstd:7 or none (default: zstd)")
-    w.add_argument("--shard-size", default="64mb", help="uncompressed shard size limit (default: 64mb)")
-    w.add_argument("--hashes", default="", help="comma-separated shard hashes, e.g. sha1,xxh64")
-    w.add_argument("--local", default=None, help="staging/resume directory for a remote --out")
-    w.add_argument("--keep-local", action="store_true", help="keep the staged shards after uploading them")
-    w.add_argument("--strict", action="store_true", help="stop at the first bad input, naming file and line")
-    w.add_argument("--text-errors", choices=("repair", "skip"), default="repair",
-                   help="text with lone surrogates or control characters: repair it (U+FFFD / dropped "
-                        "characters; the document is kept) or skip the document; both are counted in "
-                        "report.json (default: repair)")
-    w.add_argument("--overwrite", action="store_true", help="discard a previous conversion in --out and start over")
-    w.add_argument("--max-examples", type=int, default=5, help="examples per bad-input kind and file in report.json")
-    w.add_argument("--no-progress", action="store_true",
-                   help="no progress (bars on a terminal, else a line every 5 s; --quiet implies it)")
+    _option(w, "--workers", "workers", "worker processes", type=int)
+    _option(w, "--files-per-unit", "files_per_unit", "input files per work unit", type=int)
+    _option(w, "--compression", "compression", "shard compression, e.g. zstd, zstd:7 or none", type=_compression)
+    _option(w, "--shard-size", "shard_size", "uncompressed shard size limit")
+    _option(w, "--hashes", "hashes", "comma-separated shard hashes, e.g. sha1,xxh64", type=_hashes)
+    _option(w, "--local", "local", "staging/resume directory for a remote --out")
+    _option(w, "--keep-local", "keep_local", "keep the staged shards after uploading them", action="store_true")
+    _option(w, "--strict", "strict", "stop at the first bad input, naming file and line", action="store_true")
+    _option(w, "--text-errors", "text_policy", "text with lone surrogates or control characters: repair it "
+            "(U+FFFD / dropped characters; the document is kept) or skip the document; both are counted in "
+            "report.json", choices=("repair", "skip"))
+    _option(w, "--overwrite", "overwrite", "discard a previous conversion in --out and start over",
+            action="store_true")
+    _option(w, "--max-examples", "max_examples", "examples per bad-input kind and file in report.json", type=int)
+    _option(w, "--no-progress", "progress",
+            "no progress (bars on a terminal, else a line every 5 s; --quiet implies it)", action="store_false")
     return p
+
+
+def config_from_args(args: argparse.Namespace) -> ConvertConfig:
+    """The parsed command line as one ConvertConfig (the reader's flags under ``reader``)."""
+    fields = {name: getattr(args, name) for name in field_names(ConvertConfig) if name != "reader"}
+    fields["progress"] = fields["progress"] and not is_quiet()  # --quiet (any sub-command) implies --no-progress
+    return ConvertConfig(**fields, reader={name: getattr(args, name) for name in reader_options()})
 
 
 def _as_user_error(exc: BaseException) -> BaseException:
@@ -108,20 +134,8 @@ def _as_user_error(exc: BaseException) -> BaseException:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    compression = None if args.compression.lower() in ("none", "") else args.compression
     try:
-        result = convert(
-            args.source, args.input, args.out,
-            tokenizer=args.tokenizer, eos_id=args.eos_id, seq_len=args.seq_len, eos=args.eos,
-            remainder=args.remainder, per_example=True if args.per_example else None,
-            holdout=args.holdout, split=args.split, split_seed=args.split_seed,
-            workers=args.workers, files_per_unit=args.files_per_unit, compression=compression,
-            shard_size=args.shard_size, hashes=[h for h in args.hashes.split(",") if h],
-            local=args.local, keep_local=args.keep_local, strict=args.strict, text_policy=args.text_errors,
-            overwrite=args.overwrite,
-            max_examples=args.max_examples, progress=not (args.no_progress or is_quiet()),
-            **{name: getattr(args, name) for name in reader_options()},
-        )
+        result = convert(config_from_args(args))
     except (ValueError, FileNotFoundError, ConnectionError) as exc:
         user = _as_user_error(exc)
         if user is exc:

@@ -14,13 +14,13 @@ import os
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from grape_stream import __version__
 from grape_stream.atomic import atomic_write_json
 from grape_stream.convert.inputs import natural_key
 from grape_stream.convert.layout import CONVERTER_VERSION, MANIFEST_FORMAT, dataset_dir
 from grape_stream.convert.packing import PackStats
 from grape_stream.convert.plan import Units
 from grape_stream.convert.remote import upload
+from grape_stream.version import __version__
 
 __all__ = ["Finaliser", "build_report", "build_manifest"]
 

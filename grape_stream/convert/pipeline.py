@@ -2,6 +2,8 @@
 
     result = convert("jsonl", ["data/*.jsonl.zst"], "out/", tokenizer="bytes", seq_len=256,
                      domain_field="lang", split_field="split", workers=2)
+    result = convert(ConvertConfig(source="jsonl", inputs=["data/*.jsonl.zst"], out="out/", seq_len=256,
+                                   reader={"domain_field": "lang"}))
 
 Pipeline: a reader (grape_stream.convert.readers) turns files into records -> tokenize in batches -> pack
 into seq_len rows (or pad per example for tasks) -> one MDSWriter per (work unit, domain, split) ->
@@ -16,7 +18,8 @@ unit and domain. A domain is finalised (its index.json merged) as soon as every 
 is done; `manifest.json` is written last, atomically, and lists only finalised domains.
 
 This module is the sequence (check, plan, run, finish); each step lives in its own module: plan.py,
-runner.py + unit.py, finalise.py, remote.py, progress.py.
+runner.py + unit.py, finalise.py, remote.py, progress.py. The settings are one ConvertConfig
+(grape_stream.config), built by the command line or by ``convert``'s arguments, read by each step.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import os
 from typing import Any, Sequence
 
 from grape_stream.atomic import atomic_write_json
+from grape_stream.config import ConvertConfig
 from grape_stream.convert.errors import ConvertInputError, ConvertStateError
 from grape_stream.convert.finalise import Finaliser, build_manifest, build_report
 from grape_stream.convert.inputs import expand_patterns
@@ -35,6 +39,7 @@ from grape_stream.convert.plan import (
     build_plan,
     check_run_options,
     check_shard_options,
+    convert_config,
     load_markers,
     parse_split,
     prepare_out,
@@ -55,96 +60,60 @@ __all__ = [
 ]
 
 
-def convert(
-    source: str,
-    inputs: str | Sequence[str],
-    out: str,
-    *,
-    tokenizer: str = "gpt2",
-    eos_id: int | None = None,
-    seq_len: int = 1024,
-    eos: str = "auto",
-    remainder: str = "drop",
-    per_example: bool | None = None,
-    holdout: float | None = None,
-    split: str | dict[str, float] | None = None,
-    split_seed: int = 0,
-    split_field: str | None = None,
-    split_from_path: bool = False,
-    domain: str | None = None,
-    domain_field: str | None = None,
-    text_field: str | None = None,
-    markers: str | None = None,
-    layout: str | None = None,
-    workers: int = 1,
-    files_per_unit: int = 1,
-    compression: str | None = "zstd",
-    shard_size: int | str = "64mb",
-    hashes: Sequence[str] = (),
-    local: str | None = None,
-    keep_local: bool = False,
-    strict: bool = False,
-    text_policy: str = "repair",
-    overwrite: bool = False,
-    max_examples: int = 5,
-    progress: bool = True,
-    **reader_options: Any,
-) -> ConvertResult:
-    """Convert `inputs` (paths, globs or directories) of one `source` layout into MDS under `out`.
+def convert(source: str | ConvertConfig, inputs: str | Sequence[str] | None = None, out: str | None = None,
+            **options: Any) -> ConvertResult:
+    """Convert a corpus into MDS under ``out``: ``convert(config)`` with a
+    :class:`~grape_stream.config.ConvertConfig`, or its fields as arguments (``convert("jsonl", ["c/*.jsonl"],
+    "out/", seq_len=256, domain_field="lang")``: reader options such as ``domain_field`` join
+    ``config.reader``); keyword arguments also override a given config's fields.
 
     source: one of grape_stream.convert.readers.SOURCES (slimpajama | climblab | climbmix | wiki40b |
-        jsonl | parquet | task).
+        jsonl | parquet | task). inputs: paths, globs or directories of that layout.
     out: a local directory, or a remote URL (s3://bucket/prefix; endpoint from S3_ENDPOINT_URL) with
-        `local` as the staging directory (default: ~/.cache/grape_stream/convert/<hash of out>), which
+        ``local`` as the staging directory (default: ~/.cache/grape_stream/convert/<hash of out>), which
         also holds the resume state.
-    reader_options: options of readers added later than the named ones (see readers/base.py).
-    Re-running with the same arguments resumes (or returns at once if complete); different arguments on
-    the same `out` raise ConvertStateError unless `overwrite`. See docs/converters.md for every option.
-    Long because the signature and this docstring name every option; the body is one call per step.
+    Re-running with the same settings resumes (or returns at once if complete); different settings on
+    the same ``out`` raise ConvertStateError unless ``overwrite``. docs/converters.md documents every option.
     """
-    check_run_options(workers=workers, files_per_unit=files_per_unit, eos=eos, remainder=remainder,
-                      seq_len=seq_len, domain=domain)
-    reader = build_reader(
-        source, split_from_path=split_from_path, domain=domain, domain_field=domain_field,
-        split_field=split_field, text_field=text_field, markers=markers, layout=layout, **reader_options,
-    )
-    check_shard_options(compression, hashes)
-    split_fracs = parse_split(split, holdout)
+    config = convert_config(source, inputs, out, options)
+    check_run_options(config)
+    reader = build_reader(config.source, **config.reader)
+    check_shard_options(config.compression, config.hashes)
+    split_fracs = parse_split(config.split, config.holdout)
+    split_field, split_from_path = config.reader.get("split_field"), config.reader.get("split_from_path")
     if split_fracs and (split_field or split_from_path):
         raise ValueError("--split/--holdout assign splits by hash; --split-field/--split-from-path read them from the "
                          "data: pick one")
-    if per_example is None:
-        per_example = reader.per_example
-    if per_example and remainder != "drop":
+    per_example = reader.per_example if config.per_example is None else config.per_example
+    if per_example and config.remainder != "drop":
         raise ValueError("remainder applies to packed sequences; per-example samples are always padded")
-    tok = tokenizer_facts(reader, source, tokenizer, eos_id)
+    tok = tokenizer_facts(reader, config.source, config.tokenizer, config.eos_id)
 
-    files, root = expand_patterns([inputs] if isinstance(inputs, str) else list(inputs), reader.patterns)
+    files, root = expand_patterns(list(config.inputs), reader.patterns)
     rels = [os.path.relpath(f, root) for f in files]
-    remote = out.rstrip("/") if is_remote(out) else None
-    local_root = os.path.abspath(os.path.expanduser(local or (default_local(out) if remote else out)))
+    remote = config.out.rstrip("/") if is_remote(config.out) else None
+    local_root = os.path.abspath(os.path.expanduser(config.local or (default_local(config.out) if remote
+                                                                     else config.out)))
     if remote:
         check_remote(remote)
 
     plan = build_plan(
-        source=source, reader=reader, tok=tok, seq_len=seq_len, eos=eos, remainder=remainder,
-        per_example=per_example, split_fracs=split_fracs, split_seed=split_seed,
+        config, reader=reader, tok=tok, per_example=per_example, split_fracs=split_fracs,
         split_by="hash" if split_fracs else "field" if split_field else "path" if split_from_path else None,
-        compression=compression, shard_size=shard_size, hashes=hashes, files_per_unit=files_per_unit,
         root=root, files=files, rels=rels, remote=remote,
     )
-    if text_policy not in TEXT_POLICIES:
-        raise ValueError(f"text_policy must be one of {TEXT_POLICIES}, got {text_policy!r}")
-    if text_policy != "repair":  # part of the plan (a resume must not mix policies); absent = the default,
-        plan["text_policy"] = text_policy  # so conversions started before the option existed still resume
+    if config.text_policy not in TEXT_POLICIES:
+        raise ValueError(f"text_policy must be one of {TEXT_POLICIES}, got {config.text_policy!r}")
+    if config.text_policy != "repair":  # part of the plan (a resume must not mix policies); absent = the default,
+        plan["text_policy"] = config.text_policy  # so conversions started before the option existed still resume
     state = os.path.join(local_root, STATE_DIR)
-    prepare_out(local_root, state, plan, overwrite)
-    units = split_units(files, rels, files_per_unit)
+    prepare_out(local_root, state, plan, config.overwrite)
+    units = split_units(files, rels, config.files_per_unit)
     if os.path.exists(os.path.join(local_root, "manifest.json")):
         return _already_complete(local_root, remote, len(units))
-    jobs_kw = dict(reader=reader, plan=plan, local=local_root, remote=remote, keep_local=keep_local,
-                   strict=strict, max_examples=max_examples)
-    return _run(plan, reader, units, state, local_root, remote, workers, progress, jobs_kw)
+    jobs_kw = dict(reader=reader, plan=plan, local=local_root, remote=remote, keep_local=config.keep_local,
+                   strict=config.strict, max_examples=config.max_examples)
+    return _run(plan, reader, units, state, local_root, remote, config.workers, config.progress, jobs_kw)
 
 
 def _already_complete(local_root: str, remote: str | None, n_units: int) -> ConvertResult:

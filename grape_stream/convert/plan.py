@@ -10,16 +10,19 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from grape_stream.atomic import atomic_write_json
+from grape_stream.config import ConvertConfig, field_names
 from grape_stream.convert.errors import ConvertStateError
 from grape_stream.convert.inputs import check_domain_name
 from grape_stream.convert.layout import CONVERTER_VERSION, STATE_DIR
 from grape_stream.convert.packing import EOS_MODES, REMAINDER_MODES
 from grape_stream.convert.tokenization import GPT2_EOS_ID, GPT2_VOCAB_SIZE, load_tokenizer, token_dtype
+from grape_stream.errors import UnknownOptionError, did_you_mean
 
 __all__ = [
+    "convert_config",
     "parse_split",
     "check_run_options",
     "check_shard_options",
@@ -33,6 +36,35 @@ __all__ = [
 ]
 
 Units = list[tuple[str, list[tuple[str, str]]]]  # (unit id, [(absolute path, path relative to the input root)])
+
+
+def convert_config(source: str | ConvertConfig, inputs: str | Sequence[str] | None, out: str | None,
+                   options: Mapping[str, Any]) -> ConvertConfig:
+    """The ConvertConfig of a ``convert(...)`` call: the given config (or the fields as arguments) with the
+    keyword ``options`` applied, a reader's option (``domain_field``) into ``config.reader``; a name that is
+    neither is one UnknownOptionError naming it and the closest."""
+    from grape_stream.convert.readers import reader_options
+
+    if isinstance(source, ConvertConfig):
+        fields: dict[str, Any] = {f: getattr(source, f) for f in field_names(ConvertConfig)}
+        fields.update({k: v for k, v in (("inputs", inputs), ("out", out)) if v is not None})
+    else:
+        fields = {"source": source, "inputs": inputs, "out": out}
+    known = reader_options()
+    reader = dict(fields.get("reader") or {})
+    for name, value in options.items():
+        if name in known:
+            reader[name] = value
+        elif name in field_names(ConvertConfig) and name != "reader":
+            fields[name] = value
+        else:
+            raise UnknownOptionError(f"convert() got an unexpected keyword argument {name!r}"
+                                     f"{did_you_mean(name, [*field_names(ConvertConfig), *known])}")
+    if fields["inputs"] is None or fields["out"] is None:
+        raise TypeError("convert() needs a source, inputs and out (or a ConvertConfig)")
+    fields["inputs"] = [fields["inputs"]] if isinstance(fields["inputs"], str) else list(fields["inputs"])
+    fields["reader"] = reader
+    return ConvertConfig(**fields)
 
 
 def parse_split(spec: str | dict[str, float] | None, holdout: float | None = None) -> dict[str, float] | None:
@@ -69,19 +101,20 @@ def parse_split(spec: str | dict[str, float] | None, holdout: float | None = Non
     return out
 
 
-def check_run_options(*, workers: int, files_per_unit: int, eos: str, remainder: str, seq_len: int,
-                      domain: str | None) -> None:
-    """The checks that need nothing but the arguments (run first: they fail fastest)."""
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
-    if files_per_unit < 1:
-        raise ValueError(f"files_per_unit must be >= 1, got {files_per_unit}")
-    if eos not in EOS_MODES:
-        raise ValueError(f"eos must be one of {EOS_MODES}, got {eos!r}")
-    if remainder not in REMAINDER_MODES:
-        raise ValueError(f"remainder must be one of {REMAINDER_MODES}, got {remainder!r}")
-    if seq_len < 2:
-        raise ValueError(f"seq_len must be at least 2, got {seq_len}")
+def check_run_options(config: ConvertConfig) -> None:
+    """The checks that need nothing but the settings (run first: they fail fastest)."""
+    c = config
+    if c.workers < 1:
+        raise ValueError(f"workers must be >= 1, got {c.workers}")
+    if c.files_per_unit < 1:
+        raise ValueError(f"files_per_unit must be >= 1, got {c.files_per_unit}")
+    if c.eos not in EOS_MODES:
+        raise ValueError(f"eos must be one of {EOS_MODES}, got {c.eos!r}")
+    if c.remainder not in REMAINDER_MODES:
+        raise ValueError(f"remainder must be one of {REMAINDER_MODES}, got {c.remainder!r}")
+    if c.seq_len < 2:
+        raise ValueError(f"seq_len must be at least 2, got {c.seq_len}")
+    domain = c.reader.get("domain")
     if domain is not None and check_domain_name(domain):
         raise ValueError(f"--domain: {check_domain_name(domain)}")
 
@@ -118,36 +151,37 @@ def tokenizer_facts(reader: Any, source: str, tokenizer: str, eos_id: int | None
     return tok.name, tok.vocab_size, tok.eos_id
 
 
-def build_plan(*, source: str, reader: Any, tok: tuple[str, int, int], seq_len: int, eos: str, remainder: str,
-               per_example: bool, split_fracs: dict[str, float] | None, split_seed: int, split_by: str | None,
-               compression: str | None, shard_size: int | str, hashes: Sequence[str], files_per_unit: int,
-               root: str, files: list[str], rels: list[str], remote: str | None) -> dict[str, Any]:
-    """plan.json: every setting that changes the output (and the inputs with their sizes)."""
+def build_plan(config: ConvertConfig, *, reader: Any, tok: tuple[str, int, int], per_example: bool,
+               split_fracs: dict[str, float] | None, split_by: str | None, root: str, files: list[str],
+               rels: list[str], remote: str | None) -> dict[str, Any]:
+    """plan.json: every setting of ``config`` that changes the output, with what was derived from it (the
+    reader, the tokenizer's facts, the splits) and the inputs with their sizes."""
+    c = config
     tok_name, vocab_size, eos_final = tok
     dtype = token_dtype(vocab_size)
     columns = {"tokens": f"ndarray:{dtype.name}"}
-    if per_example or remainder == "pad":
+    if per_example or c.remainder == "pad":
         columns["loss_mask"] = "ndarray:uint8"
     return {
         "converter_version": CONVERTER_VERSION,
-        "source": source,
+        "source": c.source,
         "reader": reader.describe(),
         "tokenizer": tok_name,
         "vocab_size": int(vocab_size),
         "eos_id": int(eos_final),
         "dtype": dtype.name,
         "columns": columns,
-        "seq_len": int(seq_len),
-        "eos": eos,
-        "remainder": remainder,
+        "seq_len": int(c.seq_len),
+        "eos": c.eos,
+        "remainder": c.remainder,
         "per_example": bool(per_example),
         "split": split_fracs,
-        "split_seed": int(split_seed),
+        "split_seed": int(c.split_seed),
         "split_by": split_by,
-        "compression": compression or None,
-        "shard_size": size_bytes(shard_size),
-        "hashes": sorted(hashes),
-        "files_per_unit": int(files_per_unit),
+        "compression": c.compression or None,
+        "shard_size": size_bytes(c.shard_size),
+        "hashes": sorted(c.hashes),
+        "files_per_unit": int(c.files_per_unit),
         "input_root": root,
         "inputs": [[rel, os.path.getsize(f)] for f, rel in zip(files, rels)],
         "remote": remote,

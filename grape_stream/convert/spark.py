@@ -29,6 +29,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from grape_stream.atomic import atomic_write_json
+from grape_stream.config import ConvertConfig, field_default
 from grape_stream.convert.inputs import check_domain_name
 from grape_stream.convert.layout import CONVERTER_VERSION, MANIFEST_FORMAT
 from grape_stream.convert.packing import SequencePacker
@@ -55,20 +56,21 @@ def convert_dataframe(
     df: Any,
     out: str,
     *,
-    tokenizer: str = "gpt2",
+    tokenizer: str = field_default(ConvertConfig, "tokenizer"),
     eos_id: int | None = None,
-    seq_len: int = 1024,
+    seq_len: int = field_default(ConvertConfig, "seq_len"),
     text_column: str = "text",
     domain_column: str | None = None,
     domain: str | None = None,
     split_column: str | None = None,
-    eos: str = "auto",
-    remainder: str = "drop",
-    compression: str = "zstd",
-    shard_size: int | str = "64mb",
+    eos: str = field_default(ConvertConfig, "eos"),
+    remainder: str = field_default(ConvertConfig, "remainder"),
+    compression: str | None = field_default(ConvertConfig, "compression"),
+    shard_size: int | str = field_default(ConvertConfig, "shard_size"),
     local: str | None = None,
 ) -> dict[str, Any]:
     """Write one MDS dataset per (domain, split) of a Spark DataFrame; returns (and writes) the manifest.
+    The shared settings default to ``grape_stream.config.ConvertConfig``'s (``convert``'s).
 
     out: a local/shared directory, or a remote URL (s3://...) with `local` as the staging directory.
     """

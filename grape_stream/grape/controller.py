@@ -1,19 +1,22 @@
 """GrapeController: when to update the mixture, and probe -> Gram -> reweight -> mixer, for any loop.
 
 The loop-independent half of GRAPE. A training loop calls ``controller.maybe_update(model, step, lr)``
-after every optimizer step; every ``alpha_every`` / ``z_every`` steps the controller (1) draws one probe
-batch per domain and per target task (grape.probes; a pure function of ``(seed, step, rank)``, so a
-resumed run draws the same probes), (2) computes the (K+N) x (K+N) Gram matrix of the groups' mean-loss
-gradients with one fused forward/backward (grape.gram: never touches ``.grad``, memory bounded by the
-largest layer), (3) feeds it, the task losses and the current learning rate to the reweighter
-(grape.reweighting) and (4) hands the new domain weights to the mixer (``mixer.set_weights``).
+after every optimizer step; every ``alpha_every`` / ``z_every`` steps the controller (1)-(2) runs the
+probe stage (grape.probe_stage: one probe batch per domain and per target task, a pure function of
+``(seed, step, rank)``, and the (K+N) x (K+N) Gram matrix of the groups' mean-loss gradients from one
+fused forward/backward that never touches ``.grad``), (3) feeds it, the task losses and the current
+learning rate to the reweighter (grape.reweighting) and (4) hands the new domain weights to the mixer
+(grape.mixer_port: ``mixer.set_weights``).
 
-Across ranks the weights are identical by construction *and* by check: each rank probes its own
-(rank-disjoint) samples, Gram and losses are averaged with an all-reduce (every rank feeds bit-identical
-inputs to the deterministic reweighter), and rank 0's alpha / z are broadcast (a mismatch, which would
-reveal non-determinism, is logged once). Each update returns a record (kept in ``history``, written by
-:meth:`write_trajectory`, flattened for loggers by :meth:`metrics`). Method ``"schedule"`` replays a
-recorded trajectory (grape.replay). Nothing here imports Composer; docs/design.md places this module.
+Its settings are one :class:`~grape_stream.config.AlgorithmConfig` (``GrapeController(mixer, tasks,
+config)``, or keyword overrides of its fields and of the reweighter's options; grape.algorithm_config
+holds the rules). Across ranks the weights are identical by construction *and* by check: each rank probes
+its own (rank-disjoint) samples, Gram and losses are averaged with an all-reduce (every rank feeds
+bit-identical inputs to the deterministic reweighter), and rank 0's alpha / z are broadcast (a mismatch,
+which would reveal non-determinism, is logged once). Each update returns a record (kept in ``history``,
+written by :meth:`write_trajectory`, flattened for loggers by :meth:`metrics`). Method ``"schedule"``
+replays a recorded trajectory (grape.replay). Nothing here imports Composer; docs/design.md places this
+module.
 """
 
 from __future__ import annotations
@@ -31,14 +34,20 @@ from torch import nn
 
 from grape_stream.config import AlgorithmConfig
 from grape_stream.errors import ConfigError
+from grape_stream.grape.algorithm_config import (
+    algorithm_config,
+    check_algorithm,
+    controller_methods,
+    filter_reweighter_options,
+    reweighter_options,
+)
 from grape_stream.grape.checkpoint import STATE_FORMAT, check_state_format, from_plain, history_tail, to_plain
 from grape_stream.grape.collectives import agree_with_rank_zero
-from grape_stream.grape.instep_mode import ALIGNMENTS, InstepMode
-from grape_stream.grape.methods import controller_methods, filter_reweighter_options
+from grape_stream.grape.instep_mode import InstepMode
 from grape_stream.grape.metrics import update_metrics
-from grape_stream.grape.mixer_port import mixer_domain_names, push_weights
-from grape_stream.grape.probe_options import ProbeOptions
-from grape_stream.grape.probes import draw_probe_groups, module_device, unwrap_for_probe
+from grape_stream.grape.mixer_port import MixerPort, check_mixer, push_weights
+from grape_stream.grape.probe_stage import PerSampleLoss, ProbeStage
+from grape_stream.grape.probes import module_device, unwrap_for_probe
 from grape_stream.grape.replay import REPLAY_METHOD, ScheduleReplay
 from grape_stream.grape.reweighting import Reweighter, build_reweighter, method_options
 from grape_stream.grape.tasks import TaskStream, task_names
@@ -51,91 +60,37 @@ __all__ = ["REPLAY_METHOD", "STATE_FORMAT", "GrapeController", "controller_metho
 
 log = logging.getLogger(__name__)
 
-PerSampleLoss = Callable[[nn.Module, Mapping[str, torch.Tensor]], torch.Tensor]
-
-
-#: The defaults of every GRAPE setting, stated once (the recipe's `algorithm` section reads the same).
-_DEFAULTS = AlgorithmConfig()
-
-
 class GrapeController:
     """Drives the mixture: every ``alpha_every`` / ``z_every`` optimizer steps, probe -> Gram -> weights.
 
     Args:
-        mixer: the :class:`~grape_stream.mixing.mixer.WeightedStreamingMixer` feeding training (anything with
-            ``domain_names`` or ``domains``, ``probe(k, n, key)`` and ``set_weights(alpha)``).
+        mixer: the :class:`~grape_stream.mixing.mixer.WeightedStreamingMixer` feeding training (any
+            :class:`~grape_stream.grape.mixer_port.MixerPort`).
         tasks: the target tasks (probe split = validation).
-        method: a reweighter name (see ``grape_stream.grape.reweighting.available_methods()``) or
-            ``schedule`` (replay ``schedule_path``).
-        alpha_every, z_every: update periods in optimizer steps (paper: 100 and 100).
-        probe_domain_batch, probe_task_batch: samples per domain / per task in one probe (per rank).
+        config: GRAPE's settings (:class:`~grape_stream.config.AlgorithmConfig`, or a mapping of its fields;
+            default: the paper's). docs/recipes.md ("algorithm") documents each field.
         per_sample_loss: ``f(model, batch) -> Tensor[B]``; the default is the LM loss of
             :mod:`grape_stream.models` (honours ``loss_mask``).
-        seed: seeds the probes; independent of the training stream's seed and position.
-        probe_mode: ``"sharded"`` (each rank probes different samples, Gram averaged over ranks: R times
-            the probe for the cost of one) or ``"replicated"`` (all ranks probe the same samples).
-        probe_train_mode: run the probe with the model in train mode (dropout on). Default False: the
-            alignment of the deterministic network, which is what the next steps move along.
-        schedule_path, schedule_stretch: for ``method="schedule"``, the trajectory JSONL and a factor
-            on its steps (a proxy trajectory of 10k steps drives a 50k-step run with stretch 5).
-        gram_options: passed to ``group_gram`` (``micro_batch_size``, ``chunk_elements``, ``ghost``, ...).
-        geometry, probe_rse, probe_batch_bounds: options beyond the paper (grape.probe_options): "adam"
-            preconditions the alignments by AdamW's second moment (pass ``optimizer=`` to maybe_update);
-            ``probe_rse`` sizes each probe from the previous one's measured noise (grape.probe_size).
-        alignments, alignment_steps: ``"steps"`` takes the domain side from ``alignment_steps`` training steps per
-            update (wrap each forward + backward in :meth:`observe`) instead of K domain probes (grape.instep_mode).
-        **reweighter_options: passed to ``build_reweighter`` (``mu_alpha``, ``mu_z``, ``step_size``,
-            ``clip_norm``, ``z_smoothing``, initial weights, ...).
+        **overrides: AlgorithmConfig fields (``method="doge"``, ``alpha_every=50``, ...) and reweighter
+            options (``clip_norm=1.0``, ``z_smoothing``, ``alpha0``, ...; grape.reweighting), over ``config``.
+            ``mu_alpha`` / ``mu_z`` reach only the methods that take them; a misspelt name is one error
+            naming the closest valid one.
     """
 
-    def __init__(
-        self,
-        mixer: Any,
-        tasks: Sequence[TaskStream],
-        method: str = _DEFAULTS.method,
-        alpha_every: int = _DEFAULTS.alpha_every,
-        z_every: int = _DEFAULTS.z_every,
-        probe_domain_batch: int = _DEFAULTS.probe_domain_batch,
-        probe_task_batch: int = _DEFAULTS.probe_task_batch,
-        per_sample_loss: PerSampleLoss | None = None,
-        seed: int = _DEFAULTS.seed,
-        *,
-        probe_mode: str = _DEFAULTS.probe_mode,
-        probe_train_mode: bool = False,
-        schedule_path: str | os.PathLike[str] | None = None,
-        schedule_stretch: float = _DEFAULTS.schedule_stretch,
-        gram_options: Mapping[str, Any] | None = None,
-        geometry: str = _DEFAULTS.geometry,
-        probe_rse: float | None = _DEFAULTS.probe_rse,
-        probe_batch_bounds: Sequence[int] | None = None,
-        alignments: str = _DEFAULTS.alignments,
-        alignment_steps: int = _DEFAULTS.alignment_steps,
-        **reweighter_options: Any,
-    ) -> None:
-        for name, val in (("alpha_every", alpha_every), ("z_every", z_every),
-                          ("probe_domain_batch", probe_domain_batch), ("probe_task_batch", probe_task_batch)):
-            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise ValueError(f"{name} must be a positive integer, got {val!r}")
-        if probe_mode not in ("sharded", "replicated"):
-            raise ValueError(f"probe_mode must be 'sharded' or 'replicated', got {probe_mode!r}")
-        if schedule_stretch <= 0:
-            raise ValueError(f"schedule_stretch must be > 0, got {schedule_stretch}")
+    def __init__(self, mixer: MixerPort, tasks: Sequence[TaskStream],
+                 config: AlgorithmConfig | Mapping[str, Any] | None = None, *,
+                 per_sample_loss: PerSampleLoss | None = None, **overrides: Any) -> None:
+        self.config = algorithm_config(config, overrides, where="GrapeController")
+        check_algorithm(self.config)
         self.mixer = mixer
         self.tasks = list(tasks)
         self.task_names = task_names(self.tasks)
-        self.domain_names = mixer_domain_names(mixer)
-        self.method = str(method)
-        self.alpha_every = alpha_every
-        self.z_every = z_every
-        self.probe_domain_batch = probe_domain_batch
-        self.probe_task_batch = probe_task_batch
+        self.domain_names = check_mixer(mixer)
+        self.method = str(self.config.method)
+        #: what this method's reweighter is built with (the meta line of the trajectory records it)
+        self.reweighter_options = reweighter_options(self.config)
         self.per_sample_loss = per_sample_loss if per_sample_loss is not None else per_sample_lm_loss
-        self.seed = int(seed)
-        self.probe_mode = probe_mode
-        self.probe_train_mode = probe_train_mode
-        self.gram_options = dict(gram_options or {})
-        self.reweighter_options = dict(reweighter_options)
-        self.probe_options = ProbeOptions(geometry, probe_rse, probe_batch_bounds, probe_domain_batch, probe_task_batch)
+        self.probe = ProbeStage(self.config, mixer, self.tasks, self.per_sample_loss)
 
         #: update records of this run (after a resume: the checkpoint's newest ones, then this process's)
         self.history: list[dict[str, Any]] = []
@@ -152,21 +107,16 @@ class GrapeController:
         self.reweighter: Reweighter | None = None
         self.schedule_path: str | None = None
         if self.method == REPLAY_METHOD:
-            if schedule_path is None:
-                raise ValueError("method='schedule' needs schedule_path (a trajectory JSONL)")
-            if self.reweighter_options:
-                raise TypeError(f"method 'schedule' takes no reweighter options, got {sorted(self.reweighter_options)}")
-            self.replay = ScheduleReplay(schedule_path, self.domain_names, schedule_stretch)
+            assert self.config.schedule_path is not None, "check_algorithm requires it"
+            self.replay = ScheduleReplay(self.config.schedule_path, self.domain_names, self.config.schedule_stretch)
             self.schedule_path = self.replay.path
         else:
             self.reweighter = self._build_reweighter()
         self.needs_probe = self.reweighter is not None and self.reweighter.needs_probe
         if self.needs_probe and not self.task_names:
-            raise ValueError(f"method {self.method!r} needs at least one target task")
-        if alignments not in ALIGNMENTS:
-            raise ConfigError(f"alignments must be one of {ALIGNMENTS}, got {alignments!r}")
-        self.instep = InstepMode(self, alignment_steps, geometry, probe_rse) if alignments == "steps" and \
-            self.needs_probe else None
+            raise ConfigError(f"method {self.method!r} needs at least one target task")
+        #: ``alignments: steps``: the domain side from the training steps (grape.instep_mode); None: probes
+        self.instep = InstepMode(self, self.config) if self.config.alignments == "steps" and self.needs_probe else None
 
     def _build_reweighter(self) -> Reweighter:
         opts = dict(self.reweighter_options)
@@ -196,11 +146,20 @@ class GrapeController:
 
     def meta(self) -> dict[str, Any]:
         """The trajectory's first line: what the records belong to."""
-        return {"type": "meta", "method": self.method, "domains": self.domain_names, "tasks": self.task_names,
-                "alpha_every": self.alpha_every, "z_every": self.z_every, "probe_domain_batch": self.probe_domain_batch,
-                "probe_task_batch": self.probe_task_batch, "seed": self.seed,
-                "options": {k: jsonable(v) for k, v in self.reweighter_options.items()}, **self.probe_options.meta(),
-                **({} if self.instep is None else {"alignments": "steps", "alignment_steps": self.instep.steps})}
+        return {
+            "type": "meta",
+            "method": self.method,
+            "domains": self.domain_names,
+            "tasks": self.task_names,
+            "alpha_every": self.config.alpha_every,
+            "z_every": self.config.z_every,
+            "probe_domain_batch": self.config.probe_domain_batch,
+            "probe_task_batch": self.config.probe_task_batch,
+            "seed": self.config.seed,
+            "options": {k: jsonable(v) for k, v in self.reweighter_options.items()},
+            **self.probe.meta(),
+            **({} if self.instep is None else {"alignments": "steps", "alignment_steps": self.instep.steps}),
+        }
 
     def metrics(self, record: Mapping[str, Any] | None = None, *, alignment: bool = True) -> dict[str, float]:
         """The flat ``{"grape/alpha/<domain>": ..., ...}`` dict of an update record (default: the last),
@@ -226,7 +185,7 @@ class GrapeController:
                 initial = np.asarray(self.mixer.weights, dtype=np.float64)
             else:
                 self.replay.index = 0
-        if not np.array_equal(np.asarray(getattr(self.mixer, "weights", []), dtype=np.float64), initial):
+        if not np.array_equal(np.asarray(self.mixer.weights, dtype=np.float64), initial):
             self._apply_weights(initial, 0)
         rec = {"type": "update", "step": 0, "initial": True, "alpha": floats(initial),
                "z": None if self.z is None else floats(self.z)}
@@ -236,7 +195,13 @@ class GrapeController:
         """(alpha due, z due) after ``step`` optimizer steps."""
         if step <= 0:
             return False, False
-        return step % self.alpha_every == 0, step % self.z_every == 0
+        return step % self.config.alpha_every == 0, step % self.config.z_every == 0
+
+    def acts_at(self, step: int) -> bool:
+        """Whether :meth:`maybe_update` does anything after ``step`` (an update is due, a replay runs, or an
+        observed step's in-step sums are to be folded in):
+        a loop may skip the call (and what it costs to prepare) otherwise."""
+        return self.replay is not None or any(self.due(step)) or (self.instep is not None and self.instep.pending)
 
     def observe(self, model: nn.Module, step: int, batch: Any, domains: torch.Tensor | None = None, *,
                 optimizer: Any = None, autocast: Callable[[], ContextManager[Any]] | None = None) -> ContextManager:
@@ -285,8 +250,7 @@ class GrapeController:
         if self.instep is not None:
             self.instep.update(model, step, lr, optimizer, autocast, rec, seconds)
         elif self.needs_probe:
-            self._probe_and_reweight(model, step, lr, a_due, z_due, autocast, rank, world, device, rec, seconds,
-                                     optimizer)
+            self._probe_and_reweight(model, step, lr, a_due, z_due, autocast, rank, world, rec, seconds, optimizer)
         alpha, z = self.alpha, self.z
         if world > 1:
             t = time.perf_counter()
@@ -313,30 +277,17 @@ class GrapeController:
 
     def _probe_and_reweight(self, model: nn.Module, step: int, lr: float, a_due: bool, z_due: bool,
                             autocast: Callable[[], ContextManager[Any]] | None, rank: int, world: int,
-                            device: torch.device, rec: dict[str, Any], seconds: dict[str, float],
-                            optimizer: Any = None) -> None:
-        """Probe, Gram, reweight; fill `rec` with the probe's losses and alignments."""
+                            rec: dict[str, Any], seconds: dict[str, float], optimizer: Any) -> None:
+        """The probe stage, then the reweighter; fill `rec` with what each did."""
         assert self.reweighter is not None
-        K = len(self.domain_names)
-        probe_model = unwrap_for_probe(model)
+        # Sharded: every rank probed different samples; the Gram and losses are averaged over the ranks
+        # (one all-reduce), so every rank feeds identical numbers to the reweighter.
+        gram, losses = self.probe.run(model, step, rank=rank, world=world, reweighter=self.reweighter,
+                                      autocast=autocast, optimizer=optimizer, rec=rec, seconds=seconds)
         t = time.perf_counter()
-        groups = self.probe_batches(step, device)
-        seconds["probe_data"] = time.perf_counter() - t
-        t = time.perf_counter()
-        # Sharded: every rank probed different samples; group_gram averages Gram and losses over the
-        # ranks (one all-reduce), so every rank feeds identical numbers to the reweighter.
-        gram, losses = self.probe_options.gram(
-            probe_model, self.per_sample_loss, groups, optimizer=optimizer, reweighter=self.reweighter, num_domains=K,
-            rec=rec, train_mode=self.probe_train_mode, autocast=autocast,
-            reduce="mean" if self.probe_mode == "sharded" else None, gram_options=self.gram_options)
-        seconds["gram"] = time.perf_counter() - t
-        t = time.perf_counter()
-        self.reweighter.update(gram, losses[K:], float(lr), step=step, update_alpha=a_due, update_z=z_due)
+        k = len(self.domain_names)
+        self.reweighter.update(gram, losses[k:], float(lr), step=step, update_alpha=a_due, update_z=z_due)
         seconds["reweight"] = time.perf_counter() - t
-        rec["domain_loss"] = floats(losses[:K])
-        rec["task_loss"] = floats(losses[K:])
-        rec["alignment"] = [floats(row) for row in gram[:K, K:]]
-        rec["gram_diag"] = floats(np.diag(gram))
         last = self.reweighter.history[-1] if self.reweighter.history else {}
         if last.get("b") is not None:
             rec["domain_alignment"] = last["b"]
@@ -352,11 +303,8 @@ class GrapeController:
         """The K domain (unless ``tasks_only``) + N task probe batches this rank uses at ``step`` (a pure function
         of the seed, the step and, in sharded mode, the rank)."""
         rank, world = collective_rank_size()
-        domain_batch, task_batch = self.probe_options.sizes(self.probe_domain_batch, self.probe_task_batch)
-        return draw_probe_groups(
-            self.mixer, 0 if tasks_only else len(self.domain_names), self.tasks, step, seed=self.seed,
-            domain_batch=domain_batch, task_batch=task_batch, rank=rank, world=world,
-            sharded=self.probe_mode == "sharded", device=torch.device(device if device is not None else "cpu"))
+        return self.probe.groups(step, rank, world, torch.device(device if device is not None else "cpu"),
+                                 tasks_only=tasks_only)
 
     def _replay(self, step: int) -> dict[str, Any] | None:
         assert self.replay is not None
@@ -390,7 +338,7 @@ class GrapeController:
             "num_updates": int(self.num_updates),
             "history": json.loads(json.dumps(tail)),
             "history_dropped": dropped,
-            **({} if self.probe_options.sizer is None else {"probe_size": self.probe_options.state_dict()}),
+            **({} if self.probe.sizer is None else {"probe_size": self.probe.state_dict()}),
             **({} if self.instep is None else {"instep": self.instep.state_dict()}),
         }
 
@@ -406,7 +354,7 @@ class GrapeController:
         self.num_updates = int(state.get("num_updates", 0))
         self.history = list(state.get("history", []))
         self.history_dropped = int(state.get("history_dropped", 0))
-        self.probe_options.load_state_dict(state.get("probe_size"))
+        self.probe.load_state_dict(state.get("probe_size"))
         if self.instep is not None and state.get("instep") is not None:
             self.instep.load_state_dict(state["instep"])
         self._resumed = True

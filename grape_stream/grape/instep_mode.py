@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from grape_stream.config import AlgorithmConfig
 from grape_stream.errors import ConfigError
 from grape_stream.grape.geometry import adam_preconditioner
 from grape_stream.grape.gram.instep import StepAlignments
@@ -79,13 +80,10 @@ def first_moment(optimizer: Any, params: list[nn.Parameter]) -> Optional[dict[nn
 class InstepMode:
     """The state of ``alignments: steps`` inside a GrapeController (built only for that mode)."""
 
-    def __init__(self, controller: Any, steps: int, geometry: str, probe_rse: Optional[float]) -> None:
-        reweighter, alpha_every = controller.reweighter, controller.alpha_every
+    def __init__(self, controller: Any, config: AlgorithmConfig) -> None:
+        reweighter, alpha_every, steps = controller.reweighter, config.alpha_every, config.alignment_steps
         reweighter_options: Mapping[str, Any] = controller.reweighter_options
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ConfigError(f"alignment_steps (training steps observed per update) must be an integer >= 1, got "
-                              f"{steps!r}")
-        refused = {"alpha_every != z_every": alpha_every != controller.z_every, "probe_rse": probe_rse is not None,
+        refused = {"alpha_every != z_every": alpha_every != config.z_every, "probe_rse": config.probe_rse is not None,
                    "clip_norm": reweighter_options.get("clip_norm") is not None,
                    "alignment: cosine": reweighter_options.get("alignment", "inner") != "inner",
                    "gram_ema": bool(reweighter_options.get("gram_ema", 0))}
@@ -95,13 +93,14 @@ class InstepMode:
                               f"Gram, or one period for alpha and z); use alignments: probe ({_WHERE})")
         if not reweighter.moves_alpha:
             raise ConfigError(f"alignments: steps needs a method that moves alpha (got {reweighter.method!r})")
-        self.controller = controller  # draws the task probe groups; its probe mode and train mode apply
+        self.controller = controller  # draws the task probe groups
+        self.config = config  # its probe mode and train mode apply to the task probe
         self.reweighter = reweighter
         self.num_domains = num_domains = len(controller.domain_names)
         self.period = alpha_every
         self.steps = min(steps, alpha_every)  # observed steps per interval, evenly spaced, the last one included
         self.per_sample_loss: Callable[[nn.Module, Any], torch.Tensor] = controller.per_sample_loss
-        self.geometry = geometry
+        self.geometry = config.geometry
         self.alignments: Optional[StepAlignments] = None
         self._tasks: Optional[StepAlignments] = None
         self.has_direction = False
@@ -161,6 +160,11 @@ class InstepMode:
         finally:
             self.end()
 
+    @property
+    def pending(self) -> bool:
+        """Whether an observed step's sums wait for :meth:`after_step`."""
+        return self._step_observed
+
     def after_step(self) -> None:
         """After an optimizer step (every rank, every step): fold an observed step's sums into the interval's
         totals, summed over ranks, so that every rank holds (and checkpoints) the same numbers."""
@@ -217,9 +221,9 @@ class InstepMode:
             return rw.target_coefficients(losses, task_gram)
 
         t1 = time.perf_counter()
-        with probe_context(model, self.controller.probe_train_mode, autocast):
+        with probe_context(model, self.config.probe_train_mode, autocast):
             probe = task_probe(model, self.per_sample_loss, groups, fixed=fixed, coefficients=coefficients,
-                               reduce=self.controller.probe_mode == "sharded", engine=self._task_engine(model))
+                               reduce=self.config.probe_mode == "sharded", engine=self._task_engine(model))
         self._set_direction(probe.direction, pre)
         seconds["gram"] = time.perf_counter() - t1
         last = rw.history[-1] if rw.history else {}
@@ -237,9 +241,9 @@ class InstepMode:
         """The target direction before the first update (the current z; no weight moves)."""
         rw = self.reweighter
         groups = self.controller.probe_batches(step, module_device(model), tasks_only=True)
-        with probe_context(model, self.controller.probe_train_mode, autocast):
+        with probe_context(model, self.config.probe_train_mode, autocast):
             probe = task_probe(model, self.per_sample_loss, groups, fixed=[], engine=self._task_engine(model),
-                               reduce=self.controller.probe_mode == "sharded",
+                               reduce=self.config.probe_mode == "sharded",
                                coefficients=lambda losses, r, gram: rw.target_coefficients(losses, gram))
         self._set_direction(probe.direction, self._preconditioner(optimizer, model, {}))
 

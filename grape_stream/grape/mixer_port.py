@@ -1,50 +1,73 @@
-"""What the controller needs of a mixer, and nothing more: its domain names and ``set_weights``.
+"""The seam between the controller and the mixer: :class:`MixerPort`, what the controller needs of a mixer.
 
-Any object with ``domain_names`` (or ``domains``), ``probe(k, n, key, ...)`` and ``set_weights(alpha)``
-will do; a WeightedStreamingMixer also takes ``consumed=`` (batches the loop has taken), which makes the
-batch the new weights apply from deterministic.
+The controller reads the domain names and the current weights, draws probe samples and hands over new
+weights; nothing else. :class:`~grape_stream.mixing.mixer.WeightedStreamingMixer` is one (checked by
+mypy where the integrations pass it, and at run time by :func:`check_mixer`); a test double or another
+data source implements the same five members. ``set_weights(alpha, consumed=n)``: ``consumed`` is how
+many batches the loop has taken, when the loop knows (Composer does), which makes the batch the new
+weights apply from deterministic; the return value is that batch.
 """
 
 from __future__ import annotations
 
-import inspect
-from typing import Any
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-__all__ = ["mixer_domain_names", "push_weights"]
+__all__ = ["MixerPort", "check_mixer", "push_weights"]
 
 
-def mixer_domain_names(mixer: Any) -> list[str]:
-    names = getattr(mixer, "domain_names", None)
-    if names is None:
-        domains = getattr(mixer, "domains", None)
-        if domains is None:
-            raise TypeError(f"{type(mixer).__name__} has neither `domain_names` nor `domains`; "
-                            "is it a WeightedStreamingMixer?")
-        names = [getattr(d, "name", d) for d in domains]
-    names = [str(n) for n in names]
+@runtime_checkable
+class MixerPort(Protocol):
+    """What a :class:`~grape_stream.grape.controller.GrapeController` needs of the mixer it drives."""
+
+    @property
+    def domain_names(self) -> list[str]:
+        """The K domains, in the order of the weights."""
+        ...
+
+    @property
+    def weights(self) -> np.ndarray:
+        """The latest weights given (K floats summing to 1)."""
+        ...
+
+    def probe(self, domain_index: int, n: int, key: Any, *, rank: int | None = None,
+              world_size: int | None = None) -> list[dict[str, Any]]:
+        """``n`` samples of domain ``domain_index``, a pure function of the mixer's seed and ``key`` (rank-disjoint
+        when ``rank`` and ``world_size`` are given); each a dict with ``tokens``."""
+        ...
+
+    def set_weights(self, alpha: Sequence[float] | np.ndarray, at_batch: int | None = None, *,
+                    consumed: int | None = None) -> int:
+        """Schedule new weights; the index of the first batch they compose."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """The mixer's position (saved beside the controller by the trainer integrations)."""
+        ...
+
+
+def check_mixer(mixer: Any) -> list[str]:
+    """The mixer's domain names, after checking it has every member of :class:`MixerPort` (else one
+    TypeError naming what is missing)."""
+    missing = [m for m in ("domain_names", "weights", "probe", "set_weights", "state_dict") if not hasattr(mixer, m)]
+    if missing:
+        raise TypeError(f"{type(mixer).__name__} is not a mixer the controller can drive: it has no "
+                        f"{', '.join(missing)} (see grape_stream.grape.mixer_port.MixerPort; is it a "
+                        "WeightedStreamingMixer?)")
+    names = [str(n) for n in mixer.domain_names]
     if not names:
         raise ValueError("the mixer has no domains")
     return names
 
 
-def _takes_consumed(mixer: Any) -> bool:
-    try:
-        return "consumed" in inspect.signature(mixer.set_weights).parameters
-    except (TypeError, ValueError):
-        return False
+def push_weights(mixer: MixerPort, alpha: np.ndarray, consumed: int | None) -> int:
+    """Hand ``alpha`` to the mixer "as soon as possible"; the batch index it applies from.
 
-
-def push_weights(mixer: Any, alpha: np.ndarray, consumed: int | None) -> int | None:
-    """Hand `alpha` to the mixer; the batch index it applies from, when the mixer says.
-
-    "As soon as possible": the mixer applies the weights from the first batch no DataLoader worker can
-    have composed yet (batches consumed + the loader's prefetch depth), a deterministic batch when the
-    loader is mixer.dataloader() or the caller says how many batches were consumed.
+    The mixer applies the weights from the first batch no DataLoader worker can have composed yet (batches
+    consumed + the loader's prefetch depth), a deterministic batch when the loader is ``mixer.dataloader()``
+    or the caller says how many batches were consumed.
     """
-    kwargs: dict[str, Any] = {}
-    if consumed is not None and _takes_consumed(mixer):
-        kwargs["consumed"] = int(consumed)
-    version_at = mixer.set_weights(np.asarray(alpha, dtype=np.float64), **kwargs)
-    return int(version_at) if isinstance(version_at, (int, np.integer)) else None
+    alpha = np.asarray(alpha, dtype=np.float64)
+    applied = mixer.set_weights(alpha) if consumed is None else mixer.set_weights(alpha, consumed=int(consumed))
+    return int(applied)

@@ -33,10 +33,12 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from grape_stream.config import PROBE_BATCH_BOUNDS
+
 __all__ = ["DEFAULT_PROBE_BOUNDS", "ProbeSizer", "combine_halves", "relative_standard_error", "split_halves"]
 
-#: Default smallest and largest per-group probe batch (per rank) with ``probe_rse``.
-DEFAULT_PROBE_BOUNDS = (4, 64)
+#: Default smallest and largest per-group probe batch (per rank) with ``probe_rse`` (stated in grape_stream.config).
+DEFAULT_PROBE_BOUNDS = PROBE_BATCH_BOUNDS
 _MAX_FACTOR = 2.0
 
 

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 if TYPE_CHECKING:
+    from grape_stream.grape.mixer_port import MixerPort
     from grape_stream.grape.tasks import TaskStream
 
 try:
@@ -118,7 +119,7 @@ def pad_groups(groups: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Te
 
 
 def draw_probe_groups(
-    mixer: Any,
+    mixer: MixerPort,
     num_domains: int,
     tasks: Sequence[TaskStream],
     step: int,

@@ -16,7 +16,10 @@ import numpy as np
 from grape_stream.atomic import atomic_open
 from grape_stream.errors import DataError
 
-__all__ = ["floats", "jsonable", "load_trajectory", "read_records", "write_trajectory"]
+#: The trajectory's file name in a run's folder (every integration writes it there by default).
+TRAJECTORY_FILE = "grape_trajectory.jsonl"
+
+__all__ = ["TRAJECTORY_FILE", "floats", "jsonable", "load_trajectory", "read_records", "write_trajectory"]
 
 
 def floats(x: Iterable[Any]) -> list[float]:

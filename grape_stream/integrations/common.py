@@ -1,8 +1,8 @@
 """What every trainer integration needs, with no trainer imported: find the mixer behind a train
-dataloader, split an algorithm's keyword options between controller and reweighter, and speak the
-Hugging Face model convention (``input_ids`` / ``labels`` batches, outputs with ``.logits``) that the HF
-Trainer and many Lightning modules use. (The metrics dict for a logger is the controller's own:
-``GrapeController.metrics(record)``.)
+dataloader, tasks from their YAML form, and speak the Hugging Face model convention (``input_ids`` /
+``labels`` batches, outputs with ``.logits``) that the HF Trainer and many Lightning modules use. (GRAPE's
+settings are :class:`~grape_stream.config.AlgorithmConfig`, read by ``GrapeLoop``; the metrics dict for a
+logger is the controller's own: ``GrapeController.metrics(record)``.)
 """
 
 from __future__ import annotations
@@ -12,15 +12,12 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from grape_stream.config import AlgorithmConfig
-from grape_stream.grape.controller import filter_reweighter_options
 from grape_stream.grape.tasks import TaskStream
 from grape_stream.mixing.loader import MixerDataLoader
 from grape_stream.mixing.mixer import WeightedStreamingMixer
 from grape_stream.models import causal_lm_kwargs, per_sample_causal_lm_loss
 
 __all__ = [
-    "CONTROLLER_OPTIONS",
     "IGNORE_INDEX",
     "BatchTransform",
     "MixerTrainLoader",
@@ -28,7 +25,6 @@ __all__ = [
     "causal_lm_inputs",
     "find_mixer",
     "logits_per_sample_loss",
-    "split_algorithm_options",
 ]
 
 #: The label value Hugging Face causal LMs (and torch's cross_entropy default) leave out of the loss.
@@ -36,12 +32,6 @@ IGNORE_INDEX = -100
 
 #: Turns a mixer batch into what the model's training step takes (e.g. :func:`causal_lm_inputs`).
 BatchTransform = Callable[[Mapping[str, Any]], Mapping[str, Any]]
-
-#: Keyword options of an algorithm that go to GrapeController itself (everything else: the reweighter).
-CONTROLLER_OPTIONS = frozenset({"probe_mode", "probe_train_mode", "schedule_path", "schedule_stretch", "gram_options",
-                                "geometry", "probe_rse", "probe_batch_bounds", "alignments", "alignment_steps"})
-
-_DEFAULTS = AlgorithmConfig()
 
 
 def find_mixer(dataloader: Any, who: str = "GrapeAlgorithm") -> WeightedStreamingMixer:
@@ -68,30 +58,6 @@ def as_task(t: Any) -> TaskStream:
     if isinstance(t, Mapping):
         return TaskStream(**dict(t))
     raise TypeError(f"a task must be a TaskStream or a mapping of its arguments, got {type(t).__name__}")
-
-
-def split_algorithm_options(
-    method: str,
-    options: Mapping[str, Any],
-    mu_alpha: float | None = _DEFAULTS.mu_alpha,
-    mu_z: float | None = _DEFAULTS.mu_z,
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(controller options, reweighter options) of an algorithm's keyword options.
-
-    ``mu_alpha`` / ``mu_z`` are defaults given only to methods that take them (and not with
-    ``step_size="constant"``), so ``method="uniform"`` accepts the same arguments; an explicit option in
-    ``options`` wins. The result is validated strictly: a wrong option name fails at construction, not
-    at the first update an hour into training.
-    """
-    options = dict(options)
-    controller = {k: options.pop(k) for k in list(options) if k in CONTROLLER_OPTIONS}
-    defaults = {k: v for k, v in {"mu_alpha": mu_alpha, "mu_z": mu_z}.items() if v is not None and k not in options}
-    if options.get("step_size") == "constant":
-        defaults = {}
-    kept_defaults, _ = filter_reweighter_options(method, defaults, strict=False)
-    reweighter = {**kept_defaults, **options}
-    filter_reweighter_options(method, reweighter, strict=True)
-    return controller, reweighter
 
 
 def causal_lm_inputs(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:

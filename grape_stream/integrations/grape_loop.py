@@ -1,23 +1,22 @@
-"""The trainer-independent half of a GRAPE callback: options, the controller, its checkpoint, the trajectory.
+"""GrapeLoop: GRAPE in any training loop, with no trainer imported. The Composer, HF and Lightning adapters
+are thin shells over it: they differ only in *when* the trainer calls them and where its checkpoints live.
 
-The Hugging Face and Lightning callbacks differ only in *when* the trainer calls them and where its
-checkpoints live; what they do at those moments is the same and lives here, with no trainer imported:
-
+* the settings are one :class:`~grape_stream.config.AlgorithmConfig` (or keyword overrides of its fields and
+  of the reweighter's options, checked now, not at the first update an hour into training);
 * :meth:`GrapeLoop.attach` builds the :class:`~grape_stream.grape.controller.GrapeController` over the
-  mixer once (and refuses a different mixer later),
-* :meth:`GrapeLoop.after_step` runs ``controller.maybe_update`` after an optimizer step and returns the
-  metrics of an update for the trainer's logger (and rewrites the trajectory JSONL on rank 0),
+  mixer once (and refuses a different mixer later), restoring a controller state loaded before it;
+* :meth:`GrapeLoop.after_step` runs the update when one is due (with the optional progress line) and
+  returns its metrics for the trainer's logger (and rewrites the trajectory JSONL on rank 0);
 * :meth:`GrapeLoop.state_dict` / :meth:`GrapeLoop.load_state_dict` hold the controller *and* the mixer's
-  position together (``"format": "grape_stream.loop/1"``): the data position and the weights that
-  composed each batch belong to one checkpoint,
+  position together (``"format": "grape_stream.loop/1"``: the HF and Lightning checkpoints);
+  :meth:`controller_state` / :meth:`load_controller_state` the controller alone (Composer saves the mixer
+  itself through the dataset-state protocol);
 * :meth:`GrapeLoop.finish` writes the trajectory (+ PNG) and calls the ``end_of_run`` hook (rank 0).
-
-Composer's GrapeAlgorithm predates this class and keeps its own event code (Composer saves the mixer
-itself through the dataset-state protocol).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any, Callable, ContextManager, Mapping, Sequence
@@ -27,11 +26,15 @@ from torch import nn
 
 from grape_stream.config import AlgorithmConfig
 from grape_stream.errors import DataError
+from grape_stream.grape.algorithm_config import algorithm_config, reweighter_options
 from grape_stream.grape.controller import GrapeController
-from grape_stream.integrations.common import as_task, split_algorithm_options
+from grape_stream.grape.trajectory import TRAJECTORY_FILE
+from grape_stream.integrations.common import as_task
+from grape_stream.integrations.progress import UpdateProgress
 from grape_stream.integrations.summary import format_summary, summarize_controller
 from grape_stream.integrations.trajectory_plot import plot_trajectory
 from grape_stream.mixing.mixer import WeightedStreamingMixer
+from grape_stream.models import per_sample_lm_loss
 from grape_stream.world import process_world
 
 __all__ = ["LOOP_STATE_FORMAT", "EndOfRun", "GrapeLoop"]
@@ -46,70 +49,72 @@ EndOfRun = Callable[[GrapeController, "str | None"], None]
 
 PerSampleLoss = Callable[[nn.Module, Mapping[str, torch.Tensor]], torch.Tensor]
 
-_DEFAULTS = AlgorithmConfig()
-
 
 class GrapeLoop:
-    """GRAPE options, the controller over the mixer, and its checkpoint state, for any trainer's callback.
+    """GRAPE's settings, the controller over the mixer, and its checkpoint state, for any trainer's callback.
 
-    ``tasks`` are :class:`~grape_stream.grape.tasks.TaskStream` objects or dicts of their arguments.
-    ``mu_alpha`` / ``mu_z`` go only to methods that take them. Other keyword options go to the reweighter
-    or the controller (``probe_mode``, ``schedule_path``, ``gram_options``, ...), checked now, not at the
-    first update. ``trajectory``: where the update records go as JSONL (None: the integration's default
-    folder; ``False``: nowhere). ``plots``: also draw the PNG at the end. ``end_of_run``: a function
-    called on rank 0 when training ends, with the controller and the trajectory path (an artifact upload,
-    your own table); None (default) prints ``integrations.summary``'s end-of-run table.
+    Args:
+        config: GRAPE's settings (:class:`~grape_stream.config.AlgorithmConfig`, a mapping of its fields, or
+            None for the paper's); ``config.trajectory``: True writes the update records as JSONL where the
+            integration says (:meth:`default_trajectory`), False nowhere, a path there; ``config.plots``
+            also draws the PNG at the end; ``config.summary`` prints the end-of-run table.
+        tasks: :class:`~grape_stream.grape.tasks.TaskStream` objects or dicts of their arguments.
+        per_sample_loss: what the probe differentiates, ``f(model, batch) -> Tensor[B]`` (default: the LM loss
+            of :mod:`grape_stream.models`).
+        end_of_run: called on rank 0 when training ends, with the controller and the trajectory path (an
+            artifact upload, your own table); None prints ``integrations.summary``'s end-of-run table.
+        progress: print a progress line during each update and its timing after it (global rank 0, stderr).
+        **overrides: AlgorithmConfig fields and reweighter options over ``config`` (``alpha_every=50``,
+            ``clip_norm=1.0``, ...), as :class:`~grape_stream.grape.controller.GrapeController` takes them.
     """
 
-    def __init__(
-        self,
-        method: str = _DEFAULTS.method,
-        tasks: Sequence[Any] = (),
-        alpha_every: int = _DEFAULTS.alpha_every,
-        z_every: int = _DEFAULTS.z_every,
-        probe_domain_batch: int = _DEFAULTS.probe_domain_batch,
-        probe_task_batch: int = _DEFAULTS.probe_task_batch,
-        mu_alpha: float | None = _DEFAULTS.mu_alpha,
-        mu_z: float | None = _DEFAULTS.mu_z,
-        per_sample_loss: PerSampleLoss | None = None,
-        seed: int = _DEFAULTS.seed,
-        log_alignment: bool = True,
-        trajectory: str | os.PathLike[str] | bool | None = None,
-        plots: bool = True,
-        end_of_run: EndOfRun | None = None,
-        **options: Any,
-    ) -> None:
-        self.method = method
+    def __init__(self, config: AlgorithmConfig | Mapping[str, Any] | None = None, *, tasks: Sequence[Any] = (),
+                 per_sample_loss: PerSampleLoss | None = None, end_of_run: EndOfRun | None = None,
+                 progress: bool = False, **overrides: Any) -> None:
+        self.config = algorithm_config(config, overrides)
         self.tasks = [as_task(t) for t in tasks]
-        self.alpha_every = alpha_every
-        self.z_every = z_every
-        self.probe_domain_batch = probe_domain_batch
-        self.probe_task_batch = probe_task_batch
+        self.progress = UpdateProgress(enabled=progress)
+        if progress:  # the probe's forward passes tick the progress bar
+            per_sample_loss = self.progress.wrap_loss(per_sample_loss or per_sample_lm_loss)
         self.per_sample_loss = per_sample_loss
-        self.seed = seed
-        self.log_alignment = log_alignment
-        self.trajectory = os.fspath(trajectory) if isinstance(trajectory, (str, os.PathLike)) else None
-        self.write_trajectory = trajectory is not False
-        self.plots = plots
         self.end_of_run = end_of_run
-        self.controller_options, self.reweighter_options = split_algorithm_options(method, options, mu_alpha, mu_z)
+        target = self.config.trajectory
+        #: where the update records go (None: nowhere yet; an integration sets its default folder)
+        self.trajectory: str | None = os.fspath(target) if isinstance(target, (str, os.PathLike)) else None
+        self.write_trajectory = target is not False
         self.controller: GrapeController | None = None
+        self.mixer: WeightedStreamingMixer | None = None
+        self._pending_state: dict[str, Any] | None = None
+
+    @property
+    def method(self) -> str:
+        return self.config.method
+
+    @property
+    def reweighter_options(self) -> dict[str, Any]:
+        """The options this config gives the method's reweighter (grape.algorithm_config's rule)."""
+        return reweighter_options(self.config)
+
+    def default_trajectory(self, folder: str | os.PathLike[str]) -> None:
+        """Write the trajectory into ``folder`` (``TRAJECTORY_FILE``) unless the config says otherwise."""
+        if self.trajectory is None and self.write_trajectory:
+            self.trajectory = os.path.join(os.fspath(folder), TRAJECTORY_FILE)
 
     # -- the controller --------------------------------------------------------------------------------
     def attach(self, mixer: WeightedStreamingMixer) -> GrapeController:
         """The controller over ``mixer`` (built on the first call; the same mixer is required later)."""
         if self.controller is None:
-            self.controller = GrapeController(
-                mixer, self.tasks, method=self.method, alpha_every=self.alpha_every, z_every=self.z_every,
-                probe_domain_batch=self.probe_domain_batch, probe_task_batch=self.probe_task_batch,
-                per_sample_loss=self.per_sample_loss, seed=self.seed,
-                **self.controller_options, **self.reweighter_options,
-            )
+            self.mixer = mixer
+            self.controller = GrapeController(mixer, self.tasks, config=self.config,
+                                              per_sample_loss=self.per_sample_loss)
             if self.controller.needs_probe:
                 for task in self.tasks:  # open the probe splits now: a wrong path fails before training starts
                     task.dataset()
         elif self.controller.mixer is not mixer:
             raise RuntimeError("the train dataloader's mixer changed between runs; build a new GRAPE callback")
+        if self._pending_state is not None:
+            self.controller.load_state_dict(self._pending_state)
+            self._pending_state = None
         return self.controller
 
     def start(self) -> None:
@@ -120,6 +125,10 @@ class GrapeLoop:
         if self.controller is None:
             raise RuntimeError("the GRAPE callback has no mixer yet (training has not started)")
         return self.controller
+
+    def acts_at(self, step: int) -> bool:
+        """Whether :meth:`after_step` does anything after ``step`` (see GrapeController.acts_at)."""
+        return self._ctl().acts_at(step)
 
     def begin_step(self, model: nn.Module, step: int, batch: Any, *, optimizer: Any = None,
                    autocast: Callable[[], ContextManager[Any]] | None = None) -> None:
@@ -136,20 +145,47 @@ class GrapeLoop:
             instep.end()
 
     def after_step(self, model: nn.Module, step: int, lr: float, *,
-                   autocast: Callable[[], ContextManager[Any]] | None = None,
-                   optimizer: Any = None) -> dict[str, float] | None:
+                   autocast: Callable[[], ContextManager[Any]] | None = None, optimizer: Any = None,
+                   consumed_batches: int | None = None) -> dict[str, float] | None:
         """After optimizer step ``step``: the GRAPE update when one is due; its metrics, or None.
 
-        ``optimizer``: the training optimizer, read by ``geometry="adam"`` (its second moment)."""
+        ``lr``: the learning rate the next step uses; ``autocast``: the training precision context for the
+        probe's forward; ``optimizer``: the training optimizer, read by ``geometry="adam"``;
+        ``consumed_batches``: batches taken from the mixer's loader, when the loop knows (Composer does)."""
         ctl = self._ctl()
-        rec = ctl.maybe_update(model, step, lr, autocast=autocast, optimizer=optimizer)
+        index = ctl.num_updates + 1
+        with self._progress(index, step):
+            rec = ctl.maybe_update(model, step, lr, autocast=autocast, consumed_batches=consumed_batches,
+                                   optimizer=optimizer)
         if rec is None:
             return None
+        if ctl.needs_probe:
+            self.progress.finished(index, step, rec)
         if self.write_trajectory and self.trajectory and process_world().is_leader:
             ctl.write_trajectory(self.trajectory)
-        return ctl.metrics(rec, alignment=self.log_alignment)
+        return ctl.metrics(rec, alignment=self.config.log_alignment)
+
+    def _progress(self, index: int, step: int) -> ContextManager[Any]:
+        """The progress context of the update at ``step`` (nothing for methods that do not probe)."""
+        ctl = self._ctl()
+        if not ctl.needs_probe or not any(ctl.due(step)):
+            return contextlib.nullcontext()
+        k, n = 0 if ctl.instep is not None else len(ctl.domain_names), len(ctl.task_names)  # steps: tasks only
+        domain_batch, task_batch = ctl.probe.sizes()
+        return self.progress.update(index, step, k, n, k * domain_batch + n * task_batch)
 
     # -- checkpoints -----------------------------------------------------------------------------------
+    def controller_state(self) -> dict[str, Any] | None:
+        """The controller's state (plain types), or the one loaded before :meth:`attach` (None: neither)."""
+        return self.controller.state_dict() if self.controller is not None else self._pending_state
+
+    def load_controller_state(self, state: Mapping[str, Any]) -> None:
+        """Restore the controller now, or at :meth:`attach` when it is not built yet."""
+        if self.controller is not None:
+            self.controller.load_state_dict(state)
+        else:
+            self._pending_state = dict(state)
+
     def state_dict(self, step: int, mixer_state: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Plain types (``torch.load(weights_only=True)`` reads it): the controller, the mixer's position
         (``mixer_state``, default ``mixer.state_dict()``: the batches handed out so far) and ``step``."""
@@ -174,8 +210,9 @@ class GrapeLoop:
             raise DataError(f"{where} holds the GRAPE state of step {state['step']} but the trainer resumes at step "
                             f"{step}: the checkpoint was not written by one run")
         ctl = self._ctl()
+        assert self.mixer is not None, "attach() set both"
         ctl.load_state_dict(state["controller"])
-        ctl.mixer.load_state_dict(state["mixer"])
+        self.mixer.load_state_dict(state["mixer"])
 
     # -- the end ---------------------------------------------------------------------------------------
     def finish(self) -> str | None:
@@ -186,13 +223,13 @@ class GrapeLoop:
         path = png = None
         if self.write_trajectory and self.trajectory:
             path = ctl.write_trajectory(self.trajectory)
-            if self.plots:
+            if self.config.plots:
                 try:
                     png = plot_trajectory(path, os.path.splitext(path)[0] + ".png")
                 except Exception as exc:  # a plotting problem must not fail a finished training run
                     log.warning("could not plot the GRAPE trajectory %s: %s", path, exc)
         if self.end_of_run is not None:
             self.end_of_run(ctl, path)
-        else:  # the default: the end-of-run table (last probe losses per target, alpha, where the files are)
+        elif self.config.summary:  # the end-of-run table (last probe losses per target, alpha, where the files are)
             print(format_summary(summarize_controller(ctl, {}, trajectory=path, plot=png)), flush=True)
         return path

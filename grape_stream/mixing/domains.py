@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch.distributed as dist
 
+from grape_stream.config import MixerConfig, streaming_fields
 from grape_stream.mixing.compose import RESERVED_KEYS
 from grape_stream.mixing.counter_rng import hash64
 from grape_stream.streaming_compat.local_index import (
@@ -54,9 +55,8 @@ __all__ = [
     "release_all",
 ]
 
-#: Streaming arguments passed through to every domain's StreamingDataset.
-PASSTHROUGH = ("cache_limit", "predownload", "download_retry", "download_timeout", "validate_hash", "keep_zip",
-               "allow_unsafe_types")
+#: Streaming arguments passed through to every domain's StreamingDataset (MixerConfig's fields marked so).
+PASSTHROUGH = streaming_fields()
 #: Streaming arguments that configure the iteration the mixer replaces.
 PLANNED_BY_MIXER = {
     "shuffle_algo": "the mixer shuffles each domain with its own shard-aware block shuffle",
@@ -124,6 +124,12 @@ class DomainStream:
                                              or not isinstance(self.cache_limit, (int, str))):
             raise TypeError(f"DomainStream {self.name!r}: cache_limit must be bytes (int), a size such as '10gb', "
                             f"or None, got {self.cache_limit!r}")
+
+    def own_or(self, name: str, mixer_value: Any) -> Any:
+        """This domain's setting ``name`` (``retry_deadline``, ``cache_limit``) when it sets one, else the
+        mixer's: the one rule by which a domain overrides the mixer."""
+        own = getattr(self, name)
+        return mixer_value if own is None else own
 
     def resolved_local(self) -> str:
         if self.local:
@@ -211,16 +217,12 @@ def as_domains(domains: Sequence[Any] | None, weights: Any = None,
     return out, (proportions if weights is None else weights)
 
 
-def check_streaming_kwargs(streaming_kwargs: Mapping[str, Any]) -> None:
-    """Refuse streaming arguments that the mixer plans itself (saying what to use instead) or does not know."""
-    for key in streaming_kwargs:
+def check_streaming_kwargs(options: Mapping[str, Any]) -> None:
+    """Refuse streaming arguments that the mixer plans itself, saying what to use instead (any other unknown
+    name is refused with the closest MixerConfig field by ``config.with_overrides``)."""
+    for key in options:
         if key in PLANNED_BY_MIXER:
             raise TypeError(f"WeightedStreamingMixer does not take streaming's {key!r}: {PLANNED_BY_MIXER[key]}")
-        if key not in PASSTHROUGH:
-            raise TypeError(
-                f"WeightedStreamingMixer got an unexpected keyword argument {key!r} "
-                f"(streaming arguments passed through: {', '.join(PASSTHROUGH)})"
-            )
 
 
 def domain_dirs(domains: Sequence[DomainStream]) -> tuple[list[str], list[str]]:
@@ -248,31 +250,27 @@ def name_seed(seed: int, name: str) -> int:
 # Before streaming: the traps
 # --------------------------------------------------------------------------------------------------
 def prepare_locals(domains: Sequence[DomainStream], locals_: Sequence[str], stream_dirs: Sequence[str], *,
-                   local_rank: int, s3_dummy_credentials: bool, overwrite_local: bool, download_retry: int,
-                   download_timeout: float, retry_deadline: float | None = None) -> None:
+                   local_rank: int, config: MixerConfig) -> None:
     """Run every streaming workaround that must happen before a StreamingDataset is created."""
     require_supported_streaming()
     install_shared_s3_session()  # one boto3 session per process for every S3 download (see s3_session.py)
     cleanup_stale_streaming_shm()
-    check_s3_credentials([(d.name, d.remote) for d in domains], dummy_credentials=s3_dummy_credentials)
+    check_s3_credentials([(d.name, d.remote) for d in domains], dummy_credentials=config.s3_dummy_credentials)
     check_same_locals_across_ranks(stream_dirs)
-    _sync_local_indexes(domains, locals_, local_rank=local_rank, overwrite_local=overwrite_local,
-                        download_retry=download_retry, download_timeout=download_timeout,
-                        retry_deadline=retry_deadline)
+    _sync_local_indexes(domains, locals_, local_rank=local_rank, config=config)
 
 
 def _sync_local_indexes(domains: Sequence[DomainStream], locals_: Sequence[str], *, local_rank: int,
-                        overwrite_local: bool, download_retry: int, download_timeout: float,
-                        retry_deadline: float | None) -> None:
+                        config: MixerConfig) -> None:
     """Local leader checks every domain's index against its remote; all ranks learn of any error."""
     error: str | None = None
     exc_type: type[BaseException] = DomainUnavailableError
     if local_rank == 0:
         try:
             for d, loc in zip(domains, locals_):
-                sync_local_index(d.name, d.remote, loc, d.split, download_retry=download_retry,
-                                 download_timeout=download_timeout, overwrite_local=overwrite_local,
-                                 retry_deadline=retry_deadline if d.retry_deadline is None else d.retry_deadline)
+                sync_local_index(d.name, d.remote, loc, d.split, download_retry=config.download_retry,
+                                 download_timeout=config.download_timeout, overwrite_local=config.overwrite_local,
+                                 retry_deadline=d.own_or("retry_deadline", config.retry_deadline))
         except (DomainUnavailableError, RemoteMismatchError) as exc:
             if not dist_active():
                 raise
@@ -332,8 +330,7 @@ def open_datasets(domains: Sequence[DomainStream], locals_: Sequence[str], *, ba
     datasets: list[Any] = []
     try:
         for d, loc in zip(domains, locals_):
-            limit = d.cache_limit if d.cache_limit is not None else (
-                None if total_cache is None else int(total_cache) // len(domains))
+            limit = d.own_or("cache_limit", None if total_cache is None else int(total_cache) // len(domains))
             ds = create_registered(functools.partial(_open_one, d, loc, limit, batch_size=batch_size,
                                                      predownload=predownload, opts=opts),
                                    enabled=local_rank == 0)

@@ -20,9 +20,11 @@ from collections import OrderedDict
 
 import numpy as np
 
+from grape_stream.config import SHUFFLE_BLOCK_SIZE
+
 __all__ = ["DomainOrder", "DEFAULT_BLOCK_SIZE"]
 
-DEFAULT_BLOCK_SIZE = 1 << 18
+DEFAULT_BLOCK_SIZE = SHUFFLE_BLOCK_SIZE  # stated in grape_stream.config (MixerConfig's default)
 
 
 class DomainOrder:

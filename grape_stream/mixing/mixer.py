@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
+from grape_stream.config import MixerConfig, with_overrides
 from grape_stream.mixing.collate import collate_samples
 from grape_stream.mixing.compose import RESERVED_KEYS, BatchComposer, MainProcess
 from grape_stream.mixing.domains import (
@@ -46,7 +47,7 @@ from grape_stream.mixing.domains import (
     prepare_locals,
     release_all,
 )
-from grape_stream.mixing.epoch_order import DEFAULT_BLOCK_SIZE, DomainOrder
+from grape_stream.mixing.epoch_order import DomainOrder
 from grape_stream.mixing.loader import MixerDataLoader
 from grape_stream.mixing.position import STATE_FORMAT, MixerStateError, StreamPosition, domain_stats
 from grape_stream.mixing.probe import probe_ids, probe_samples
@@ -92,32 +93,22 @@ class WeightedStreamingMixer(IterableDataset):
         weights: initial mixture (K non-negative numbers summing to 1); default uniform.
         batch_size: samples per batch per rank (the DataLoader's batch size: one micro-batch).
         seed: seeds the batch composition and every domain's shuffle.
-        shuffle: shuffle each domain's epochs (shard-aware block shuffle); False reads in index order.
-        composition: ``"systematic"`` (exact quotas, default) or ``"multinomial"``; see
-            :mod:`grape_stream.mixing.quotas`.
-        shuffle_block_size: samples per shuffle block (like streaming's ``shuffle_block_size``): larger
-            mixes better, smaller touches fewer shards at a time (cache-friendly).
         global_batch_size: samples per global batch, all ranks and micro-batches together (default
             ``batch_size * world_size``); a multiple of ``batch_size * world_size``. The stream of global
             batches depends on it, not on the topology: keep it fixed to resume on another world size.
-        lag: global batches between a ``set_weights`` call and the first batch it changes. Default: the
-            loader's prefetch depth (``(num_workers * prefetch_factor + 1) * batches_per_message - 1``
-            loader batches with :meth:`dataloader`, 0 without workers). Set it explicitly to make the switch
-            points independent of the loader's settings and of the topology (the loader then sends no more
-            batches a message than it allows).
-        schedule_capacity: weight changes that may be pending in shared memory at once.
-        overwrite_local: replace a local cache directory that holds another remote's data.
-        s3_dummy_credentials: for an S3 endpoint that needs no authentication, set placeholder AWS
-            credentials when none are configured (streaming's client always signs requests).
-        prefetch: download upcoming shards in a background thread (per process).
-        retry_deadline: seconds a failing shard download is retried with exponential backoff and jitter
-            (a storage outage shorter than this changes no sample); then the read fails with one error
-            naming the domain, the shard, the remote, the endpoint and the last cause. Per domain:
-            ``DomainStream(retry_deadline=...)``. Default: 180 s, or ``GRAPE_STREAM_RETRY_DEADLINE``.
-        **streaming_kwargs: passed to every StreamingDataset: ``cache_limit`` (split evenly across the
-            domains unless a DomainStream sets its own), ``predownload`` (samples ahead, default
-            ``8 * batch_size``), ``download_retry``, ``download_timeout``, ``validate_hash``,
-            ``keep_zip``, ``allow_unsafe_types``.
+        config: the mixer's settings, a :class:`~grape_stream.config.MixerConfig` (a recipe's ``data.mixer``);
+            default: its defaults. docs/mixer.md explains each: ``shuffle``, ``composition`` (see
+            :mod:`grape_stream.mixing.quotas`), ``shuffle_block_size``, ``lag`` (global batches between a
+            ``set_weights`` call and the first batch it changes; default: the loader's prefetch depth; set it
+            to make the switch points independent of the loader's settings and of the topology),
+            ``schedule_capacity``, ``overwrite_local``, ``s3_dummy_credentials``, ``prefetch``,
+            ``retry_deadline`` (seconds a failing shard download is retried before one error naming the
+            domain, shard, remote, endpoint and cause; per domain: ``DomainStream(retry_deadline=...)``), and
+            the StreamingDataset arguments ``cache_limit`` (split evenly across the domains unless a
+            DomainStream sets its own), ``predownload`` (default ``8 * batch_size``), ``download_retry``,
+            ``download_timeout``, ``validate_hash``, ``keep_zip``, ``allow_unsafe_types``.
+        **options: keyword overrides of ``config``'s fields (``lag=0``, ``cache_limit="10gb"``); a misspelt
+            name is one error naming the closest field.
     """
 
     def __init__(
@@ -126,36 +117,29 @@ class WeightedStreamingMixer(IterableDataset):
         weights: Sequence[float] | np.ndarray | None = None,
         batch_size: int | None = None,
         seed: int = 0,
-        shuffle: bool = True,
         *,
-        composition: str = "systematic",
         global_batch_size: int | None = None,
-        shuffle_block_size: int = DEFAULT_BLOCK_SIZE,
-        lag: int | None = None,
-        schedule_capacity: int = 1024,
-        overwrite_local: bool = False,
-        s3_dummy_credentials: bool = False,
-        prefetch: bool = True,
-        retry_deadline: float | None = None,
+        config: MixerConfig | Mapping[str, Any] | None = None,
         streams: Sequence[Any] | None = None,
-        **streaming_kwargs: Any,
+        **options: Any,
     ) -> None:
         super().__init__()
-        check_streaming_kwargs(streaming_kwargs)
+        check_streaming_kwargs(options)
+        self.config = c = with_overrides(config, MixerConfig, options, where="WeightedStreamingMixer")
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-        if composition not in COMPOSITIONS:
-            raise ValueError(f"composition must be one of {COMPOSITIONS}, got {composition!r}")
-        if lag is not None and (not isinstance(lag, (int, np.integer)) or lag < 0):
-            raise ValueError(f"lag must be a non-negative integer or None, got {lag!r}")
+        if c.composition not in COMPOSITIONS:
+            raise ValueError(f"composition must be one of {COMPOSITIONS}, got {c.composition!r}")
+        if c.lag is not None and (not isinstance(c.lag, (int, np.integer)) or c.lag < 0):
+            raise ValueError(f"lag must be a non-negative integer or None, got {c.lag!r}")
         self.domains, weights = as_domains(domains, weights, streams)
         self.domain_names = [d.name for d in self.domains]
         self.K = len(self.domains)
         self.batch_size = int(batch_size)
         self.seed = int(seed)
-        self.shuffle = bool(shuffle)
-        self.composition = composition
-        self.shuffle_block_size = int(shuffle_block_size)
+        self.shuffle = bool(c.shuffle)
+        self.composition = c.composition
+        self.shuffle_block_size = int(c.shuffle_block_size)
         world = streaming_world()
         self.rank, self.world_size, self.local_rank = world.rank, world.size, world.local_rank
         self.topology = Topology.of(world.rank, world.size, self.batch_size, global_batch_size)
@@ -163,15 +147,12 @@ class WeightedStreamingMixer(IterableDataset):
         locals_, stream_dirs = domain_dirs(self.domains)
         self._locals = locals_
 
-        opts = {k: streaming_kwargs[k] for k in PASSTHROUGH if k in streaming_kwargs}
-        self.predownload = int(opts.pop("predownload", None) or 8 * self.batch_size)
-        total_cache = opts.pop("cache_limit", None)
+        opts = {k: getattr(c, k) for k in PASSTHROUGH}
+        self.predownload = int(opts.pop("predownload") or 8 * self.batch_size)
+        total_cache = opts.pop("cache_limit")
         if isinstance(total_cache, str):
             total_cache = bytes_to_int(total_cache)
-        prepare_locals(self.domains, locals_, stream_dirs, local_rank=self.local_rank,
-                       s3_dummy_credentials=s3_dummy_credentials, overwrite_local=overwrite_local,
-                       download_retry=int(opts.get("download_retry", 2)),
-                       download_timeout=float(opts.get("download_timeout", 60.0)), retry_deadline=retry_deadline)
+        prepare_locals(self.domains, locals_, stream_dirs, local_rank=self.local_rank, config=c)
         self._owner_pid = os.getpid()
         self._datasets: list[Any] = open_datasets(
             self.domains, locals_, batch_size=self.batch_size, predownload=self.predownload,
@@ -189,12 +170,11 @@ class WeightedStreamingMixer(IterableDataset):
             domain_names=self.domain_names, orders=self._orders,
             budgets=[budget_for(d.max_epochs, o.num_samples) for d, o in zip(self.domains, self._orders)],
             datasets=self._datasets, predownload=self.predownload,
-            needs_prefetch=[bool(prefetch) and (d.remote is not None or any(s.compression for s in ds.shards))
+            needs_prefetch=[bool(c.prefetch) and (d.remote is not None or any(s.compression for s in ds.shards))
                             for d, ds in zip(self.domains, self._datasets)],
-            retry=[default_policy().with_deadline(retry_deadline if d.retry_deadline is None else d.retry_deadline)
-                   for d in self.domains],
+            retry=[default_policy().with_deadline(d.own_or("retry_deadline", c.retry_deadline)) for d in self.domains],
         )
-        self._schedule = WeightSchedule(self.K, alpha0, schedule_capacity, lag, self.topology.micro)
+        self._schedule = WeightSchedule(self.K, alpha0, c.schedule_capacity, c.lag, self.topology.micro)
         self._position = StreamPosition(self._composer, self._schedule, self._fingerprint())
         self._main_readers: list[DomainReader] | None = None
         self._closed = False

@@ -1,7 +1,9 @@
-"""Recipes without a trainer: load (YAML via omegaconf, bundled names), overrides (``key=value`` dotlist),
-llm-foundry's key names (:mod:`~grape_stream.recipe.aliases`), validation, and the
-parts a run is built from (data streams, mixer, model, GRAPE's arguments). No Composer import here: each
-trainer integration (``grape_stream.integrations.<trainer>``) builds its Trainer from these.
+"""Recipes without a trainer: load (YAML via omegaconf, bundled names) into the typed
+:class:`~grape_stream.config.RecipeConfig`, overrides (``key=value`` dotlist), llm-foundry's key names
+(:mod:`~grape_stream.recipe.aliases`), validation, and the parts a run is built from (data streams, mixer,
+model; the ``algorithm`` section goes to GRAPE as it is). No Composer import here: each trainer integration
+(``grape_stream.integrations.<trainer>``) builds its Trainer from these. Every function here takes the typed
+recipe or its plain form (``load_recipe``'s dict).
 """
 
 from __future__ import annotations
@@ -14,23 +16,27 @@ from grape_stream.recipe.data import (
     resolved_sizes,
     train_dataloader,
 )
-from grape_stream.recipe.grape import algorithm_kwargs
-from grape_stream.recipe.load import bundled_recipes, load_recipe, resolve_recipe_path
+from grape_stream.recipe.grape import algorithm_kwargs, recipe_algorithm
+from grape_stream.recipe.load import bundled_recipes, load_config, load_recipe, resolve_recipe_path
 from grape_stream.recipe.model import build_model
 from grape_stream.recipe.overrides import apply_overrides
-from grape_stream.recipe.schema import base_config
+from grape_stream.recipe.schema import as_recipe, base_config, recipe_dict
 from grape_stream.recipe.validate import validate
 
 __all__ = [
     "algorithm_kwargs",
     "apply_overrides",
+    "as_recipe",
     "base_config",
     "build_mixer",
     "build_model",
     "check_local_data",
     "bundled_recipes",
+    "load_config",
     "load_recipe",
     "read_manifest",
+    "recipe_algorithm",
+    "recipe_dict",
     "recipe_streams",
     "resolve_recipe_path",
     "resolved_sizes",

@@ -1,55 +1,26 @@
-"""The recipe's ``algorithm`` section -> the keyword arguments of a GRAPE algorithm in any trainer.
-
-Options that belong to another method (``mu_z`` under ``method: doge``) are dropped with a log line, so a
-recipe written for GRAPE runs unchanged with ``algorithm.method=uniform``; an option no method knows is
-an error that names it.
+"""The recipe's ``algorithm`` section: an :class:`~grape_stream.config.AlgorithmConfig`, handed as it is to
+GRAPE in any trainer (``GrapeAlgorithm(recipe.algorithm, tasks=...)``, the HF / Lightning callbacks, a
+``GrapeController``). Every rule about it (which options reach which method, the checks) lives in
+:mod:`grape_stream.grape.algorithm_config`, which the recipe's validation and the controller both apply.
 """
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 from typing import Any, Mapping
 
-from grape_stream.errors import ConfigError
-from grape_stream.grape.controller import REPLAY_METHOD, filter_reweighter_options
+from grape_stream.config import AlgorithmConfig, RecipeConfig
+from grape_stream.recipe.schema import as_recipe
 
-__all__ = ["algorithm_kwargs"]
-
-log = logging.getLogger(__name__)
+__all__ = ["algorithm_kwargs", "recipe_algorithm"]
 
 
-def algorithm_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """Keyword arguments for ``GrapeAlgorithm(tasks=..., **algorithm_kwargs(cfg))`` (or a controller)."""
-    a = cfg["algorithm"]
-    method = a["method"]
-    options = dict(a["options"])
-    if options.get("step_size") == "constant":
-        mus = {}
-    else:
-        mus = {k: a[k] for k in ("mu_alpha", "mu_z") if a[k] is not None}
-    kept, dropped = filter_reweighter_options(method, {**mus, **options}, strict=False)
-    if dropped:
-        log.info("algorithm.method=%s ignores options that belong to other methods: %s", method, sorted(dropped))
-    controller_opts: dict[str, Any] = {"probe_mode": a["probe_mode"]}
-    if a.get("geometry", "sgd") != "sgd":  # options beyond the paper: passed only when set
-        controller_opts["geometry"] = a["geometry"]
-    if a.get("alignments", "probe") != "probe":
-        controller_opts.update(alignments=a["alignments"], alignment_steps=a["alignment_steps"])
-    if a.get("probe_rse") is not None:
-        controller_opts.update(probe_rse=a["probe_rse"], probe_batch_bounds=list(a["probe_batch_bounds"]))
-    if method == REPLAY_METHOD:
-        if not a["schedule_path"]:
-            raise ConfigError("algorithm.method=schedule needs algorithm.schedule_path (a trajectory JSONL)")
-        controller_opts.update(schedule_path=a["schedule_path"], schedule_stretch=a["schedule_stretch"])
-    return {
-        "method": method,
-        "alpha_every": a["alpha_every"],
-        "z_every": a["z_every"],
-        "probe_domain_batch": a["probe_domain_batch"],
-        "probe_task_batch": a["probe_task_batch"],
-        "mu_alpha": kept.pop("mu_alpha", None),
-        "mu_z": kept.pop("mu_z", None),
-        "seed": a["seed"],
-        **controller_opts,
-        **kept,
-    }
+def recipe_algorithm(cfg: RecipeConfig | Mapping[str, Any]) -> AlgorithmConfig:
+    """The recipe's ``algorithm`` section, typed."""
+    return as_recipe(cfg).algorithm
+
+
+def algorithm_kwargs(cfg: RecipeConfig | Mapping[str, Any]) -> dict[str, Any]:
+    """The same section as keyword arguments (``GrapeAlgorithm(tasks=..., **algorithm_kwargs(cfg))``), for
+    callers of the keyword form; passing :func:`recipe_algorithm`'s object is the direct way."""
+    return dataclasses.asdict(recipe_algorithm(cfg))

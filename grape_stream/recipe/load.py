@@ -1,10 +1,13 @@
-"""Reading a recipe: a YAML path, the name of a bundled recipe, or a mapping -> a validated, complete dict.
+"""Reading a recipe: a YAML path, the name of a bundled recipe, or a mapping -> the typed, validated recipe.
 
 The YAML is read by omegaconf (``1e-4`` is a float, ``${model.d_model}`` and ``${variables.x}`` are
 interpolations) and merged onto the structured config of :class:`grape_stream.config.RecipeConfig`: every
 key has a default, an unknown key is an error that names it (with the closest valid key), a wrong type
 is an error that says what the key takes, llm-foundry's key names are accepted
 (:mod:`grape_stream.recipe.aliases`), and ``key=value`` overrides are omegaconf's dotlist.
+
+:func:`load_config` returns the typed :class:`~grape_stream.config.RecipeConfig` whose sections travel to
+their consumers; :func:`load_recipe` its plain form (a dict: what ``--print-config`` prints).
 """
 
 from __future__ import annotations
@@ -22,19 +25,23 @@ from grape_stream.config import RecipeConfig, is_free
 from grape_stream.errors import ConfigError, ConfigTypeError
 from grape_stream.recipe.aliases import canonical_recipe
 from grape_stream.recipe.overrides import merge_overrides
-from grape_stream.recipe.schema import base_config, merge_checked, resolved
+from grape_stream.recipe.schema import as_recipe, base_config, merge_checked, recipe_dict
 from grape_stream.recipe.validate import validate
 
-__all__ = ["RecipeNotFoundError", "bundled_recipes", "load_recipe", "resolve_recipe_path"]
+__all__ = ["RecipeNotFoundError", "bundled_recipes", "load_config", "load_recipe", "resolve_recipe_path"]
 
 
 class RecipeNotFoundError(ConfigError, FileNotFoundError):
     """No such recipe file and no bundled recipe of that name (still a FileNotFoundError)."""
 
 
+#: The folder of the bundled recipe YAMLs inside the package (data, not code: no ``__init__.py``).
+BUNDLED_DIR = "recipe_yaml"
+
+
 def bundled_recipes() -> dict[str, str]:
-    """name -> path of the recipes shipped in ``grape_stream.recipes``."""
-    root = importlib.resources.files("grape_stream.recipes")
+    """name -> path of the recipes shipped in ``grape_stream/recipe_yaml/``."""
+    root = importlib.resources.files("grape_stream").joinpath(BUNDLED_DIR)
     return {p.name[:-5]: str(p) for p in root.iterdir() if p.name.endswith(".yaml")}
 
 
@@ -81,9 +88,9 @@ def _sections_as_mappings(given: dict[str, Any], cls: type, prefix: str, where: 
             _sections_as_mappings(given[f.name], tp, f"{prefix}{f.name}.", where)
 
 
-def load_recipe(source: str | os.PathLike[str] | Mapping[str, Any], overrides: Sequence[str] = ()) -> dict[str, Any]:
+def load_config(source: str | os.PathLike[str] | Mapping[str, Any], overrides: Sequence[str] = ()) -> RecipeConfig:
     """Read (path, bundled name or mapping), merge onto the schema's defaults, apply overrides, resolve
-    ``${}``, validate; a plain dict."""
+    ``${}``, validate: the typed recipe."""
     if isinstance(source, Mapping):
         raw, where, stem = dict(source), "", None
     else:
@@ -94,6 +101,11 @@ def load_recipe(source: str | os.PathLike[str] | Mapping[str, Any], overrides: S
     cfg = merge_overrides(merge_checked(base_config(), given, where), overrides)
     if cfg.run_name is None:
         cfg.run_name = stem or "grape-run"
-    out = resolved(cfg, where)
-    validate(out)
-    return out
+    recipe = as_recipe(cfg, where)  # omegaconf's structured config -> the RecipeConfig object, ${} resolved
+    validate(recipe)
+    return recipe
+
+
+def load_recipe(source: str | os.PathLike[str] | Mapping[str, Any], overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """:func:`load_config` in plain form: a dict of plain values (every consumer also takes it)."""
+    return recipe_dict(load_config(source, overrides))

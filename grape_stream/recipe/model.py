@@ -9,7 +9,9 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from grape_stream.config import DecoderShape, ModelConfig, RecipeConfig, field_names
 from grape_stream.models import GPT, GPTConfig
+from grape_stream.recipe.schema import as_recipe
 
 __all__ = ["HFTokensToLogits", "build_model"]
 
@@ -25,11 +27,12 @@ class HFTokensToLogits(nn.Module):
         return self.lm(input_ids=tokens, use_cache=False).logits
 
 
-def _hf_config(m: Mapping[str, Any], vocab_size: int, seq_len: int) -> Any:
+def _hf_config(m: ModelConfig, vocab_size: int, seq_len: int) -> Any:
     from transformers import AutoConfig
 
-    src = m["hf_config"]
-    overrides = dict(m["hf_overrides"])
+    src = m.hf_config
+    assert src is not None, "validate() requires model.hf_config for model.kind=hf"
+    overrides = dict(m.hf_overrides)
     if os.path.isdir(src):
         config = AutoConfig.from_pretrained(src, local_files_only=True, **overrides)
     else:
@@ -42,13 +45,14 @@ def _hf_config(m: Mapping[str, Any], vocab_size: int, seq_len: int) -> Any:
     return config
 
 
-def build_model(cfg: Mapping[str, Any], *, vocab_size: int, seq_len: int, device: Any = None) -> nn.Module:
+def build_model(cfg: RecipeConfig | Mapping[str, Any], *, vocab_size: int, seq_len: int,
+                device: Any = None) -> nn.Module:
     """The recipe's decoder. ``device="meta"`` builds it without allocating memory (dry runs)."""
-    m = cfg["model"]
+    m = as_recipe(cfg).model
     ctx = torch.device(device) if device is not None else torch.device("cpu")
-    if m["kind"] == "gpt":
-        gcfg = GPTConfig(vocab_size=vocab_size, seq_len=seq_len, n_layer=m["n_layer"], n_head=m["n_head"],
-                         d_model=m["d_model"], d_ff=m["d_ff"], dropout=m["dropout"], tie_embeddings=m["tie_embeddings"])
+    if m.kind == "gpt":
+        shape = {name: getattr(m, name) for name in field_names(DecoderShape)}
+        gcfg = GPTConfig(vocab_size=vocab_size, seq_len=seq_len, **shape)
         with ctx:
             return GPT(gcfg)
     from transformers import AutoModelForCausalLM

@@ -14,9 +14,10 @@ from typing import Any, Mapping, Sequence
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from grape_stream.config import RecipeConfig
 from grape_stream.errors import ConfigError
 from grape_stream.recipe.aliases import canonical_recipe
-from grape_stream.recipe.schema import base_config, merge_checked, resolved
+from grape_stream.recipe.schema import base_config, merge_checked, recipe_dict, resolved
 
 __all__ = ["apply_overrides", "merge_overrides", "parse_override"]
 
@@ -46,7 +47,7 @@ def merge_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
     return cfg
 
 
-def apply_overrides(cfg: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """Overrides applied to a loaded (plain, resolved) recipe; a new dict is returned."""
-    base = merge_checked(base_config(), dict(cfg), "")
+def apply_overrides(cfg: RecipeConfig | Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Overrides applied to a loaded recipe (typed, or its plain form); a new dict is returned."""
+    base = merge_checked(base_config(), recipe_dict(cfg) if isinstance(cfg, RecipeConfig) else dict(cfg), "")
     return resolved(merge_overrides(base, overrides))

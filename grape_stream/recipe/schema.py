@@ -10,7 +10,6 @@ four lines and name dataclasses, not keys).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import typing
 from typing import Any, Mapping
 
@@ -19,11 +18,11 @@ from omegaconf.errors import ConfigKeyError as OmegaKeyError
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
 from grape_stream.config import RecipeConfig, is_free
-from grape_stream.errors import ConfigError, ConfigKeyError, ConfigTypeError
+from grape_stream.errors import ConfigError, ConfigKeyError, ConfigTypeError, did_you_mean
 from grape_stream.recipe.aliases import ALIASES, FOUNDRY_ONLY
 
-__all__ = ["base_config", "dotted_keys", "field_type", "merge_checked", "one_line_error", "section_classes",
-           "resolved", "type_name", "unknown_key"]
+__all__ = ["as_recipe", "base_config", "dotted_keys", "field_type", "merge_checked", "one_line_error",
+           "recipe_dict", "section_classes", "resolved", "type_name", "unknown_key"]
 
 
 def base_config() -> DictConfig:
@@ -65,8 +64,14 @@ def field_type(path: str) -> Any:
 
 
 def unknown_key(path: str, where: str = "") -> ConfigKeyError:
-    close = difflib.get_close_matches(path, dotted_keys() + sorted(ALIASES), n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
+    """The error for a key outside the schema, with the closest key of the same section (a typo) or, under a
+    misspelt section, the closest section holding that key; none when nothing is close (errors.did_you_mean)."""
+    keys = dotted_keys() + sorted(ALIASES)
+    section, _, name = path.rpartition(".")
+    siblings = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == section]
+    hint = did_you_mean(name, siblings, prefix=f"{section}." if section else "")
+    if not hint and section and not siblings:  # the section itself is misspelt: trainr.max_duration
+        hint = did_you_mean(path, [k for k in keys if k.rpartition(".")[2] == name])
     if path.split(".")[0] in FOUNDRY_ONLY:
         hint = ("; it is llm-foundry's: run such a YAML with llm-foundry's train script and "
                 "train_loader: {name: grape_mixture} (docs/composer.md)")
@@ -124,3 +129,22 @@ def resolved(cfg: DictConfig, where: str = "") -> dict[str, Any]:
         raise one_line_error(exc, where) from None
     assert isinstance(out, dict)
     return typing.cast(dict[str, Any], out)
+
+
+def as_recipe(cfg: RecipeConfig | DictConfig | Mapping[str, Any], where: str = "") -> RecipeConfig:
+    """The typed recipe: ``cfg`` itself, the structured config being loaded (``${}`` resolved), or a loaded
+    recipe's plain form (``load_recipe``'s dict) checked against the schema; every error one line naming the key."""
+    if isinstance(cfg, RecipeConfig):
+        return cfg
+    merged = cfg if isinstance(cfg, DictConfig) else merge_checked(base_config(), dict(cfg), where)
+    if OmegaConf.is_missing(merged.data, "domains"):
+        raise ConfigError("recipe key 'data.domains' is required: the list of domain names (or {name, local, remote})")
+    try:
+        return typing.cast(RecipeConfig, OmegaConf.to_object(merged))
+    except OmegaConfBaseException as exc:
+        raise one_line_error(exc, where) from None
+
+
+def recipe_dict(recipe: RecipeConfig) -> dict[str, Any]:
+    """The plain form of a typed recipe (what ``--print-config`` prints and ``load_recipe`` returns)."""
+    return dataclasses.asdict(recipe)

@@ -7,8 +7,11 @@
   ``<int>sp``, ``<int>tok``, and ``<float>dur`` (a fraction of max_duration) for intervals. A bare number
   gets "add a unit"; epochs are refused (the mixer's stream is endless, so an epoch never ends and Composer
   fails later with "Cannot convert time, as state.dataloader_len is None").
-* The method choices come from the registries (:func:`grape_stream.grape.controller.controller_methods`,
-  :func:`grape_stream.grape.reweighting.method_needs_probe`), so a new reweighting method needs no change here.
+* The ``algorithm`` section is checked by the rules the controller itself applies
+  (:mod:`grape_stream.grape.algorithm_config`: the method from the registries, ``algorithm.options`` names
+  against every method's options dataclass, the values a controller needs), so a new reweighting method
+  or option needs no change here.
+* ``data.mixer`` is a :class:`~grape_stream.config.MixerConfig`: its keys and types are the schema's.
 
 The data itself (directories, the manifest's vocab_size and seq_len) is checked in :mod:`grape_stream.recipe.data`.
 """
@@ -19,10 +22,12 @@ import math
 import re
 from typing import Any, Mapping
 
-from grape_stream.config import MISSING
+from grape_stream.config import DataConfig, RecipeConfig
 from grape_stream.errors import ConfigError, ConfigKeyError, ConfigTypeError
-from grape_stream.grape.controller import REPLAY_METHOD, controller_methods
+from grape_stream.grape.algorithm_config import check_algorithm, check_option_names, check_reweighter_options
+from grape_stream.grape.replay import REPLAY_METHOD
 from grape_stream.grape.reweighting import method_needs_probe
+from grape_stream.recipe.schema import as_recipe
 
 __all__ = ["ENTRY_KEYS", "MODEL_KINDS", "OPTIMIZERS", "SCHEDULERS", "TIME_KEYS", "check_time", "validate"]
 
@@ -79,11 +84,11 @@ SCHEDULERS = ("cosine", "linear", "constant", "wsd")
 OPTIMIZERS = ("adamw", "decoupled_adamw")
 
 
-def _check_entries(data: Mapping[str, Any]) -> None:
-    if data["domains"] == MISSING or not data["domains"]:
+def _check_entries(data: DataConfig) -> None:
+    if not data.domains:
         raise ConfigError("recipe key 'data.domains' is required: the list of domain names (or {name, local, remote})")
     for group in ("domains", "tasks"):
-        entries = data[group]
+        entries = getattr(data, group)
         if not isinstance(entries, list):
             raise ConfigTypeError(f"recipe key 'data.{group}' must be a list, got {type(entries).__name__}")
         names = []
@@ -106,21 +111,22 @@ def _check_entries(data: Mapping[str, Any]) -> None:
             raise ConfigError(f"recipe key 'data.{group}' repeats {dup}")
 
 
-def _check_method(cfg: Mapping[str, Any]) -> None:
-    method = cfg["algorithm"]["method"]
-    choices = controller_methods()
-    if method not in choices:
-        raise ConfigError(f"recipe key 'algorithm.method' is {method!r}; choose one of {', '.join(choices)}")
-    if method != REPLAY_METHOD and method_needs_probe(method) and not cfg["data"]["tasks"]:
-        raise ConfigError(f"algorithm.method={method} needs target tasks: set 'data.tasks'")
+def _check_algorithm(cfg: RecipeConfig) -> None:
+    """The controller's own checks, naming the recipe keys (``algorithm.<name>``)."""
+    a = cfg.algorithm
+    check_option_names(a.options, where="algorithm.options.", what="recipe key")
+    check_algorithm(a, prefix="algorithm.")
+    check_reweighter_options(a, len(cfg.data.domains), len(cfg.data.tasks))
+    if a.method != REPLAY_METHOD and method_needs_probe(a.method) and not cfg.data.tasks:
+        raise ConfigError(f"algorithm.method={a.method} needs target tasks: set 'data.tasks'")
 
 
-def _check_mixtures(cfg: Mapping[str, Any]) -> None:
+def _check_mixtures(cfg: RecipeConfig) -> None:
     """``algorithm.options.weights`` (method static) and ``alpha0`` (the initial mixture): one finite non-negative
-    number per domain, summing to 1; else the reweighter refuses them after everything was built."""
-    k = len(cfg["data"]["domains"])
+    number per domain, summing to 1, in recipe terms (the options dataclasses check them again, by value)."""
+    k = len(cfg.data.domains)
     for name in ("weights", "alpha0"):
-        value = (cfg["algorithm"].get("options") or {}).get(name)
+        value = cfg.algorithm.options.get(name)
         if value is None:
             continue
         key = f"algorithm.options.{name}"
@@ -143,31 +149,32 @@ def _normalised(value: Any) -> list[float]:
     return w
 
 
-def validate(cfg: Mapping[str, Any]) -> None:
+def validate(cfg: RecipeConfig | Mapping[str, Any]) -> None:
     """Raise a ConfigError (also a KeyError / ValueError / TypeError) naming the offending key; return None
     when the recipe is sound."""
-    _check_entries(cfg["data"])
+    cfg = as_recipe(cfg)
+    _check_entries(cfg.data)
     _check_mixtures(cfg)
     for key, allow_dur in TIME_KEYS.items():
         section, name = key.split(".")
-        check_time(key, cfg[section][name], allow_dur=allow_dur)
-    _check_method(cfg)
-    model = cfg["model"]
-    if model["kind"] not in MODEL_KINDS:
-        raise ConfigError(f"recipe key 'model.kind' is {model['kind']!r}; choose 'gpt' or 'hf'")
-    if model["kind"] == "hf" and not model["hf_config"]:
+        check_time(key, getattr(getattr(cfg, section), name), allow_dur=allow_dur)
+    _check_algorithm(cfg)
+    model = cfg.model
+    if model.kind not in MODEL_KINDS:
+        raise ConfigError(f"recipe key 'model.kind' is {model.kind!r}; choose 'gpt' or 'hf'")
+    if model.kind == "hf" and not model.hf_config:
         raise ConfigError(
             "model.kind=hf needs 'model.hf_config' (a model type such as gpt2 or llama, or a local config dir)")
-    if cfg["optimizer"]["name"].lower() not in OPTIMIZERS:
-        raise ConfigError(f"recipe key 'optimizer.name' is {cfg['optimizer']['name']!r}; supported: "
+    if cfg.optimizer.name.lower() not in OPTIMIZERS:
+        raise ConfigError(f"recipe key 'optimizer.name' is {cfg.optimizer.name!r}; supported: "
                           f"{', '.join(OPTIMIZERS)}")
-    if cfg["scheduler"]["name"] not in SCHEDULERS:
+    if cfg.scheduler.name not in SCHEDULERS:
         raise ConfigError(
-            f"recipe key 'scheduler.name' is {cfg['scheduler']['name']!r}; choose cosine, linear, constant or wsd "
+            f"recipe key 'scheduler.name' is {cfg.scheduler.name!r}; choose cosine, linear, constant or wsd "
             "(or llm-foundry's cosine_with_warmup, linear_decay_with_warmup, constant_with_warmup)")
-    if cfg["data"]["task_probe_split"] == cfg["data"]["task_test_split"]:
+    if cfg.data.task_probe_split == cfg.data.task_test_split:
         raise ConfigError(
             "data.task_probe_split and data.task_test_split must differ: never evaluate on the probe split")
-    gbs = cfg["trainer"]["global_train_batch_size"]
+    gbs = cfg.trainer.global_train_batch_size
     if isinstance(gbs, bool) or not isinstance(gbs, int) or gbs < 1:
         raise ConfigError(f"trainer.global_train_batch_size must be a positive integer, got {gbs!r}")

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from grape_stream.errors import UnknownOptionError, did_you_mean
+
 # Import order = registration order = the order of SOURCES (and of --help): keep it, sorters off.
 # isort: off
 from . import slimpajama  # noqa: F401
@@ -79,7 +81,7 @@ def build_reader(source: str, **options: Any) -> Reader:
     known = reader_options()
     unknown = sorted(set(given) - set(known))
     if unknown:
-        raise TypeError(f"unknown reader option(s) {unknown}")
+        raise UnknownOptionError(f"unknown reader option(s) {unknown}{did_you_mean(unknown[0], known)}")
     accepts = {o.name: o for o in cls.options}
     extra = sorted(set(given) - set(accepts))
     if extra:

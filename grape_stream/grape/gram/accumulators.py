@@ -26,12 +26,13 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
+from grape_stream.config import GRAM_CHUNK_ELEMENTS
 from grape_stream.grape.gram.gram_ops import add_cross, as_range, block_inner, scatter_gram
 
 Rows = Optional[Tensor]  # sorted unique int64 row ids; None means "every row"
 RowSel = Union[slice, Tensor]
 
-DEFAULT_BUDGET = 1 << 24  # elements of per-group gradient materialised at once (64 MiB in fp32)
+DEFAULT_BUDGET = GRAM_CHUNK_ELEMENTS  # per-group gradient elements materialised at once (grape_stream.config)
 
 class DenseContribution:
     """Per-group gradient of one parameter that can be produced row-block by row-block."""

@@ -18,44 +18,25 @@ the backward and the caller re-runs with that parameter on the exact fallback.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from grape_stream.grape.gram.accumulators import (
-    DEFAULT_BUDGET,
-    MatmulContribution,
-    RowAccumulator,
-    SparseRowContribution,
-    TensorContribution,
-)
+from grape_stream.grape.gram.accumulators import DEFAULT_BUDGET, RowAccumulator, TensorContribution
 from grape_stream.grape.gram.batches import MicroBatch
 from grape_stream.grape.gram.capabilities import AUTO, demote, demoted_reason, unit_output, verify_call
+from grape_stream.grape.gram.contributions import Use, contributions
 from grape_stream.grape.gram.layouts import (
+    CallKey,
+    Lead,
     expand_shared,
     is_sample_major_view,
     lead_shape,
 )
-
-
-@dataclass(eq=False)
-class Use:
-    """One call of a fast-path module in the current forward."""
-
-    name: str
-    kind: str
-    module: nn.Module
-    params: dict[str, nn.Parameter]
-    inp: Optional[Tensor]
-    rows_per_sample: int
-    node: Any = None  # grad_fn of the output (or the output itself when it is a leaf)
-    fired: bool = False
-    keep_ids: Optional[Tensor] = None  # embedding: rows it touches (for the tied-weight projection)
 
 
 class FusedGramEngine:
@@ -94,13 +75,13 @@ class FusedGramEngine:
         # layout probing: "probe" records leading shapes, "verify" expands chosen shared calls
         self.mode: Optional[str] = None
         self.call_counts: dict[int, int] = {}
-        self.recorded: dict[tuple[int, int], Optional[tuple[int, ...]]] = {}
-        self.expand_keys: dict[tuple[int, int], str] = {}
-        self.layouts: dict[tuple[int, int], tuple[str, Optional[tuple[int, ...]]]] = {}
+        self.recorded: dict[CallKey, Lead] = {}
+        self.expand_keys: dict[CallKey, str] = {}
+        self.layouts: dict[CallKey, tuple[str, Lead]] = {}
         self.probe_batch = 0
         # capability kinds (capabilities.py): verified per call of an AUTO module on the one-sample probe
         self.verifying = False
-        self.call_kinds: dict[tuple[int, int], Optional[str]] = {}
+        self.call_kinds: dict[CallKey, Optional[str]] = {}
 
     # ------------------------------------------------------------------ install / remove
     def install(self) -> None:
@@ -252,6 +233,57 @@ class FusedGramEngine:
         for p in params.values():
             self.layout_errors.setdefault(id(p), why)
 
+    # ------------------------------------------------------------------ layout probing (layout_probe.py)
+    @contextlib.contextmanager
+    def layout_probing(self) -> Iterator[None]:
+        """Around the layout probe's no-grad forwards: the hooks record, and every probing field is reset
+        afterwards whatever happens."""
+        self.capturing = True
+        self.call_kinds = {}
+        try:
+            yield
+        finally:
+            self.capturing = False
+            self.verifying = False
+            self.mode = None
+            self.expand_keys = {}
+            self.recorded = {}
+
+    def record_leads(self, forward: Callable[[], Any], *, verify: bool = False) -> tuple[dict[CallKey, Lead], Any]:
+        """(the leading shape of every hooked call, the output) of one recording forward; ``verify``: the calls
+        of ``AUTO`` modules are verified on it too (capabilities.py; :meth:`verified_kinds` has the result)."""
+        self.begin(None, "probe")
+        self.verifying = verify
+        try:
+            out = forward()
+        finally:
+            self.verifying = False
+        recorded, self.recorded = self.recorded, {}
+        return recorded, out
+
+    def verified_kinds(self) -> dict[CallKey, Optional[str]]:
+        """The verified kind of each call of an ``AUTO`` module (None: no supported function)."""
+        return dict(self.call_kinds)
+
+    def forward_expanded(self, forward: Callable[[], Any], key: CallKey, layout: str, batch: int) -> Any:
+        """One forward with the broadcast call ``key`` expanded per sample (``batch`` samples)."""
+        self.begin(None, "verify")
+        self.expand_keys, self.probe_batch = {key: layout}, batch
+        return forward()
+
+    def use_layouts(self, layouts: dict[CallKey, tuple[str, Lead]], kinds: dict[CallKey, Optional[str]]) -> None:
+        """The layouts and verified kinds the run-mode hooks attribute rows by (cached per batch signature)."""
+        self.layouts, self.call_kinds = layouts, kinds
+
+    @contextlib.contextmanager
+    def forming_contributions(self) -> Iterator[None]:
+        """Around the fused backward: the tensor hooks form contributions (not during fallback backwards)."""
+        self.processing = True
+        try:
+            yield
+        finally:
+            self.processing = False
+
     # ------------------------------------------------------------------ per micro-batch
     def begin(self, micro: Optional[MicroBatch], mode: Optional[str] = None) -> None:
         self.micro = micro
@@ -331,11 +363,10 @@ class FusedGramEngine:
             use.inp = None
             self.hook_seconds += time.perf_counter() - t0
 
-    def _scale(self, use: Use, pname: str) -> Optional[Tensor]:
-        return self.scales.get(id(use.params[pname])) if pname in use.params else None
-
     def _absorb_use(self, use: Use, grad: Tensor) -> None:
-        for pname, contrib in self._contributions(use, grad).items():
+        parts = contributions(use, grad, self._mb, compute_dtype=self.compute_dtype, allow_ghost=self.allow_ghost,
+                              scales=self.scales)
+        for pname, contrib in parts.items():
             p = use.params[pname]
             s = self.scales.get(id(p))
             if s is not None and isinstance(contrib, TensorContribution):
@@ -345,72 +376,6 @@ class FusedGramEngine:
                 lst.remove(use)
             acc = self.accumulator(p, contrib.dtype)
             acc.absorb(contrib, self.keep_rows(p), self.gram, self.budget)
-
-    def _segments(self, rows: int) -> list[tuple[int, int]]:
-        return [(a * rows, b * rows) for a, b in self._mb.sample_segments]
-
-    def _token_local(self, rows: int) -> Tensor:
-        return self._mb.local.repeat_interleave(rows) if rows > 1 else self._mb.local
-
-    def _segsum(self, x: Tensor, rows: int) -> Tensor:
-        """(n, ...) token rows -> (G_m, ...) per-group sums (rows of a group are contiguous)."""
-        per_sample = x.reshape(self._mb.batch_size, rows, -1).sum(1)  # (B, f)
-        out = self._mb.onehot(per_sample.dtype) @ per_sample  # (G_m, B) @ (B, f)
-        return out.reshape(-1, *x.shape[1:])
-
-    def _contributions(self, use: Use, grad: Tensor) -> dict[str, Any]:
-        mod: Any = use.module  # duck-typed by use.kind: Linear, HF Conv1D, Embedding, LayerNorm or RMSNorm
-        rows, inp = use.rows_per_sample, use.inp
-        assert inp is not None, "the input is dropped only after the use's contributions are formed"
-        groups = self._mb.groups
-        out: dict[str, Any] = {}
-        if use.kind in ("linear", "conv1d"):
-            dtype = self.compute_dtype(grad.dtype)
-            x = inp.reshape(-1, inp.shape[-1]).to(dtype)
-            dy = grad.reshape(-1, grad.shape[-1]).to(dtype)
-            segs = self._segments(rows)
-            if "weight" in use.params:
-                left, right = (dy, x) if use.kind == "linear" else (x, dy)
-                out["weight"] = MatmulContribution(left, right, segs, groups, self.allow_ghost,
-                                                   self._scale(use, "weight"))
-            if "bias" in use.params:
-                out["bias"] = TensorContribution(self._segsum(dy, rows), groups)
-        elif use.kind == "embedding":
-            dtype = self.compute_dtype(grad.dtype)
-            ids = inp.reshape(-1)
-            vecs = grad.reshape(ids.numel(), -1).to(dtype)
-            tok_groups = groups[self._token_local(rows)]
-            pad = getattr(mod, "padding_idx", None)
-            if pad is not None:  # the padding row never receives gradient
-                keep = ids != pad
-                ids, vecs, tok_groups = ids[keep], vecs[keep], tok_groups[keep]
-            s = self._scale(use, "weight")
-            if s is not None:
-                vecs = vecs * s[ids.long()].reshape(vecs.shape)
-            out["weight"] = SparseRowContribution(tok_groups, ids.long(), vecs, use.params["weight"].shape[0])
-        elif use.kind in ("layernorm", "rmsnorm", "affine"):
-            dtype = self.compute_dtype(grad.dtype)
-            x = inp.to(dtype)
-            if use.kind == "affine":  # inp is already the module's own n(x) (capabilities.unit_output)
-                ns = tuple(mod._parameters["weight"].shape)
-                xhat = x
-            elif use.kind == "layernorm":
-                ns = tuple(mod.normalized_shape)
-                xhat = F.layer_norm(x, ns, None, None, mod.eps)
-            else:
-                ns = tuple(mod.normalized_shape)
-                eps = mod.eps if mod.eps is not None else torch.finfo(x.dtype).eps
-                xhat = F.rms_norm(x, ns, None, eps)
-            feat = math.prod(ns)
-            dy = grad.to(dtype).reshape(-1, feat)
-            if "weight" in use.params:
-                w = self._segsum(dy * xhat.reshape(-1, feat), rows)
-                out["weight"] = TensorContribution(w.reshape(-1, *ns), groups)
-            if "bias" in use.params:
-                out["bias"] = TensorContribution(self._segsum(dy, rows).reshape(-1, *ns), groups)
-        else:  # pragma: no cover - guarded by fast_kind
-            raise AssertionError(use.kind)
-        return out
 
     # ------------------------------------------------------------------ results
     def strategies(self) -> dict[str, str]:

@@ -38,7 +38,7 @@ from grape_stream.grape.gram.batches import MicroBatch, batch_signature, map_ten
 from grape_stream.grape.gram.hooks import FusedGramEngine, Use
 from grape_stream.grape.gram.instep_grads import DomainParts, GradUse, PartStore, use_grads
 from grape_stream.grape.gram.instep_scope import check_model, hooked_modules, stray_uses
-from grape_stream.grape.gram.layouts import probe_layouts
+from grape_stream.grape.gram.layout_probe import probe_layouts
 from grape_stream.loss_watch import watching_losses
 
 __all__ = ["INSTEP_STATE_FORMAT", "StepAlignments", "sort_by_domain"]
@@ -291,7 +291,7 @@ class StepAlignments:
             if bad:
                 raise ConfigError(f"in-step alignments: no exact per-sample form for {', '.join(bad)} (their "
                                   "forward is not a supported function of weight/bias); use alignments: probe")
-        eng.layouts, eng.call_kinds = self._layouts[key]
+        eng.use_layouts(*self._layouts[key])
 
     def _finish(self, parts: DomainParts) -> None:
         eng = self.engine

@@ -13,7 +13,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from grape_stream.errors import ConfigError
-from grape_stream.grape.gram.group_gram import _check_batch_coupling, _classify
+from grape_stream.grape.gram.plan import _classify, check_batch_coupling
 from grape_stream.grape.probes import unwrap_for_probe
 
 __all__ = ["check_model", "hooked_modules", "stray_uses"]
@@ -30,7 +30,7 @@ def check_model(model: nn.Module) -> nn.Module:
                           f"compile nothing or use alignments: probe ({_WHERE})")
     try:
         inner = unwrap_for_probe(model)
-        _check_batch_coupling(inner)
+        check_batch_coupling(inner)
     except (NotImplementedError, ValueError) as exc:
         raise ConfigError(f"in-step alignments: {str(exc).splitlines()[0]}") from exc
     for name, m in inner.named_modules():

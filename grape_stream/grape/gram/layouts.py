@@ -4,23 +4,17 @@ The fused Gram attributes every row of a hooked module's input to one sample. Th
 some functions of a module's weight / bias (``fast_kind``: known forwards, or any module whose calls are
 verified to compute one of them, see ``capabilities``) and some layouts of the call's leading
 dimensions, found once per model and batch signature by running the loss on one and on two samples
-(``probe_layouts``). Anything else goes to the exact fallback rather than being guessed.
+(gram/layout_probe.py). Anything else goes to the exact fallback rather than being guessed.
 """
 
 from __future__ import annotations
 
-import math
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
-import torch
 from torch import Tensor, nn
 
-from grape_stream.grape.gram.batches import map_tensors
 from grape_stream.grape.gram.capabilities import AUTO, demoted_reason, is_candidate
-
-if TYPE_CHECKING:
-    from grape_stream.grape.gram.hooks import FusedGramEngine
 
 __all__ = [
     "FAST_PARAM_NAMES",
@@ -30,7 +24,6 @@ __all__ = [
     "fast_kind",
     "is_sample_major_view",
     "lead_shape",
-    "probe_layouts",
 ]
 
 PerSampleLoss = Callable[[nn.Module, Any], Tensor]
@@ -142,80 +135,5 @@ def expand_shared(t: Tensor, layout: str, batch: int) -> Tensor:
 
 
 CallKey = tuple[int, int]  # (id(module), call ordinal within one forward)
-Layouts = dict[CallKey, tuple[str, Optional[tuple[int, ...]]]]
-
-
-def probe_layouts(
-    engine: FusedGramEngine, model: nn.Module, per_sample_loss: PerSampleLoss, batch: Any, total: int
-) -> tuple[Layouts, dict[CallKey, Optional[str]]]:
-    """Which leading dimension of each hooked module call is the batch (see `classify_layout`), and the
-    verified kind of each call of an ``AUTO`` module (None: no supported function; the module is demoted).
-
-    Runs the loss under no_grad on the first sample (where ``AUTO`` calls are verified) and on the first
-    two samples and compares each call's leading shape; a call computed once for the whole batch
-    (positional embeddings of arange(T)) is then re-run expanded per sample and kept on the fast path
-    only if the losses are unchanged. Cached per model and batch signature: a few no-grad forwards of
-    <= 2 samples, once.
-    """
-    needs_kinds = any(kind == AUTO for _, _, kind, _ in engine.modules)
-    if total < 2 and not needs_kinds:
-        return {}, {}
-    one = map_tensors(batch, lambda t: t[:1])
-    two = map_tensors(batch, lambda t: t[:2])
-    rng = torch.get_rng_state()
-    cuda_dev = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
-    cuda_rng = torch.cuda.get_rng_state(cuda_dev) if cuda_dev is not None else None
-
-    def reset_rng() -> None:
-        torch.set_rng_state(rng)
-        if cuda_rng is not None and cuda_dev is not None:
-            torch.cuda.set_rng_state(cuda_rng, cuda_dev)
-
-    engine.capturing = True
-    engine.call_kinds = {}
-    try:
-        with torch.no_grad():
-            engine.begin(None, "probe")
-            engine.verifying = True  # AUTO calls are checked on this one-sample forward
-            try:
-                per_sample_loss(model, one)
-            finally:
-                engine.verifying = False
-            rec1, engine.recorded = engine.recorded, {}
-            kinds = dict(engine.call_kinds)
-            if total < 2:
-                return {k: ("unsupported", v) for k, v in rec1.items()}, kinds
-            reset_rng()
-            engine.begin(None, "probe")
-            ref = per_sample_loss(model, two)
-            rec2, engine.recorded = engine.recorded, {}
-            layouts = {k: (classify_layout(rec1.get(k), rec2.get(k)), rec1.get(k)) for k in set(rec1) | set(rec2)}
-            _verify_shared(engine, model, per_sample_loss, two, ref.detach(), layouts, reset_rng)
-    finally:
-        engine.capturing = False
-        engine.mode = None
-        engine.expand_keys = {}
-        engine.recorded = {}
-    return layouts, kinds
-
-
-def _verify_shared(engine: FusedGramEngine, model: nn.Module, per_sample_loss: PerSampleLoss, two: Any,
-                   ref: Tensor, layouts: Layouts, reset_rng: Callable[[], None]) -> None:
-    """Keep a broadcast ("shared") call on the fast path only if expanding it per sample leaves the
-    two-sample losses unchanged."""
-    tol = math.sqrt(torch.finfo(ref.dtype).eps) if ref.is_floating_point() else 0.0
-    for key, (layout, lead1) in sorted(layouts.items()):
-        if layout not in ("shared", "shared1"):
-            continue
-        reset_rng()
-        engine.begin(None, "verify")
-        engine.expand_keys, engine.probe_batch = {key: layout}, 2
-        try:
-            out = per_sample_loss(model, two)
-            same = isinstance(out, Tensor) and out.shape == ref.shape and bool(
-                torch.allclose(out.detach(), ref, rtol=tol, atol=tol, equal_nan=True)
-            )
-        except Exception:
-            same = False
-        if not same:
-            layouts[key] = ("unsupported", lead1)
+Lead = Optional[tuple[int, ...]]  # a call's leading (per-token) dimensions
+Layouts = dict[CallKey, tuple[str, Lead]]

@@ -3,25 +3,37 @@
     r = build_reweighter("grape", num_domains=K, num_tasks=N)
     alpha, z = r.update(gram, task_losses, lr)
 
-Layout: ``base`` (the Reweighter class: checks, clipping, log-space steps, history, state), ``options``
-(option checks and the paper's defaults PAPER_MU_ALPHA / PAPER_MU_Z), ``gram_input`` (reading, checking,
-clipping the Gram), ``noise`` (options beyond the paper: cosine alignments, Gram / alpha EMA), ``state`` (exact
-JSON forms),
-``registry`` (the one method list and the functions that read it), and one file per method family:
-``fixed`` (uniform, static), ``doge`` (doge, doge_pcgrad, the PCGrad coefficient math), ``grape``
-(grape, grape_gap, grape_ema). docs/reweighting.md has the equations as implemented.
+Layout: ``base`` (the Reweighter class: state, input checks, Gram conditioning, history, checkpoints),
+``step`` (the functional core: the shared mirror-descent step as a pure function), ``step_rule`` (how
+big a step is: the default KL trust region, the paper's lr / mu, constant; pure functions), ``from_scores``
+(updates from in-step scores instead of a Gram: ``alignments: steps``), ``options`` (the
+options dataclasses every method builds on, their checks, the paper's defaults PAPER_MU_ALPHA /
+PAPER_MU_Z), ``gram_input`` (reading, checking, clipping the Gram), ``noise`` (the math of the options
+beyond the paper: cosine alignments, Gram / alpha EMA), ``state`` (exact JSON forms), ``registry`` (the
+one method list and the functions that read it), and one file per method family, each with its options
+dataclass, its pure step function and its classes: ``fixed`` (uniform, static), ``doge`` (doge,
+doge_pcgrad, the PCGrad coefficient math: ``doge_step``), ``grape`` (grape, grape_gap, grape_ema:
+``grape_step``). docs/reweighting.md has the equations as implemented.
 
-Adding a method: write one file here with a ``Reweighter`` subclass decorated with ``@register``
-(class attributes ``method``, ``description``, ``options_accepted``, ``needs_probe``, ``moves_alpha`` /
-``moves_z``, and ``_alignments``), then add one import line to the ``isort: off`` block below (its
-position there is the method's position in every listing). The recipe's method choices, the
-controller's methods and option filtering all read the registry.
+Adding a method: one file here with an options dataclass (fields = the options it accepts, ``resolve``
+= their checks), its step as a pure function, and a ``Reweighter`` subclass decorated with ``@register``
+(``method``, ``description``, ``Options``, ``needs_probe``, ``moves_alpha`` / ``moves_z``, and
+``_scores`` / ``_step`` calling the pure function); then one import line in the ``isort: off`` block
+below (its position there is the method's position in every listing). Adding an option: one field (and
+its check) in one options dataclass. The recipe's method choices and option checks, the controller's
+methods and option filtering all read the registry.
 """
 
 from __future__ import annotations
 
 from grape_stream.grape.reweighting.base import GRAM_ASYMMETRY_RTOL, Reweighter
-from grape_stream.grape.reweighting.options import PAPER_MU_ALPHA, PAPER_MU_Z
+from grape_stream.grape.reweighting.options import (
+    PAPER_MU_ALPHA,
+    PAPER_MU_Z,
+    NoiseOptions,
+    ReweighterOptions,
+    StepOptions,
+)
 from grape_stream.grape.reweighting.registry import (
     REWEIGHTERS,
     all_options,
@@ -34,18 +46,28 @@ from grape_stream.grape.reweighting.registry import (
     reweighter_from_state_dict,
 )
 from grape_stream.grape.reweighting.state import STATE_FORMAT
+from grape_stream.grape.reweighting.step import WeightStep, condition_gram, mirror_step
 
 # The method files. Their import order is the registry's order, i.e. the order methods are listed
 # everywhere (recipe choices, docs, demo), so the import sorter must leave this block alone.
 # isort: off
-from grape_stream.grape.reweighting.fixed import StaticReweighter, UniformReweighter
+from grape_stream.grape.reweighting.fixed import StaticOptions, StaticReweighter, UniformReweighter
 from grape_stream.grape.reweighting.doge import (
+    DogePCGradOptions,
     DogePCGradReweighter,
     DogeReweighter,
+    doge_step,
     pcgrad_coefficients,
     pcgrad_task_orders,
 )
-from grape_stream.grape.reweighting.grape import GrapeEmaReweighter, GrapeGapReweighter, GrapeReweighter
+from grape_stream.grape.reweighting.grape import (
+    GrapeEmaOptions,
+    GrapeEmaReweighter,
+    GrapeGapReweighter,
+    GrapeOptions,
+    GrapeReweighter,
+    grape_step,
+)
 # isort: on
 
 __all__ = [
@@ -54,20 +76,32 @@ __all__ = [
     "PAPER_MU_Z",
     "REWEIGHTERS",
     "STATE_FORMAT",
+    "DogePCGradOptions",
     "DogePCGradReweighter",
     "DogeReweighter",
+    "GrapeEmaOptions",
     "GrapeEmaReweighter",
     "GrapeGapReweighter",
+    "GrapeOptions",
     "GrapeReweighter",
+    "NoiseOptions",
     "Reweighter",
+    "ReweighterOptions",
+    "StaticOptions",
     "StaticReweighter",
+    "StepOptions",
     "UniformReweighter",
+    "WeightStep",
     "all_options",
     "available_methods",
     "build_reweighter",
+    "condition_gram",
+    "doge_step",
+    "grape_step",
     "method_description",
     "method_needs_probe",
     "method_options",
+    "mirror_step",
     "pcgrad_coefficients",
     "pcgrad_task_orders",
     "register",

@@ -1,4 +1,4 @@
-"""The Reweighter base class: everything the methods share.
+"""The Reweighter base class: the state and the checks every method shares.
 
 Every method (docs/reweighting.md: uniform, static, DoGE, DoGE-PCGrad and the three GRAPE progress
 metrics) needs only inner products between the K domain gradients g_k and the N task gradients h_n, so a
@@ -6,49 +6,35 @@ reweighter takes the (K+N)x(K+N) Gram matrix of those gradients (domains first) 
 That keeps the package pure numpy (torch tensors are accepted and copied to float64), testable against
 explicit vectors, and cheap: O((K+N)^2) memory for every method, PCGrad included.
 
-A method is a subclass that states its facts as class attributes and implements :meth:`_alignments`
-(the per-task vector ``a`` and per-domain vector ``b`` in the exponents); this class does the checks,
-clipping, step sizes, log-space steps, floors and smoothing, the history and (de)serialisation.
+A method is a subclass that names its options dataclass (``Options``, grape.reweighting.options) and
+implements :meth:`Reweighter._scores` and :meth:`Reweighter._step` by calling its pure functions (the
+functional core: grape.reweighting.step and the method's file). This class holds the state (weights in
+log space, EMAs, counters, history), checks the inputs, conditions the Gram (clipping, cosine, EMA),
+records every update and (de)serialises.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
+from grape_stream.errors import UnknownOptionError, did_you_mean
 from grape_stream.grape.reweighting import noise, step_rule
 from grape_stream.grape.reweighting.from_scores import FromScores
-from grape_stream.grape.reweighting.gram_input import (
-    GRAM_ASYMMETRY_RTOL,
-    check_and_symmetrise,
-    clip_gram,
-    to_matrix,
-)
-from grape_stream.grape.reweighting.options import (
-    positive_int,
-    real,
-    resolve_history_limit,
-    resolve_step_options,
-)
-from grape_stream.grape.reweighting.registry import all_options
+from grape_stream.grape.reweighting.gram_input import GRAM_ASYMMETRY_RTOL, check_and_symmetrise, to_matrix
+from grape_stream.grape.reweighting.options import ReweighterOptions, option_names, positive_int, real
 from grape_stream.grape.reweighting.state import (
     STATE_FORMAT,
     json_floats,
     log_weights_from_json,
     log_weights_to_json,
 )
-from grape_stream.simplex import (
-    apply_floor,
-    as_float_vector,
-    exp_gradient_step,
-    log_normalize,
-    mix_uniform,
-    probs_from_log,
-    uniform,
-)
+from grape_stream.grape.reweighting.step import WeightStep, condition_gram, mirror_step, raw_scores
+from grape_stream.simplex import as_float_vector, log_normalize, probs_from_log, uniform
 
 __all__ = ["BOOKKEEPING_OPTIONS", "GRAM_ASYMMETRY_RTOL", "Reweighter"]
 
@@ -60,33 +46,44 @@ BOOKKEEPING_OPTIONS = ("history_limit",)
 class Reweighter(FromScores):
     """Domain weights alpha (K) and task weights z (N), moved by one Gram matrix per update.
 
-    Subclasses set which options they take and implement :meth:`_alignments`, which returns the
-    per-task alignment ``a`` (N) and per-domain alignment ``b`` (K) that the exponents use. This base
-    class does everything shared: input checks, gradient clipping through the Gram diagonal, step
-    sizes, the log-space steps, floors and smoothing, the history, and (de)serialisation.
+    ``Reweighter(K, N, config=Options(...), **options)``: ``config`` an instance of the method's options
+    dataclass, keyword options override its fields (``build_reweighter("grape", K, N, clip_norm=1.0)``).
+    Subclasses set ``Options`` and implement :meth:`_scores` (the per-task alignment ``a`` (N) and
+    per-domain alignment ``b`` (K) the exponents use) and :meth:`_step` (calling their pure step function).
     """
 
     method: ClassVar[str] = ""
     description: ClassVar[str] = ""
-    #: Options this method accepts (besides num_domains / num_tasks).
-    options_accepted: ClassVar[tuple[str, ...]] = ("history_limit",)
+    #: The options dataclass of this method: its fields are the options it accepts.
+    Options: ClassVar[type[ReweighterOptions]] = ReweighterOptions
+    #: The names of those fields (derived from ``Options`` for every subclass; read by the registry).
+    options_accepted: ClassVar[tuple[str, ...]] = option_names(ReweighterOptions)
     moves_alpha: ClassVar[bool] = False
     moves_z: ClassVar[bool] = False
     #: Whether an update needs the probe Gram (False: the weights never move, so no probe is run).
     needs_probe: ClassVar[bool] = True
 
-    def __init__(self, num_domains: int, num_tasks: int, **options: Any) -> None:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.options_accepted = option_names(cls.Options)
+
+    def __init__(self, num_domains: int, num_tasks: int, config: ReweighterOptions | None = None,
+                 **options: Any) -> None:
         self.num_domains = positive_int(num_domains, "num_domains")
         self.num_tasks = positive_int(num_tasks, "num_tasks")
         unknown = sorted(set(options) - set(self.options_accepted))
-        if unknown:
-            everything = all_options()
-            kind = "does not apply to" if all(u in everything for u in unknown) else "is not an option of"
-            raise TypeError(
-                f"option(s) {', '.join(map(repr, unknown))} {kind} method {self.method!r}; "
+        if unknown:  # build_reweighter says first whether they are other methods' (the registry knows them all)
+            raise UnknownOptionError(
+                f"option(s) {', '.join(map(repr, unknown))} is not an option of method {self.method!r}; "
                 f"options of {self.method!r}: {', '.join(self.options_accepted)}"
+                f"{did_you_mean(unknown[0], self.options_accepted)}"
             )
-        self._options = self._resolve_options(dict(options))
+        if config is not None and not isinstance(config, self.Options):
+            raise TypeError(f"method {self.method!r} takes options {self.Options.__name__}, "
+                            f"got {type(config).__name__}")
+        #: the options as given (a dataclass instance; ``options`` is the resolved form kept in the state)
+        self.config = dataclasses.replace(config if config is not None else self.Options(), **options)
+        self._options = self.config.resolve(self.num_domains, self.num_tasks)
         limit = self._options["history_limit"]
         self._history: deque[dict[str, Any]] = deque(maxlen=limit)
         self._history_dropped = 0
@@ -104,16 +101,6 @@ class Reweighter(FromScores):
         self._loss_ema: np.ndarray | None = None
         self._gram_ema: np.ndarray | None = None  # option gram_ema: the running Gram the alignments use
         self._lr_peak: float | None = None  # the trust region's lr reference (the largest lr seen)
-
-    # -- options -------------------------------------------------------------------------------------
-    def _resolve_options(self, opts: dict[str, Any]) -> dict[str, Any]:
-        """Validate and fill defaults; the result is JSON-serialisable and goes into state_dict()."""
-        return {"history_limit": resolve_history_limit(opts.pop("history_limit", None))}
-
-    def _resolve_step_options(self, opts: dict[str, Any], sides: tuple[str, ...]) -> dict[str, Any]:
-        out = resolve_step_options(opts, sides, self.num_domains)
-        out.update(noise.resolve_noise_options(opts))  # only non-default ones: old checkpoints keep loading
-        return out
 
     # -- public state --------------------------------------------------------------------------------
     @property
@@ -196,7 +183,7 @@ class Reweighter(FromScores):
         if losses.shape[0] != n:
             raise ValueError(f"task_losses has {losses.shape[0]} entries, expected num_tasks = {n}")
         lr_value = self._check_lr(lr)
-        eta_alpha, eta_z = self.step_sizes(lr_value)  # provisional under the trust region (needs a, b)
+        eta_alpha, eta_z = self._etas(lr_value, None, update_alpha, update_z)  # what a skip records
 
         nonfinite = ~np.isfinite(g)
         if nonfinite.any():
@@ -213,40 +200,47 @@ class Reweighter(FromScores):
                 f"{bad.tolist()}: {losses[bad].tolist()}"
             )
         g = check_and_symmetrise(g)
-        with np.errstate(over="ignore", invalid="ignore"):  # overflow is caught below, as a skip
-            g = self._normalise(g)
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is caught by the step, as a skip
+            g = self._condition(g)
             gram_ema = noise.ema(self._gram_ema, g, self._options["gram_ema"]) if "gram_ema" in self._options else None
             g = g if gram_ema is None else gram_ema
-            alignment = g[:k, k:]
-            task_gram = g[k:, k:]
-            a, b, new_ema = self._alignments(alignment, task_gram, losses, index)
-        return self._apply_scores(index, step, lr_value, losses, a, b, eta_alpha, eta_z, update_alpha, update_z,
-                                  new_ema, gram_ema)
+            # the trust region sizes the step from the exponents themselves (the other rules ignore them)
+            scores = self._scores(g, losses, index) if self._options.get("step_size") == "trust_region" else None
+        eta_alpha, eta_z = self._etas(lr_value, scores, update_alpha, update_z)
+        moved, loss_ema = self._step(g, losses, eta_alpha, eta_z, index, update_alpha, update_z)
+        return self._commit(index, step, lr_value, losses, moved, eta_alpha, eta_z, loss_ema, gram_ema)
 
-    def _apply_scores(self, index: int, step: int | None, lr_value: float | None, losses: np.ndarray, a: np.ndarray,
-                      b: np.ndarray, eta_alpha: float, eta_z: float, update_alpha: bool, update_z: bool,
-                      new_ema: np.ndarray | None, gram_ema: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        """The multiplicative steps from the exponents' vectors a (tasks) and b (domains), then commit and record."""
-        if self._options.get("step_size") == "trust_region" and np.all(np.isfinite(a)) and np.all(np.isfinite(b)):
-            eta_alpha, eta_z = self.step_sizes(lr_value, a, b)
-        eta_alpha, eta_z = (eta_alpha if update_alpha else 0.0), (eta_z if update_z else 0.0)
-        try:
-            log_z = exp_gradient_step(self._log_z, -a, eta_z) if (self.moves_z and update_z) else self._log_z
-            moves = self.moves_alpha and update_alpha
-            log_alpha = exp_gradient_step(self._log_alpha, b, eta_alpha) if moves else self._log_alpha
-        except FloatingPointError:
-            return self._skip(
-                index, step, lr_value, losses, eta_alpha, eta_z,
-                f"exponent overflow: eta_alpha*b or eta_z*a is not finite (eta_alpha={eta_alpha!r}, "
-                f"eta_z={eta_z!r}, max|a|={float(np.max(np.abs(a)))!r}, max|b|={float(np.max(np.abs(b)))!r})",
-                a=a, b=b,
-            )
-        self._commit(log_alpha, log_z, update_alpha, update_z)
+    def _apply_scores(self, index: int, step: int | None, lr_value: float | None, losses: np.ndarray,
+                      a: np.ndarray, b: np.ndarray, update_alpha: bool, update_z: bool,
+                      loss_ema: np.ndarray | None, gram_ema: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """One step along given exponents a (tasks) and b (domains): the in-step update (FromScores)."""
+        eta_alpha, eta_z = self._etas(lr_value, (a, b), update_alpha, update_z)
+        moved = mirror_step(self._log_alpha, self._log_z, a, b, eta_alpha, eta_z,
+                            **self._step_options(update_alpha, update_z))
+        return self._commit(index, step, lr_value, losses, moved, eta_alpha, eta_z, loss_ema, gram_ema)
+
+    def _etas(self, lr_value: float | None, scores: tuple[np.ndarray, np.ndarray] | None, update_alpha: bool,
+              update_z: bool) -> tuple[float, float]:
+        """The step rule's (eta_alpha, eta_z) for this update, 0 for a side not updated; the trust region's
+        from the scores (a, b) when they are finite (else 0: nothing to size)."""
+        finite = scores is not None and all(np.all(np.isfinite(v)) for v in scores)
+        eta_alpha, eta_z = self.step_sizes(lr_value, *scores) if finite and scores is not None \
+            else self.step_sizes(lr_value)
+        return (eta_alpha if update_alpha else 0.0), (eta_z if update_z else 0.0)
+
+    def _commit(self, index: int, step: int | None, lr_value: float | None, losses: np.ndarray, moved: WeightStep,
+                eta_alpha: float, eta_z: float, loss_ema: np.ndarray | None,
+                gram_ema: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """Keep the step's weights (or record why there was none), the EMAs and the trust region's peak lr."""
+        if moved.skipped is not None:
+            return self._skip(index, step, lr_value, losses, eta_alpha, eta_z, moved.skipped, a=moved.a, b=moved.b)
+        self._log_alpha, self._log_z = moved.log_alpha, moved.log_z
+        self._alpha, self._z = probs_from_log(moved.log_alpha), probs_from_log(moved.log_z)
         if lr_value is not None:
             self._lr_peak = max(self._lr_peak or 0.0, lr_value)
-        self._loss_ema = new_ema
+        self._loss_ema = loss_ema
         self._gram_ema = gram_ema
-        self._record(index, step, lr_value, losses, a, b, eta_alpha, eta_z, None)
+        self._record(index, step, lr_value, losses, moved.a, moved.b, eta_alpha, eta_z, None)
         self._num_updates += 1
         return self._alpha.copy(), self._z.copy()
 
@@ -263,46 +257,39 @@ class Reweighter(FromScores):
             )
         return value
 
-    def _normalise(self, g: np.ndarray) -> np.ndarray:
+    def _condition(self, g: np.ndarray) -> np.ndarray:
         """Option clip_norm (D G D), then option alignment='cosine' (unit-length gradients)."""
-        g = clip_gram(g, self._options.get("clip_norm"))
-        return noise.cosine_gram(g) if self._options.get("alignment") == "cosine" else g
+        return condition_gram(g, self._options.get("clip_norm"), self._options.get("alignment", "inner"))
 
     def preview(self, gram: Any, task_losses: Any) -> tuple[np.ndarray, np.ndarray]:
         """(a, b) that this Gram would give with the current weights; changes nothing (no EMA either).
 
         The controller's probe-size rule compares the domain scores b of two half-probes (grape.probe_size).
         """
-        k = self.num_domains
         g = check_and_symmetrise(to_matrix(gram))
         with np.errstate(over="ignore", invalid="ignore"):
-            g = self._normalise(g)
-            a, b, _ = self._alignments(g[:k, k:], g[k:, k:], as_float_vector(task_losses, "task_losses"),
-                                       self._num_updates)
-        return a, b
+            g = self._condition(g)
+        return self._scores(g, as_float_vector(task_losses, "task_losses"), self._num_updates)
 
-    def _alignments(
-        self, alignment: np.ndarray, task_gram: np.ndarray, losses: np.ndarray, index: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """(a, b, new loss EMA). Default: raw alignments, a = A^T alpha, b = A z (logged, never applied)."""
-        return alignment.T @ self._alpha, alignment @ self._z, self._loss_ema
+    # -- what a method implements (with its pure functions) -------------------------------------------
+    def _scores(self, g: np.ndarray, losses: np.ndarray, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """(a, b) of the conditioned Gram ``g`` with the current weights. Default: the raw alignments
+        a = A^T alpha, b = A z (logged by the methods whose weights never move)."""
+        k = self.num_domains
+        return raw_scores(g[:k, k:], self._alpha, self._z)
 
-    def _commit(self, log_alpha: np.ndarray, log_z: np.ndarray, update_alpha: bool, update_z: bool) -> None:
-        if self.moves_alpha and update_alpha:
-            if "alpha_ema" in self._options:  # Dynamic Gradient Alignment's damping of the step
-                log_alpha = log_normalize(noise.mix_log_weights(self._log_alpha, log_alpha, self._options["alpha_ema"]))
-            floor = self._options.get("alpha_floor", 0.0)
-            if floor > 0.0:
-                alpha = apply_floor(probs_from_log(log_alpha), floor)
-                log_alpha = log_normalize(np.log(alpha))
-            self._log_alpha = log_alpha
-            self._alpha = probs_from_log(log_alpha)
-        if self.moves_z and update_z:
-            share = self._options.get("z_smoothing", 0.0)
-            if share > 0.0:
-                log_z = log_normalize(np.log(mix_uniform(probs_from_log(log_z), share)))
-            self._log_z = log_z
-            self._z = probs_from_log(log_z)
+    def _step(self, g: np.ndarray, losses: np.ndarray, eta_alpha: float, eta_z: float, index: int,
+              update_alpha: bool, update_z: bool) -> tuple[WeightStep, np.ndarray | None]:
+        """(the step, the loss EMA after it) from the conditioned Gram. Default: scores only, no move."""
+        a, b = self._scores(g, losses, index)
+        return WeightStep(self._log_alpha, self._log_z, a, b), self._loss_ema
+
+    def _step_options(self, update_alpha: bool, update_z: bool) -> dict[str, Any]:
+        """The keyword arguments of :func:`~grape_stream.grape.reweighting.step.mirror_step` for this update."""
+        o = self._options
+        return {"move_alpha": self.moves_alpha and update_alpha, "move_z": self.moves_z and update_z,
+                "alpha_ema": o.get("alpha_ema", 0.0), "alpha_floor": o.get("alpha_floor", 0.0),
+                "z_smoothing": o.get("z_smoothing", 0.0)}
 
     def _skip(
         self, index: int, step: int | None, lr: float | None, losses: np.ndarray, eta_alpha: float,

@@ -5,13 +5,16 @@ They still take the reweighter interface so a run can switch method by name; the
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
+from grape_stream.errors import ConfigError
 from grape_stream.grape.reweighting.base import Reweighter
+from grape_stream.grape.reweighting.options import ReweighterOptions
 from grape_stream.grape.reweighting.registry import register
 from grape_stream.simplex import check_simplex
 
-__all__ = ["StaticReweighter", "UniformReweighter"]
+__all__ = ["StaticOptions", "StaticReweighter", "UniformReweighter"]
 
 
 @register
@@ -21,21 +24,25 @@ class UniformReweighter(Reweighter):
     needs_probe = False
 
 
+@dataclass
+class StaticOptions(ReweighterOptions):
+    weights: Optional[list[float]] = None  # the K domain weights (required)
+
+    def resolve(self, num_domains: int, num_tasks: int) -> dict[str, Any]:
+        if self.weights is None:
+            raise ConfigError(f"method 'static' needs weights=[...] ({num_domains} domain weights summing to 1)")
+        out = super().resolve(num_domains, num_tasks)
+        out["weights"] = check_simplex(self.weights, "weights", num_domains).tolist()
+        out["alpha0"] = out["weights"]
+        return out
+
+
 @register
 class StaticReweighter(Reweighter):
     method = "static"
     description = "alpha fixed at given weights, e.g. a published mixture (weights=...)"
-    options_accepted = ("weights", "history_limit")
+    Options = StaticOptions
     needs_probe = False
-
-    def _resolve_options(self, opts: dict[str, Any]) -> dict[str, Any]:
-        weights = opts.pop("weights", None)
-        if weights is None:
-            raise ValueError(f"method 'static' needs weights=[...] ({self.num_domains} domain weights summing to 1)")
-        out = super()._resolve_options(opts)
-        out["weights"] = check_simplex(weights, "weights", self.num_domains).tolist()
-        out["alpha0"] = out["weights"]
-        return out
 
     @property
     def options(self) -> dict[str, Any]:

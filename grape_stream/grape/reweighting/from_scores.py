@@ -31,13 +31,14 @@ class FromScores:
 
     if TYPE_CHECKING:  # provided by Reweighter
         def _check_lr(self, lr: Any) -> float | None: ...
-        def step_sizes(self, lr: float | None, a: Any = None, b: Any = None) -> tuple[float, float]: ...
         def _skip(self, index: int, step: int | None, lr: float | None, losses: np.ndarray, eta_alpha: float,
                   eta_z: float, reason: str, a: np.ndarray | None = None,
                   b: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]: ...
+        def _etas(self, lr_value: float | None, scores: tuple[np.ndarray, np.ndarray] | None, update_alpha: bool,
+                  update_z: bool) -> tuple[float, float]: ...
         def _apply_scores(self, index: int, step: int | None, lr_value: float | None, losses: np.ndarray,
-                          a: np.ndarray, b: np.ndarray, eta_alpha: float, eta_z: float, update_alpha: bool,
-                          update_z: bool, new_ema: np.ndarray | None,
+                          a: np.ndarray, b: np.ndarray, update_alpha: bool, update_z: bool,
+                          loss_ema: np.ndarray | None,
                           gram_ema: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]: ...
 
     def target_coefficients(self, task_losses: np.ndarray, task_gram: np.ndarray | None) -> np.ndarray:
@@ -61,9 +62,8 @@ class FromScores:
         if a.shape != (self.num_tasks,) or b.shape != (self.num_domains,):
             raise ValueError(f"a has {a.shape}, b {b.shape}: expected ({self.num_tasks},) and ({self.num_domains},)")
         lr_value = self._check_lr(lr)
-        eta_alpha, eta_z = self.step_sizes(lr_value)
-        eta_alpha, eta_z = (eta_alpha if update_alpha else 0.0), (eta_z if update_z else 0.0)
         if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+            eta_alpha, eta_z = self._etas(lr_value, None, update_alpha, update_z)
             return self._skip(index, step, lr_value, losses, eta_alpha, eta_z, "non-finite in-step scores", a=a, b=b)
-        return self._apply_scores(index, step, lr_value, losses, a, b, eta_alpha, eta_z, update_alpha, update_z,
-                                  loss_ema, self._gram_ema)
+        return self._apply_scores(index, step, lr_value, losses, a, b, update_alpha, update_z, loss_ema,
+                                  self._gram_ema)

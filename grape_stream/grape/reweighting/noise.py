@@ -11,8 +11,9 @@ remedies, each a pure function of the Gram matrix or of the weights, hence exact
 * ``alpha_ema=beta``: as in Dynamic Gradient Alignment (Fan, Grangier, Ablin 2024), the mirror-descent
   step's result is damped, alpha_t = beta * alpha_{t-1} + (1 - beta) * step(alpha_{t-1}).
 
-Only non-default values are stored in a reweighter's options (and its state), so checkpoints written
-before these options existed still load strictly.
+The options themselves (their fields and checks) are ``NoiseOptions`` in grape.reweighting.options. Only
+non-default values are stored in a reweighter's options (and its state), so checkpoints written before
+these options existed still load strictly.
 """
 
 from __future__ import annotations
@@ -22,32 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from grape_stream.grape.reweighting.options import real
-
-__all__ = ["ALIGNMENTS", "NOISE_DEFAULTS", "NOISE_OPTIONS", "cosine_gram", "ema", "gram_ema_from_state",
-           "mix_log_weights", "resolve_noise_options"]
+__all__ = ["ALIGNMENTS", "cosine_gram", "ema", "gram_ema_from_state", "mix_log_weights"]
 
 #: "inner": raw inner products (paper); "cosine": unit-length gradients.
 ALIGNMENTS = ("inner", "cosine")
-NOISE_OPTIONS = ("alignment", "gram_ema", "alpha_ema")
-NOISE_DEFAULTS: dict[str, Any] = {"alignment": "inner", "gram_ema": 0.0, "alpha_ema": 0.0}
-
-
-def resolve_noise_options(opts: dict[str, Any]) -> dict[str, Any]:
-    """Pop and check the noise options; return only the ones that differ from the default (paper)."""
-    out: dict[str, Any] = {}
-    alignment = opts.pop("alignment", "inner")
-    if alignment not in ALIGNMENTS:
-        raise ValueError(f"alignment must be 'inner' (paper) or 'cosine' (unit-length gradients), got {alignment!r}")
-    if alignment != "inner":
-        out["alignment"] = alignment
-    for name in ("gram_ema", "alpha_ema"):
-        beta = real(opts.pop(name, 0.0), name)
-        if not (math.isfinite(beta) and 0.0 <= beta < 1.0):
-            raise ValueError(f"{name} must lie in [0, 1) (0: off, the paper), got {beta!r}")
-        if beta > 0.0:
-            out[name] = beta
-    return out
 
 
 def cosine_gram(g: np.ndarray) -> np.ndarray:

@@ -1,17 +1,18 @@
 """The one list of reweighting methods: every other list (recipe choices, controller methods, docs
 tables, the demo) is derived from it.
 
-A method class states its own facts as class attributes (``method``, ``description``,
-``options_accepted``, ``needs_probe``) and joins the registry with ``@register``; nothing else needs
-editing. The registry keeps registration order, which is the order methods are listed everywhere.
+A method class states its own facts as class attributes (``method``, ``description``, ``Options`` --
+the dataclass whose fields are its options, read here as ``options_accepted`` -- and ``needs_probe``) and
+joins the registry with ``@register``; nothing else needs editing. The registry keeps registration order,
+which is the order methods are listed everywhere.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, TypeVar
+from typing import Any, Mapping, TypeVar
 
-if TYPE_CHECKING:  # the base class imports this module for its error messages
-    from grape_stream.grape.reweighting.base import Reweighter
+from grape_stream.errors import UnknownOptionError
+from grape_stream.grape.reweighting.base import Reweighter
 
 __all__ = [
     "REWEIGHTERS",
@@ -22,6 +23,7 @@ __all__ = [
     "method_description",
     "method_needs_probe",
     "method_options",
+    "method_options_class",
     "register",
     "reweighter_from_state_dict",
 ]
@@ -79,14 +81,24 @@ def method_description(name: str) -> str:
     return REWEIGHTERS[canonical_method(name)].description
 
 
+def method_options_class(name: str) -> type:
+    """The options dataclass of a method (its fields are the options it accepts)."""
+    return REWEIGHTERS[canonical_method(name)].Options
+
+
 def build_reweighter(name: str, num_domains: int, num_tasks: int, **options: Any) -> Reweighter:
     """Create a reweighter by name ('grape', 'doge', ...; '-' and '_' are interchangeable).
 
     Defaults reproduce the paper's equations (docs/reweighting.md): eta = lr / mu with the paper's mu,
-    no clipping, no smoothing, no floor. Unknown or inapplicable options raise TypeError listing the
-    valid ones.
+    no clipping, no smoothing, no floor. Unknown or inapplicable options raise an UnknownOptionError (a
+    TypeError) listing the valid ones.
     """
-    return REWEIGHTERS[canonical_method(name)](num_domains, num_tasks, **options)
+    cls = REWEIGHTERS[canonical_method(name)]
+    other = sorted(o for o in options if o not in cls.options_accepted and o in all_options())
+    if other and all(o in all_options() for o in options if o not in cls.options_accepted):
+        raise UnknownOptionError(f"option(s) {', '.join(map(repr, other))} does not apply to method {cls.method!r}; "
+                                 f"options of {cls.method!r}: {', '.join(cls.options_accepted)}")
+    return cls(num_domains, num_tasks, **options)
 
 
 def reweighter_from_state_dict(state: Mapping[str, Any]) -> Reweighter:

@@ -23,9 +23,9 @@ if TYPE_CHECKING:
         build_grape_mixture_dataloader,
         build_grape_task_eval_dataloader,
     )
-    from grape_stream.integrations.composer.model import ComposerGPT, composer_per_sample_loss
+    from grape_stream.integrations.composer.model import ComposerGPT, composer_model, composer_per_sample_loss
     from grape_stream.integrations.composer.schedulers import WarmupStableDecayScheduler
-    from grape_stream.integrations.composer.trainer import Built, build, build_algorithm, composer_model
+    from grape_stream.integrations.composer.trainer import Built, build, build_algorithm
 
 _LAZY = {
     "GrapeAlgorithm": "grape_stream.integrations.composer.algorithm",
@@ -42,7 +42,7 @@ _LAZY = {
     "Built": "grape_stream.integrations.composer.trainer",
     "build": "grape_stream.integrations.composer.trainer",
     "build_algorithm": "grape_stream.integrations.composer.trainer",
-    "composer_model": "grape_stream.integrations.composer.trainer",
+    "composer_model": "grape_stream.integrations.composer.model",
 }
 
 __all__ = [

@@ -17,6 +17,7 @@ from composer.core import Callback, Event, State
 from composer.loggers import Logger, LoggerDestination
 
 from grape_stream.atomic import atomic_write_text
+from grape_stream.grape.trajectory import TRAJECTORY_FILE
 from grape_stream.integrations.composer.algorithm import GrapeAlgorithm
 from grape_stream.integrations.composer.artifacts import log_trajectory_artifacts
 from grape_stream.integrations.summary import format_summary, summarize_controller
@@ -47,7 +48,7 @@ class GrapeTrajectoryCallback(Callback):
     ``folder`` may contain ``{run_name}``. Only global rank 0 writes and prints.
     """
 
-    def __init__(self, folder: str = "{run_name}", filename: str = "grape_trajectory.jsonl",
+    def __init__(self, folder: str = "{run_name}", filename: str = TRAJECTORY_FILE,
                  plots: bool = True, summary: bool = True, artifacts: bool = True) -> None:
         self.folder = folder
         self.filename = filename

@@ -9,7 +9,8 @@ checkpoint and refuses to start because the newer file "may conflict with a futu
 :func:`recover_checkpoint_folder` runs before the Trainer is built, on every rank for its own files: a
 truncated checkpoint (a torch zip archive without its central directory, which torch.save writes last)
 is moved aside into ``.grape_discarded/`` (never deleted), and ``latest`` is pointed at the newest complete
-checkpoint, so a complete-but-unlinked save is used rather than thrown away.
+checkpoint, so a complete-but-unlinked save is used rather than thrown away. :func:`recover_before_autoresume`
+applies it to a recipe's ``trainer.save_folder`` as Composer names it (``grape-stream train``).
 """
 
 from __future__ import annotations
@@ -20,11 +21,18 @@ import re
 import zipfile
 from dataclasses import dataclass, field
 
-__all__ = ["Recovery", "recover_checkpoint_folder", "checkpoint_is_complete", "DISCARDED_DIR"]
+from composer.utils import dist, format_name_with_dist, parse_uri
+
+__all__ = ["DISCARDED_DIR", "SAVE_FILENAME", "SAVE_LATEST_FILENAME", "Recovery", "checkpoint_is_complete",
+           "recover_before_autoresume", "recover_checkpoint_folder"]
 
 logger = logging.getLogger(__name__)
 
 DISCARDED_DIR = ".grape_discarded"
+
+# Composer 0.32.1's defaults, passed to the Trainer explicitly so that recovery and Composer agree on the names
+SAVE_FILENAME = "ep{epoch}-ba{batch}-rank{rank}.pt"
+SAVE_LATEST_FILENAME = "latest-rank{rank}.pt"
 
 
 @dataclass
@@ -103,3 +111,37 @@ def recover_checkpoint_folder(
         out.relinked = True
         logger.warning("checkpoint %s was complete but not yet linked as %s; linked it", newest, latest)
     return out
+
+
+def recover_before_autoresume(save_folder: str | None, run_name: str, *, save_filename: str = SAVE_FILENAME,
+                              latest_filename: str = SAVE_LATEST_FILENAME) -> Recovery | None:
+    """Make this rank's checkpoints in a local ``save_folder`` resumable after a kill during a save.
+
+    Called before the Composer Trainer is built, on every rank (for its own ``-rank{rank}`` files), when
+    ``trainer.autoresume`` is on. The folder is formatted as Composer formats it (``{run_name}``, ``{rank}``,
+    ...). A checkpoint cut off by a kill (0 bytes, or a torch archive without its end) is moved into
+    ``<save_folder>/.grape_discarded/`` (kept, never deleted); ``latest`` is pointed at the newest complete
+    checkpoint, which may be a complete save the kill left unlinked. Without this, Composer 0.32.1 resumes
+    from the older ``latest`` and then refuses to start (``FileExistsError: ... may conflict with a future
+    checkpoint``) on every retry.
+
+    Remote save folders (``s3://...`` and other object stores) are left alone and None is returned: an
+    object store shows an upload only once it is complete, and this check reads local files only. None
+    too without a save folder. A ``save_filename`` other than an uncompressed ``.pt`` with ``{batch}`` is
+    not checked (logged; see :func:`recover_checkpoint_folder`).
+    """
+    if not save_folder:
+        return None
+    backend, _, _ = parse_uri(save_folder)
+    if backend:
+        logger.debug("checkpoint recovery skipped for the remote save folder %s", save_folder)
+        return None
+    folder = format_name_with_dist(save_folder, run_name)
+    rank = dist.get_global_rank()
+    rec = recover_checkpoint_folder(folder, rank=rank, save_filename=format_name_with_dist(save_filename, run_name),
+                                    latest_filename=format_name_with_dist(latest_filename, run_name))
+    if rec.discarded or rec.relinked:
+        logger.warning("autoresume, rank %d: checkpoint folder %s recovered after a kill during a save: moved %s "
+                    "into %s/, resuming from %s", rank, folder, rec.discarded or "nothing", DISCARDED_DIR,
+                    rec.latest or "the start (no complete checkpoint)")
+    return rec

@@ -17,7 +17,7 @@ import torch
 
 from grape_stream.errors import ConfigError
 from grape_stream.mixing.domains import PASSTHROUGH, PLANNED_BY_MIXER
-from grape_stream.recipe.data import join_location, manifest_vocab_size, read_manifest
+from grape_stream.recipe.data import join_location, manifest_at, manifest_vocab_size
 
 __all__ = ["IGNORE_INDEX", "LoaderShape", "check_manifest", "labels_from_loss_mask", "read_dataset_block"]
 
@@ -96,7 +96,7 @@ def check_manifest(shape: LoaderShape, tokenizer: Any) -> dict[str, Any] | None:
     a vocabulary of the tokenizer's size, its samples fit ``max_seq_len``, its EOS is ``eos_token_id``.
     Each disagreement is one :class:`ConfigError` naming both values (byte data against GPT-2's 50,257
     tokens would otherwise train silently on the wrong token ids). No manifest: nothing to check."""
-    manifest = read_manifest({"data": {"remote": shape.remote, "local": shape.local}})
+    manifest = manifest_at(shape.remote, shape.local)
     if not manifest:
         return None
     where = join_location(shape.remote or shape.local, "manifest.json")

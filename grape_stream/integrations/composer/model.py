@@ -3,6 +3,7 @@ Composer models, so that the alignments GRAPE measures are of the objective bein
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Mapping, Optional
 
 import torch
@@ -19,7 +20,7 @@ from grape_stream.models import (
 )
 from grape_stream.recipe.model import HFTokensToLogits
 
-__all__ = ["ComposerGPT", "composer_per_sample_loss"]
+__all__ = ["ComposerGPT", "composer_model", "composer_per_sample_loss"]
 
 
 class ComposerGPT(ComposerModel):
@@ -100,3 +101,19 @@ def composer_per_sample_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]
                                              forward=forward)
         return per_sample_lm_loss_from_logits(forward(), batch)
     return per_sample_lm_loss(model, batch)
+
+
+def composer_model(module: torch.nn.Module) -> ComposerModel:
+    """A prebuilt model as the Trainer's ComposerModel.
+
+    A ComposerModel is used as it is (it must take the mixer's batches: ``tokens``, ``loss_mask``); a
+    transformers causal LM (``PreTrainedModel``: HF Llama, llm-foundry's MPTForCausalLM, ...) is called as
+    ``lm(input_ids=tokens).logits``; any other module must be ``tokens (B, T) -> logits (B, T, V)``. The
+    last two train on :class:`ComposerGPT`'s per-sample LM loss, the loss GRAPE probes.
+    """
+    if isinstance(module, ComposerModel):
+        return module
+    hf = sys.modules.get("transformers")  # a PreTrainedModel instance means transformers is imported already
+    if hf is not None and isinstance(module, hf.PreTrainedModel):
+        module = HFTokensToLogits(module)
+    return ComposerGPT(module)

@@ -7,13 +7,12 @@ is ``"package.module:ClassName": {kwargs}``. An unknown name is one line with th
 
 from __future__ import annotations
 
-import difflib
 import importlib
 from typing import Any, Mapping
 
 from composer import callbacks as cc
 
-from grape_stream.errors import ConfigError
+from grape_stream.errors import ConfigError, did_you_mean
 from grape_stream.integrations.composer.callbacks import GrapeTrajectoryCallback, TaskEvalSummary
 
 __all__ = ["CALLBACKS", "build_callbacks", "check_callback_names"]
@@ -51,9 +50,8 @@ def _callback_class(name: str) -> type:
         return _import(name)
     if name in CALLBACKS:
         return CALLBACKS[name]
-    close = difflib.get_close_matches(name, list(CALLBACKS), n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    raise ConfigError(f"unknown callback 'callbacks.{name}'; {hint}choose from {sorted(CALLBACKS)} "
+    hint = did_you_mean(name, CALLBACKS) or ";"
+    raise ConfigError(f"unknown callback 'callbacks.{name}'{hint} choose from {sorted(CALLBACKS)} "
                       "or name a class as 'package.module:ClassName'")
 
 

@@ -12,6 +12,9 @@ from composer.optim import (
 )
 from composer.optim.scheduler import _convert_time
 
+from grape_stream.config import RecipeConfig
+from grape_stream.recipe.schema import as_recipe
+
 __all__ = ["WarmupStableDecayScheduler", "build_scheduler"]
 
 
@@ -41,13 +44,13 @@ class WarmupStableDecayScheduler:
         return 1.0 - p * (1.0 - self.alpha_f)
 
 
-def build_scheduler(cfg: Mapping[str, Any]) -> Any:
+def build_scheduler(cfg: RecipeConfig | Mapping[str, Any]) -> Any:
     """The scheduler the recipe's ``scheduler`` section names (validated: cosine | linear | constant | wsd)."""
-    s = cfg["scheduler"]
-    if s["name"] == "cosine":
-        return CosineAnnealingWithWarmupScheduler(t_warmup=s["t_warmup"], alpha_f=s["alpha_f"])
-    if s["name"] == "linear":
-        return LinearWithWarmupScheduler(t_warmup=s["t_warmup"], alpha_f=s["alpha_f"])
-    if s["name"] == "constant":
-        return ConstantWithWarmupScheduler(t_warmup=s["t_warmup"])
-    return WarmupStableDecayScheduler(t_warmup=s["t_warmup"], decay_fraction=s["decay_fraction"], alpha_f=s["alpha_f"])
+    s = as_recipe(cfg).scheduler
+    if s.name == "cosine":
+        return CosineAnnealingWithWarmupScheduler(t_warmup=s.t_warmup, alpha_f=s.alpha_f)
+    if s.name == "linear":
+        return LinearWithWarmupScheduler(t_warmup=s.t_warmup, alpha_f=s.alpha_f)
+    if s.name == "constant":
+        return ConstantWithWarmupScheduler(t_warmup=s.t_warmup)
+    return WarmupStableDecayScheduler(t_warmup=s.t_warmup, decay_fraction=s.decay_fraction, alpha_f=s.alpha_f)

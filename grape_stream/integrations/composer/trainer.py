@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import difflib
 import json
-import logging
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -27,41 +24,44 @@ from composer import Trainer
 from composer import loggers as composer_loggers
 from composer.algorithms import GradientClipping
 from composer.core import Evaluator
-from composer.models import ComposerModel
 from composer.optim import DecoupledAdamW
-from composer.utils import dist, format_name_with_dist, parse_uri, reproducibility
+from composer.utils import dist, parse_uri, reproducibility
 
+from grape_stream.config import RecipeConfig
 from grape_stream.console import LEVELS, configure_logging, is_quiet, level_given
-from grape_stream.errors import ConfigError
+from grape_stream.errors import ConfigError, did_you_mean
 from grape_stream.integrations.composer.algorithm import GrapeAlgorithm
 from grape_stream.integrations.composer.callbacks import GrapeTrajectoryCallback, JSONLMetricsLogger, TaskEvalSummary
-from grape_stream.integrations.composer.checkpoints import DISCARDED_DIR, Recovery, recover_checkpoint_folder
-from grape_stream.integrations.composer.model import ComposerGPT
+from grape_stream.integrations.composer.checkpoints import (
+    SAVE_FILENAME,
+    SAVE_LATEST_FILENAME,
+    recover_before_autoresume,
+)
+from grape_stream.integrations.composer.model import ComposerGPT, composer_model
 from grape_stream.integrations.composer.recipe_callbacks import build_callbacks, check_callback_names
 from grape_stream.integrations.composer.schedulers import build_scheduler
 from grape_stream.recipe import (
-    algorithm_kwargs,
+    as_recipe,
     build_mixer,
     build_model,
     check_local_data,
-    load_recipe,
+    load_config,
     read_manifest,
+    recipe_dict,
     recipe_streams,
     resolved_sizes,
     train_dataloader,
 )
-from grape_stream.recipe.model import HFTokensToLogits
 from grape_stream.world import process_world
 
 __all__ = ["Built", "build", "build_algorithm", "build_optimizer", "composer_model", "main",
            "recover_before_autoresume"]
 
-log = logging.getLogger(__name__)
-
 DEVICES = ("cpu", "gpu", "mps")
-# Composer 0.32.1's defaults, passed to the Trainer explicitly so that recovery and Composer agree on the names
-SAVE_FILENAME = "ep{epoch}-ba{batch}-rank{rank}.pt"
-SAVE_LATEST_FILENAME = "latest-rank{rank}.pt"
+#: TrainerConfig fields that are Composer Trainer arguments of the same name and meaning, passed as they are.
+SAME_NAME_KEYS = ("max_duration", "eval_interval", "eval_subset_num_batches", "save_folder", "save_interval",
+                  "save_num_checkpoints_to_keep", "save_overwrite", "autoresume", "load_path", "log_to_console",
+                  "progress_bar")
 LOGGERS = {
     "file": composer_loggers.FileLogger,
     "tensorboard": composer_loggers.TensorboardLogger,
@@ -75,7 +75,7 @@ LOGGERS = {
 class Built:
     """Everything a recipe builds; ``trainer`` is None in a dry run."""
 
-    cfg: dict[str, Any]
+    cfg: RecipeConfig
     model: Any
     algorithm: Any
     tasks: list[Any]
@@ -103,22 +103,23 @@ class Built:
 
     def describe(self) -> dict[str, Any]:
         n_params = sum(p.numel() for p in self.model.parameters())
+        c = self.cfg
         return {
-            "run_name": self.cfg["run_name"],
-            "model": f"{self.model_kind or self.cfg['model']['kind']} ({n_params / 1e6:.1f}M parameters)",
+            "run_name": c.run_name,
+            "model": f"{self.model_kind or c.model.kind} ({n_params / 1e6:.1f}M parameters)",
             "domains": [d["name"] for d in self.domains],
             "tasks": [t.name for t in self.tasks],
-            "method": self.cfg["algorithm"]["method"],
-            "max_duration": self.cfg["trainer"]["max_duration"],
-            "global_batch": self.cfg["trainer"]["global_train_batch_size"],
+            "method": c.algorithm.method,
+            "max_duration": c.trainer.max_duration,
+            "global_batch": c.trainer.global_train_batch_size,
             "per_rank_batch": self.per_rank_batch_size,
-            "lr": self.cfg["optimizer"]["lr"],
-            "scheduler": self.cfg["scheduler"]["name"],
+            "lr": c.optimizer.lr,
+            "scheduler": c.scheduler.name,
         }
 
 
-def _device_name(cfg: Mapping[str, Any]) -> str:
-    dev = cfg["trainer"]["device"]
+def _device_name(cfg: RecipeConfig) -> str:
+    dev = cfg.trainer.device
     if dev == "auto":
         return "gpu" if torch.cuda.is_available() else "cpu"
     if dev not in DEVICES:
@@ -129,77 +130,61 @@ def _device_name(cfg: Mapping[str, Any]) -> str:
 PerSampleLoss = Callable[[torch.nn.Module, Mapping[str, torch.Tensor]], torch.Tensor]
 
 
-def build_algorithm(cfg: Mapping[str, Any], tasks: list[Any],
+def build_algorithm(cfg: RecipeConfig | Mapping[str, Any], tasks: list[Any],
                     per_sample_loss: Optional[PerSampleLoss] = None) -> GrapeAlgorithm:
-    return GrapeAlgorithm(tasks=tasks, per_sample_loss=per_sample_loss, **algorithm_kwargs(cfg))
+    """GrapeAlgorithm with the recipe's ``algorithm`` section (an AlgorithmConfig, handed over as it is)."""
+    return GrapeAlgorithm(as_recipe(cfg).algorithm, tasks=tasks, per_sample_loss=per_sample_loss)
 
 
-def composer_model(module: torch.nn.Module) -> ComposerModel:
-    """A prebuilt model as the Trainer's ComposerModel.
-
-    A ComposerModel is used as it is (it must take the mixer's batches: ``tokens``, ``loss_mask``); a
-    transformers causal LM (``PreTrainedModel``: HF Llama, llm-foundry's MPTForCausalLM, ...) is called as
-    ``lm(input_ids=tokens).logits``; any other module must be ``tokens (B, T) -> logits (B, T, V)``. The
-    last two train on :class:`ComposerGPT`'s per-sample LM loss, the loss GRAPE probes.
-    """
-    if isinstance(module, ComposerModel):
-        return module
-    hf = sys.modules.get("transformers")  # a PreTrainedModel instance means transformers is imported already
-    if hf is not None and isinstance(module, hf.PreTrainedModel):
-        module = HFTokensToLogits(module)
-    return ComposerGPT(module)
-
-
-def check_names(cfg: Mapping[str, Any]) -> None:
+def check_names(cfg: RecipeConfig) -> None:
     """Before anything is built, dry run included: callbacks and loggers are known, a local trainer.load_path exists
     (else the real run fails after building everything, with a long traceback)."""
-    check_callback_names(cfg.get("callbacks") or {})
-    for name in cfg["trainer"]["loggers"] or {}:
+    check_callback_names(cfg.callbacks or {})
+    for name in cfg.trainer.loggers or {}:
         if name not in LOGGERS:
-            close = difflib.get_close_matches(name, list(LOGGERS), n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ConfigError(f"unknown logger 'trainer.loggers.{name}'; {hint}choose from {sorted(LOGGERS)}")
-    load = cfg["trainer"]["load_path"]
+            hint = did_you_mean(name, LOGGERS) or ";"
+            raise ConfigError(f"unknown logger 'trainer.loggers.{name}'{hint} choose from {sorted(LOGGERS)}")
+    load = cfg.trainer.load_path
     if load and not parse_uri(str(load))[0] and not os.path.exists(os.path.expanduser(str(load))):
         raise ConfigError(f"recipe key 'trainer.load_path' is {load!r}, which does not exist; to continue a run "
                           "from its trainer.save_folder, set trainer.autoresume=true instead")
 
 
-def _loggers(cfg: Mapping[str, Any], output_dir: str) -> list[Any]:
+def _loggers(cfg: RecipeConfig, output_dir: str) -> list[Any]:
     out = []
-    for name, kwargs in cfg["trainer"]["loggers"].items():
+    for name, kwargs in cfg.trainer.loggers.items():
         out.append(LOGGERS[name](**dict(kwargs or {})))
-    if cfg["trainer"]["metrics_jsonl"]:
+    if cfg.trainer.metrics_jsonl:
         out.append(JSONLMetricsLogger(os.path.join(output_dir, "metrics.jsonl")))
     return out
 
 
-def _evaluators(cfg: Mapping[str, Any], tasks: list[Any]) -> list[Evaluator]:
-    data = cfg["data"]
-    if not (tasks and data["task_test_split"]):
+def _evaluators(cfg: RecipeConfig, tasks: list[Any]) -> list[Evaluator]:
+    data = cfg.data
+    if not (tasks and data.task_test_split):
         return []
     return [
         Evaluator(
             label=t.name,
-            dataloader=t.eval_dataloader(data["eval_batch_size"], num_workers=data["eval_num_workers"]),
+            dataloader=t.eval_dataloader(data.eval_batch_size, num_workers=data.eval_num_workers),
             metric_names=["LanguageCrossEntropy", "LanguagePerplexity"],
         )
         for t in tasks
     ]
 
 
-def build_optimizer(cfg: Mapping[str, Any], model: torch.nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(cfg: RecipeConfig | Mapping[str, Any], model: torch.nn.Module) -> torch.optim.Optimizer:
     """``adamw``: torch's AdamW; ``decoupled_adamw``: Composer's DecoupledAdamW (llm-foundry's usual optimizer,
     its weight decay scaled by lr / peak lr rather than by lr)."""
-    o = cfg["optimizer"]
-    kwargs: dict[str, Any] = dict(lr=float(o["lr"]), betas=tuple(o["betas"]), eps=float(o["eps"]),
-                                  weight_decay=float(o["weight_decay"]))
-    if o["name"].lower() == "decoupled_adamw":
+    o = as_recipe(cfg).optimizer
+    kwargs: dict[str, Any] = dict(lr=float(o.lr), betas=tuple(o.betas), eps=float(o.eps),
+                                  weight_decay=float(o.weight_decay))
+    if o.name.lower() == "decoupled_adamw":
         return DecoupledAdamW(model.parameters(), **kwargs)
     return torch.optim.AdamW(model.parameters(), **kwargs)
 
 
-def build(cfg: Mapping[str, Any], *, dry_run: bool = False, extra_callbacks: Sequence[Any] = (),
+def build(cfg: RecipeConfig | Mapping[str, Any], *, dry_run: bool = False, extra_callbacks: Sequence[Any] = (),
           extra_loggers: Sequence[Any] = (), model: Optional[torch.nn.Module] = None,
           per_sample_loss: Optional[PerSampleLoss] = None) -> Built:
     """Build a recipe. ``dry_run``: the model on the meta device and no data opened, no Trainer.
@@ -209,20 +194,19 @@ def build(cfg: Mapping[str, Any], *, dry_run: bool = False, extra_callbacks: Seq
     ``per_sample_loss(model, batch) -> Tensor[B]``: what GRAPE probes, when the model's own
     ``per_sample_loss`` (ComposerGPT's) or the default for ComposerModels does not fit.
     """
-    cfg = copy.deepcopy(dict(cfg))
+    cfg = copy.deepcopy(as_recipe(cfg))
     world = process_world().size
-    gbs = cfg["trainer"]["global_train_batch_size"]
+    gbs = cfg.trainer.global_train_batch_size
     if gbs % world:
         raise ConfigError(f"recipe key 'trainer.global_train_batch_size' ({gbs}) is not divisible by the {world} ranks")
     per_rank = gbs // world
-    if cfg["trainer"]["autoresume"] and not cfg["trainer"]["save_folder"]:  # Composer would refuse it in Trainer()
+    if cfg.trainer.autoresume and not cfg.trainer.save_folder:  # Composer would refuse it in Trainer()
         raise ConfigError("recipe key 'trainer.autoresume' is true but 'trainer.save_folder' is not set: "
                           "set trainer.save_folder (where checkpoints go) or trainer.autoresume=false")
 
     check_names(cfg)
     domains, tasks = recipe_streams(cfg)
-    local_data = cfg["data"]["remote"] is None and cfg["data"]["local"] is not None \
-        and os.path.isdir(cfg["data"]["local"])
+    local_data = cfg.data.remote is None and cfg.data.local is not None and os.path.isdir(cfg.data.local)
     if not dry_run or local_data:  # the data is there and fits the model, before anything is built (one line)
         check_local_data(cfg, domains, tasks)
     # a dry run reads a local manifest too (model.vocab_size may come from it), never a remote one (offline checks)
@@ -230,14 +214,14 @@ def build(cfg: Mapping[str, Any], *, dry_run: bool = False, extra_callbacks: Seq
     vocab, seq = resolved_sizes(cfg, manifest)
     if not dry_run:
         # Trainer(seed=) seeds only after the model exists: seed first so initial weights are reproducible.
-        reproducibility.seed_all(cfg["seed"])
-    kind = cfg["model"]["kind"] if model is None else f"prebuilt {type(model).__name__}"
+        reproducibility.seed_all(cfg.seed)
+    kind = cfg.model.kind if model is None else f"prebuilt {type(model).__name__}"
     if model is None:
         model = ComposerGPT(build_model(cfg, vocab_size=vocab, seq_len=seq, device="meta" if dry_run else None))
     else:
         model = composer_model(model)
     algorithm = build_algorithm(cfg, tasks, per_sample_loss)
-    built = Built(cfg=dict(cfg), model=model, algorithm=algorithm, tasks=tasks, domains=domains,
+    built = Built(cfg=cfg, model=model, algorithm=algorithm, tasks=tasks, domains=domains,
                   optimizer=build_optimizer(cfg, model), scheduler=build_scheduler(cfg), per_rank_batch_size=per_rank,
                   model_kind=kind)
     if not dry_run:
@@ -245,98 +229,60 @@ def build(cfg: Mapping[str, Any], *, dry_run: bool = False, extra_callbacks: Seq
     return built
 
 
-def recover_before_autoresume(save_folder: str | None, run_name: str, *, save_filename: str = SAVE_FILENAME,
-                              latest_filename: str = SAVE_LATEST_FILENAME) -> Recovery | None:
-    """Make this rank's checkpoints in a local ``save_folder`` resumable after a kill during a save.
-
-    Called before the Composer Trainer is built, on every rank (for its own ``-rank{rank}`` files), when
-    ``trainer.autoresume`` is on. The folder is formatted as Composer formats it (``{run_name}``, ``{rank}``,
-    ...). A checkpoint cut off by a kill (0 bytes, or a torch archive without its end) is moved into
-    ``<save_folder>/.grape_discarded/`` (kept, never deleted); ``latest`` is pointed at the newest complete
-    checkpoint, which may be a complete save the kill left unlinked. Without this, Composer 0.32.1 resumes
-    from the older ``latest`` and then refuses to start (``FileExistsError: ... may conflict with a future
-    checkpoint``) on every retry.
-
-    Remote save folders (``s3://...`` and other object stores) are left alone and None is returned: an
-    object store shows an upload only once it is complete, and this check reads local files only. None
-    too without a save folder. A ``save_filename`` other than an uncompressed ``.pt`` with ``{batch}`` is
-    not checked (logged; see :func:`recover_checkpoint_folder`).
-    """
-    if not save_folder:
-        return None
-    backend, _, _ = parse_uri(save_folder)
-    if backend:
-        log.debug("checkpoint recovery skipped for the remote save folder %s", save_folder)
-        return None
-    folder = format_name_with_dist(save_folder, run_name)
-    rank = dist.get_global_rank()
-    rec = recover_checkpoint_folder(folder, rank=rank, save_filename=format_name_with_dist(save_filename, run_name),
-                                    latest_filename=format_name_with_dist(latest_filename, run_name))
-    if rec.discarded or rec.relinked:
-        log.warning("autoresume, rank %d: checkpoint folder %s recovered after a kill during a save: moved %s "
-                    "into %s/, resuming from %s", rank, folder, rec.discarded or "nothing", DISCARDED_DIR,
-                    rec.latest or "the start (no complete checkpoint)")
-    return rec
-
-
 def _build_trainer(built: Built, world: int, extra_callbacks: Sequence[Any], extra_loggers: Sequence[Any]) -> None:
     """Open the data (mixer, evaluators) and build the Trainer into ``built``."""
-    cfg, t = built.cfg, built.cfg["trainer"]
-    output_dir = cfg["output_dir"].format(run_name=cfg["run_name"])
+    cfg, t = built.cfg, built.cfg.trainer
+    assert cfg.run_name is not None, "load_config names every run"
+    output_dir = cfg.output_dir.format(run_name=cfg.run_name)
     device = _device_name(cfg)
     if world > 1:
         dist.initialize_dist(device)
-    save_filename = t.get("save_filename") or SAVE_FILENAME
-    latest_filename = t.get("save_latest_filename") or SAVE_LATEST_FILENAME
-    if t["autoresume"]:
+    save_filename, latest_filename = SAVE_FILENAME, SAVE_LATEST_FILENAME
+    if t.autoresume:
         built.checkpoint_recovery = recover_before_autoresume(
-            t["save_folder"], cfg["run_name"], save_filename=save_filename, latest_filename=latest_filename)
+            t.save_folder, cfg.run_name, save_filename=save_filename, latest_filename=latest_filename)
         if world > 1:
             dist.barrier()  # every rank's folder is consistent before any rank reads a `latest`
-    mixer = build_mixer(cfg, built.domains, built.per_rank_batch_size, cfg["seed"])
+    mixer = build_mixer(cfg, built.domains, built.per_rank_batch_size, cfg.seed)
     train_dl = train_dataloader(cfg, mixer, built.per_rank_batch_size)
     evaluators = _evaluators(cfg, built.tasks)
     callbacks: list[Any] = []
-    if cfg["algorithm"]["trajectory"]:
-        callbacks.append(GrapeTrajectoryCallback(folder=output_dir, plots=cfg["algorithm"]["plots"],
-                                                 summary=cfg["algorithm"]["summary"]))
+    a = cfg.algorithm
+    if a.trajectory:  # True: <output_dir>/grape_trajectory.jsonl; or a file path
+        if isinstance(a.trajectory, (str, os.PathLike)):
+            folder, filename = os.path.split(os.fspath(a.trajectory))
+            trajectory = GrapeTrajectoryCallback(folder=folder or ".", filename=filename, plots=a.plots,
+                                                 summary=a.summary)
+        else:
+            trajectory = GrapeTrajectoryCallback(folder=output_dir, plots=a.plots, summary=a.summary)
+        callbacks.append(trajectory)
     if evaluators:
         callbacks.append(TaskEvalSummary([task.name for task in built.tasks]))
-    callbacks.extend(build_callbacks(cfg.get("callbacks") or {}))
+    callbacks.extend(build_callbacks(cfg.callbacks or {}))
     callbacks.extend(extra_callbacks)
     loggers = _loggers(cfg, output_dir) + list(extra_loggers)
     algorithms: list[Any] = [built.algorithm]
-    if t["grad_clip_norm"] is not None:
-        algorithms.append(GradientClipping(clipping_type="norm", clipping_threshold=float(t["grad_clip_norm"])))
+    if t.grad_clip_norm is not None:
+        algorithms.append(GradientClipping(clipping_type="norm", clipping_threshold=float(t.grad_clip_norm)))
     trainer = Trainer(
-        run_name=cfg["run_name"],
+        run_name=cfg.run_name,
         model=built.model,
         train_dataloader=train_dl,
         eval_dataloader=evaluators or None,
-        eval_interval=t["eval_interval"],
-        eval_subset_num_batches=t["eval_subset_num_batches"],
-        max_duration=t["max_duration"],
         optimizers=built.optimizer,
         schedulers=built.scheduler,
         algorithms=algorithms,
         callbacks=callbacks,
         loggers=loggers,
         device=device,
-        precision=t["precision"] or ("amp_bf16" if device == "gpu" else "fp32"),
-        device_train_microbatch_size=t["device_train_microbatch_size"] or built.per_rank_batch_size,
-        seed=cfg["seed"],
-        save_folder=t["save_folder"],
+        precision=t.precision or ("amp_bf16" if device == "gpu" else "fp32"),
+        device_train_microbatch_size=t.device_train_microbatch_size or built.per_rank_batch_size,
+        seed=cfg.seed,
         save_filename=save_filename,
         save_latest_filename=latest_filename,
-        save_interval=t["save_interval"],
-        save_num_checkpoints_to_keep=t["save_num_checkpoints_to_keep"],
-        save_overwrite=t["save_overwrite"],
-        autoresume=t["autoresume"],
-        load_path=t["load_path"],
-        console_log_interval=t["log_interval"],
-        log_to_console=t["log_to_console"],
-        progress_bar=t["progress_bar"],
+        console_log_interval=t.log_interval,
         python_log_level=None,
+        **{key: getattr(t, key) for key in SAME_NAME_KEYS},
     )
     built.mixer, built.train_dataloader, built.evaluators = mixer, train_dl, evaluators
     built.callbacks, built.loggers, built.trainer = callbacks, loggers, trainer
@@ -373,14 +319,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise ConfigError(f"train has no --resume: to continue a run from its checkpoints set trainer.autoresume=true "
                           f"(with trainer.save_folder), or start from one checkpoint with "
                           f"trainer.load_path={args.resume}")
-    cfg = load_recipe(args.recipe, args.overrides)
-    _recipe_log_level(cfg.get("python_log_level"))
+    cfg = load_config(args.recipe, args.overrides)
+    _recipe_log_level(cfg.python_log_level)
     if args.print_config:  # print and stop: a user asking to see the recipe did not ask to train
-        print(yaml.safe_dump(cfg, sort_keys=False))
+        print(yaml.safe_dump(recipe_dict(cfg), sort_keys=False))
         return 0
     built = build(cfg, dry_run=args.dry_run)
     if is_quiet():
-        built.algorithm.progress.enabled = False
+        built.algorithm.loop.progress.enabled = False
     print(json.dumps(built.describe(), indent=2))
     if args.dry_run:
         return 0

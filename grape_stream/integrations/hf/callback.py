@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -26,7 +26,7 @@ from grape_stream.config import AlgorithmConfig
 from grape_stream.errors import ConfigError, DataError
 from grape_stream.grape.probes import unwrap_for_probe
 from grape_stream.integrations.common import find_mixer, logits_per_sample_loss
-from grape_stream.integrations.grape_loop import EndOfRun, GrapeLoop, PerSampleLoss
+from grape_stream.integrations.grape_loop import GrapeLoop, PerSampleLoss
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -37,9 +37,6 @@ log = logging.getLogger(__name__)
 
 #: The file in each ``checkpoint-N/`` folder that holds the controller and the mixer's position.
 STATE_FILE = "grape_stream.pt"
-
-_DEFAULTS = AlgorithmConfig()
-
 
 def _output_dir(args: TrainingArguments) -> str:
     """``args.output_dir`` (TrainingArguments fills in ``trainer_output`` when it is None)."""
@@ -53,32 +50,15 @@ class GrapeTrainerCallback(TrainerCallback):
     position in ``checkpoint-N/grape_stream.pt`` and restore them on ``resume_from_checkpoint``.
 
     Use it with :class:`~grape_stream.integrations.hf.trainer.GrapeTrainer` (the mixer as the train
-    dataloader). The probe's default loss calls ``model(input_ids=...)`` and reads ``.logits`` (any HF causal
-    LM). Arguments are those of :class:`~grape_stream.integrations.grape_loop.GrapeLoop`; the trajectory
-    JSONL defaults to ``<output_dir>/grape_trajectory.jsonl``.
+    dataloader). Arguments are :class:`~grape_stream.integrations.grape_loop.GrapeLoop`'s (``config``, an
+    :class:`~grape_stream.config.AlgorithmConfig`, or keyword overrides of its fields; ``tasks``;
+    ``end_of_run``; ...). The probe's default loss calls ``model(input_ids=...)`` and reads ``.logits`` (any
+    HF causal LM). The trajectory JSONL defaults to ``<output_dir>/grape_trajectory.jsonl``.
     """
 
-    def __init__(
-        self,
-        method: str = _DEFAULTS.method,
-        tasks: Sequence[Any] = (),
-        alpha_every: int = _DEFAULTS.alpha_every,
-        z_every: int = _DEFAULTS.z_every,
-        probe_domain_batch: int = _DEFAULTS.probe_domain_batch,
-        probe_task_batch: int = _DEFAULTS.probe_task_batch,
-        mu_alpha: float | None = _DEFAULTS.mu_alpha,
-        mu_z: float | None = _DEFAULTS.mu_z,
-        per_sample_loss: PerSampleLoss | None = None,
-        seed: int = _DEFAULTS.seed,
-        log_alignment: bool = True,
-        trajectory: str | os.PathLike[str] | bool | None = None,
-        plots: bool = True,
-        end_of_run: EndOfRun | None = None,
-        **options: Any,
-    ) -> None:
-        self.loop = GrapeLoop(method, tasks, alpha_every, z_every, probe_domain_batch, probe_task_batch, mu_alpha,
-                              mu_z, per_sample_loss or logits_per_sample_loss, seed, log_alignment, trajectory, plots,
-                              end_of_run, **options)
+    def __init__(self, config: AlgorithmConfig | Mapping[str, Any] | None = None, *,
+                 per_sample_loss: PerSampleLoss | None = None, **kwargs: Any) -> None:
+        self.loop = GrapeLoop(config=config, per_sample_loss=per_sample_loss or logits_per_sample_loss, **kwargs)
         #: set by GrapeTrainer: the checkpoint folder this run resumes from (None: a fresh start)
         self.resume_from: str | None = None
         self._trainer: Trainer | None = None
@@ -97,8 +77,7 @@ class GrapeTrainerCallback(TrainerCallback):
                        **kwargs: Any) -> None:
         mixer = find_mixer(kwargs.get("train_dataloader"), who="GrapeTrainerCallback")
         unwrap_for_probe(kwargs["model"])  # sharded parameters (FSDP) fail here, before the first step
-        if self.loop.trajectory is None and self.loop.write_trajectory:
-            self.loop.trajectory = os.path.join(_output_dir(args), "grape_trajectory.jsonl")
+        self.loop.default_trajectory(_output_dir(args))
         if self.loop.attach(mixer).instep is not None:
             raise ConfigError("alignments: steps is not available with the Hugging Face Trainer: the model computes "
                               "its own loss (a token mean) and the batch reaches it without its 'domain' column, so "

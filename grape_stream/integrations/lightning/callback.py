@@ -17,8 +17,7 @@ mixer when it is built rather than finding it in the train dataloader later.
 
 from __future__ import annotations
 
-import os
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
@@ -26,13 +25,10 @@ from grape_stream.config import AlgorithmConfig
 from grape_stream.errors import DataError
 from grape_stream.grape.probes import unwrap_for_probe
 from grape_stream.integrations.common import find_mixer
-from grape_stream.integrations.grape_loop import EndOfRun, GrapeLoop, PerSampleLoss
+from grape_stream.integrations.grape_loop import GrapeLoop
 from grape_stream.mixing.mixer import WeightedStreamingMixer
 
 __all__ = ["GrapeLightningCallback"]
-
-_DEFAULTS = AlgorithmConfig()
-
 
 class GrapeLightningCallback(Callback):
     """Every ``alpha_every`` / ``z_every`` optimizer steps, probe the K domains and N tasks on the
@@ -43,35 +39,18 @@ class GrapeLightningCallback(Callback):
     ``train_dataloader`` returning ``mixer.dataloader()``). The probe differentiates the LightningModule: its
     ``forward(tokens)`` must return logits (the default ``per_sample_loss``), or pass ``per_sample_loss``
     (e.g. :func:`~grape_stream.integrations.common.logits_per_sample_loss` for a module whose forward takes
-    ``input_ids``). Other arguments are those of :class:`~grape_stream.integrations.grape_loop.GrapeLoop`;
-    the trajectory JSONL defaults to ``<default_root_dir>/grape_trajectory.jsonl``.
+    ``input_ids``). Other arguments are :class:`~grape_stream.integrations.grape_loop.GrapeLoop`'s (``config``,
+    an :class:`~grape_stream.config.AlgorithmConfig`, or keyword overrides of its fields; ``tasks``;
+    ``end_of_run``; ...); the trajectory JSONL defaults to ``<default_root_dir>/grape_trajectory.jsonl``.
     """
 
-    def __init__(
-        self,
-        mixer: WeightedStreamingMixer,
-        method: str = _DEFAULTS.method,
-        tasks: Sequence[Any] = (),
-        alpha_every: int = _DEFAULTS.alpha_every,
-        z_every: int = _DEFAULTS.z_every,
-        probe_domain_batch: int = _DEFAULTS.probe_domain_batch,
-        probe_task_batch: int = _DEFAULTS.probe_task_batch,
-        mu_alpha: float | None = _DEFAULTS.mu_alpha,
-        mu_z: float | None = _DEFAULTS.mu_z,
-        per_sample_loss: PerSampleLoss | None = None,
-        seed: int = _DEFAULTS.seed,
-        log_alignment: bool = True,
-        trajectory: str | os.PathLike[str] | bool | None = None,
-        plots: bool = True,
-        end_of_run: EndOfRun | None = None,
-        **options: Any,
-    ) -> None:
+    def __init__(self, mixer: WeightedStreamingMixer, config: AlgorithmConfig | Mapping[str, Any] | None = None,
+                 **kwargs: Any) -> None:
         if not isinstance(mixer, WeightedStreamingMixer):
             raise TypeError("GrapeLightningCallback needs a grape_stream.WeightedStreamingMixer, "
                             f"got {type(mixer).__name__}")
         self.mixer = mixer
-        self.loop = GrapeLoop(method, tasks, alpha_every, z_every, probe_domain_batch, probe_task_batch, mu_alpha,
-                              mu_z, per_sample_loss, seed, log_alignment, trajectory, plots, end_of_run, **options)
+        self.loop = GrapeLoop(config=config, **kwargs)
         self.loop.attach(mixer)
         self._batches = 0  # batches trained on (the mixer's position in a checkpoint)
         self._step = 0  # the optimizer step the last on_train_batch_end saw
@@ -85,8 +64,7 @@ class GrapeLightningCallback(Callback):
     # -- hooks -----------------------------------------------------------------------------------------
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         unwrap_for_probe(pl_module)  # sharded parameters (FSDP) fail here, before the first step
-        if self.loop.trajectory is None and self.loop.write_trajectory:
-            self.loop.trajectory = os.path.join(trainer.default_root_dir, "grape_trajectory.jsonl")
+        self.loop.default_trajectory(trainer.default_root_dir)
         self.loop.start()  # a no-op after a resume: the checkpoint's weight schedule is in force
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -1,1 +1,0 @@
-"""YAML training recipes shipped with grape_stream (found with importlib.resources)."""
