@@ -437,6 +437,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"unknown methods {bad}; choose from {list(METHODS)}")
     seeds = [int(s) for s in args.seeds.split(",") if s]
     runs: dict[str, dict[int, dict[str, Any]]] = {}
+    if {"grape_replay", "grape_final_static"} & set(methods):  # reuse the GRAPE runs already on disk
+        for path in sorted(out.glob("grape-seed*/result.json")):
+            runs.setdefault("grape", {})[int(path.parent.name.rsplit("seed", 1)[1])] = json.loads(path.read_text())
     order = [(m, s) for m in methods for s in seeds]  # method-major: reuse methods need their source runs
     for i, (m, s) in enumerate(order, 1):
         runs.setdefault(m, {})[s] = _run(m, s, args.steps, mds, out, docs, runs, args.fresh, args.extra)
