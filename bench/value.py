@@ -360,6 +360,22 @@ def _run(method: str, seed: int, steps: int, mds: Path, out: Path, docs: Mapping
     return res
 
 
+def _finished_run(method: str, seed: int, steps: int, mds: Path, out: Path, docs: Mapping[str, Any],
+                  runs: Mapping[str, Mapping[int, Mapping[str, Any]]], extra: Sequence[str]) -> bool:
+    """Whether ``method`` at ``seed`` has a result on disk with exactly the settings it would run with."""
+    from grape_stream.apps.demo_run import recipe_overrides
+
+    base, make = METHODS[method]
+    run_dir = out / f"{method}-seed{seed}"
+    try:
+        prev = json.loads((run_dir / "result.json").read_text())
+        want = recipe_overrides(base, settings(steps), mds=mds, out_dir=run_dir, seed=seed,
+                                extra=[*MODEL, *DATA, *make(LR, docs, seed, runs), *extra])
+    except (OSError, ValueError, SystemExit):
+        return False
+    return prev.get("overrides") == want
+
+
 def _twin(out: Path, run_dir: Path, want: Sequence[str]) -> dict[str, Any] | None:
     """A finished run of another bench method with exactly these settings (runs are deterministic)."""
     def strip(o: Sequence[str]) -> list[str]:
@@ -412,6 +428,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--results", default=str(RESULTS))
     p.add_argument("--extra", action="append", default=[], help="extra recipe override for every method run")
     p.add_argument("--fresh", action="store_true")
+    p.add_argument("--collect", action="store_true",
+                   help="train nothing: write the results from every finished run on disk (methods x seeds given)")
     p.add_argument("--quick", action="store_true", help="smoke run: 32 steps, seed 0, uniform + grape, 4 proxies")
     args = p.parse_args(argv)
     if args.quick:
@@ -441,6 +459,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for path in sorted(out.glob("grape-seed*/result.json")):
             runs.setdefault("grape", {})[int(path.parent.name.rsplit("seed", 1)[1])] = json.loads(path.read_text())
     order = [(m, s) for m in methods for s in seeds]  # method-major: reuse methods need their source runs
+    if args.collect:  # only the runs that finished with this invocation's settings
+        order = [(m, s) for m, s in order if _finished_run(m, s, args.steps, mds, out, docs, runs, args.extra)]
     for i, (m, s) in enumerate(order, 1):
         runs.setdefault(m, {})[s] = _run(m, s, args.steps, mds, out, docs, runs, args.fresh, args.extra)
         write(Path(args.results), runs, docs, args, partial=i < len(order))
