@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -100,15 +99,6 @@ def collate_task_samples(samples: Sequence[Mapping[str, Any]]) -> dict[str, torc
     }
 
 
-def _release_datasets(datasets: dict[str | None, Any], owner_pid: int) -> None:
-    """Release (once) the splits a task opened, in the process that opened them: streaming itself keeps
-    every dataset's segments, and their descriptors, until the interpreter exits."""
-    if os.getpid() == owner_pid:
-        for ds in datasets.values():
-            release_streaming_dataset(ds)
-    datasets.clear()
-
-
 @dataclass
 class TaskStream:
     """One target task: where its MDS data lives, which split GRAPE probes and which split is evaluated.
@@ -180,8 +170,6 @@ class TaskStream:
             download_timeout=self.download_timeout,
             **self.streaming_kwargs,
         ), enabled=streaming_world().local_rank == 0)
-        if not self._datasets:  # a task dropped without close() still releases its splits when collected
-            weakref.finalize(self, _release_datasets, self._datasets, os.getpid())
         self._datasets[split] = ds  # cached first: close() releases it whatever happens next
         if ds.num_samples < 1:
             raise ValueError(f"task {self.name!r}: split {split!r} has no samples")
@@ -223,7 +211,9 @@ class TaskStream:
 
     def close(self) -> None:
         """Release streaming's shared memory and file locks of the opened splits (after their loaders)."""
-        _release_datasets(self._datasets, os.getpid())
+        for ds in self._datasets.values():
+            release_streaming_dataset(ds)
+        self._datasets.clear()
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "remote": self.remote, "local": self.local, "split": self.split,
