@@ -56,9 +56,14 @@ DATA = [f"data.seq_len={SEQ_LEN}", f"data.domains=[{','.join(SOURCES)}]", f"data
 _RUN = {"steps": STEPS}  # this invocation's --steps (main sets it)
 
 
+def _interval(steps: int) -> int:
+    """Training steps between two alpha/z updates (and two test-curve points) at a budget of ``steps``."""
+    return max(steps // 16, 1)
+
+
 def _every() -> int:
-    """Training steps between two alpha/z updates at this invocation's budget."""
-    return max(_RUN["steps"] // 16, 1)
+    """:func:`_interval` at this invocation's budget (the method lambdas do not see it)."""
+    return _interval(_RUN["steps"])
 
 
 def settings(steps: int) -> Any:
@@ -66,7 +71,7 @@ def settings(steps: int) -> Any:
     from grape_stream.apps.demo_settings import DEMO
     from grape_stream.config import AlgorithmConfig
 
-    every = max(steps // 16, 1)  # = _every() for the invocation's budget
+    every = _interval(steps)
     lib = AlgorithmConfig()  # GRAPE's step sizes: the library's defaults (the demo's tuned ones are a method)
     return DEMO.replace(steps=steps, global_batch=32, lr=LR, warmup=max(steps // 10, 1), update_every=every,
                         curve_every=every, curve_samples=48, final_eval=False, final_samples=256,
@@ -211,20 +216,10 @@ def mean_std(xs: Sequence[float]) -> tuple[float, float]:
     return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1)) if n > 1 else 0.0)
 
 
-def tokens_to_reach(curve: Mapping[str, Any], level: float) -> float | None:
-    """First training-token count at which the curve's average is <= level (linear interpolation)."""
-    xs, ys = curve["tokens"], curve["avg"]
-    for i, (x, y) in enumerate(zip(xs, ys)):
-        if y <= level:
-            if i == 0:
-                return float(x)
-            x0, y0 = xs[i - 1], ys[i - 1]
-            return float(x0 + (x - x0) * (y0 - level) / (y0 - y)) if y0 != y else float(x)
-    return None
-
-
 def aggregate(runs: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> dict[str, Any]:
     """Per method: avg / worst / per-target test loss (mean, std), oracle gain captured, tokens to uniform."""
+    from mixture_quality import tokens_to_reach  # the English / byte benchmarks' measure, unchanged
+
     u, o = runs.get("uniform", {}), runs.get("oracle", {})
     out: dict[str, Any] = {}
     if not u:
@@ -330,20 +325,30 @@ def table(agg: Mapping[str, Any]) -> str:
 
 # ----------------------------------------------------------------------------- main
 
-def _run(method: str, seed: int, steps: int, mds: Path, out: Path, docs: Mapping[str, Any],
-         runs: Mapping[str, Mapping[int, Mapping[str, Any]]], fresh: bool, extra: Sequence[str]) -> dict[str, Any]:
-    from grape_stream.apps.demo_run import recipe_overrides, run_method
+def _plan(method: str, seed: int, steps: int, mds: Path, out: Path, docs: Mapping[str, Any],
+          runs: Mapping[str, Mapping[int, Mapping[str, Any]]], extra: Sequence[str]) -> dict[str, Any]:
+    """What one run of ``method`` at ``seed`` is: registry method, directory, settings, overrides."""
+    from grape_stream.apps.demo_run import recipe_overrides
 
     base, make = METHODS[method]
     s = settings(steps)
     extra_o = [*MODEL, *DATA, *make(LR, docs, seed, runs), *extra]
     run_dir = out / f"{method}-seed{seed}"
-    want = recipe_overrides(base, s, mds=mds, out_dir=run_dir, seed=seed, extra=extra_o)
+    return {"base": base, "settings": s, "extra": extra_o, "run_dir": run_dir,
+            "want": recipe_overrides(base, s, mds=mds, out_dir=run_dir, seed=seed, extra=extra_o)}
+
+
+def _run(method: str, seed: int, steps: int, mds: Path, out: Path, docs: Mapping[str, Any],
+         runs: Mapping[str, Mapping[int, Mapping[str, Any]]], fresh: bool, extra: Sequence[str]) -> dict[str, Any]:
+    from grape_stream.apps.demo_run import finished_result, run_method
+
+    plan = _plan(method, seed, steps, mds, out, docs, runs, extra)
+    run_dir, want = plan["run_dir"], plan["want"]
     res_path = run_dir / "result.json"
-    if res_path.is_file() and not fresh:
-        prev = json.loads(res_path.read_text())
-        if prev.get("overrides") == want:
-            return prev
+    if not fresh:
+        done = finished_result(run_dir, want)
+        if done is not None:
+            return done
     twin = None if fresh else _twin(out, run_dir, want)
     if twin is not None:  # e.g. the oracle search chose RegMix's weights: the same run under another name
         res = {**twin, "method": method, "run_dir": str(run_dir), "overrides": want, "same_run_as": twin["run_dir"]}
@@ -352,7 +357,8 @@ def _run(method: str, seed: int, steps: int, mds: Path, out: Path, docs: Mapping
         print(f"{method} seed {seed}: the same run as {twin['run_dir']}", flush=True)
         return res
     t0 = time.perf_counter()
-    res = run_method(base, mds=mds, out_dir=run_dir, settings=s, seed=seed, progress=False, extra_overrides=extra_o)
+    res = run_method(plan["base"], mds=mds, out_dir=run_dir, settings=plan["settings"], seed=seed, progress=False,
+                     extra_overrides=plan["extra"])
     res["method"], res["run_dir"] = method, str(run_dir)
     res_path.write_text(json.dumps(res, indent=1))
     print(f"{method} seed {seed}: avg {res['final_avg']:.4f} worst {res['final_worst']:.4f} "
@@ -363,17 +369,13 @@ def _run(method: str, seed: int, steps: int, mds: Path, out: Path, docs: Mapping
 def _finished_run(method: str, seed: int, steps: int, mds: Path, out: Path, docs: Mapping[str, Any],
                   runs: Mapping[str, Mapping[int, Mapping[str, Any]]], extra: Sequence[str]) -> bool:
     """Whether ``method`` at ``seed`` has a result on disk with exactly the settings it would run with."""
-    from grape_stream.apps.demo_run import recipe_overrides
+    from grape_stream.apps.demo_run import finished_result
 
-    base, make = METHODS[method]
-    run_dir = out / f"{method}-seed{seed}"
     try:
-        prev = json.loads((run_dir / "result.json").read_text())
-        want = recipe_overrides(base, settings(steps), mds=mds, out_dir=run_dir, seed=seed,
-                                extra=[*MODEL, *DATA, *make(LR, docs, seed, runs), *extra])
-    except (OSError, ValueError, SystemExit):
+        plan = _plan(method, seed, steps, mds, out, docs, runs, extra)
+    except SystemExit:  # a reuse method whose source runs are missing
         return False
-    return prev.get("overrides") == want
+    return finished_result(plan["run_dir"], plan["want"]) is not None
 
 
 def _twin(out: Path, run_dir: Path, want: Sequence[str]) -> dict[str, Any] | None:

@@ -110,7 +110,7 @@ def run_method(method: str, *, mds: str | os.PathLike[str], out_dir: str | os.Pa
     benchmark killed halfway resumes its search instead of retraining finished runs)."""
     out_dir = Path(out_dir)
     if reuse and not extra_callbacks:
-        done = _finished(out_dir, recipe_overrides(method, settings, mds=mds, out_dir=out_dir, seed=seed,
+        done = finished_result(out_dir, recipe_overrides(method, settings, mds=mds, out_dir=out_dir, seed=seed,
                                                    extra=extra_overrides))
         if done is not None:
             return done
@@ -139,13 +139,13 @@ def run_method(method: str, *, mds: str | os.PathLike[str], out_dir: str | os.Pa
     return result
 
 
-def _finished(out_dir: Path, overrides: list[str]) -> dict[str, Any] | None:
+def finished_result(out_dir: str | os.PathLike[str], overrides: Sequence[str]) -> dict[str, Any] | None:
     """The result in ``out_dir`` if it was written by a run with exactly ``overrides``."""
     try:
-        prev = json.loads((out_dir / "result.json").read_text(encoding="utf-8"))
+        prev = json.loads((Path(out_dir) / "result.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return prev if isinstance(prev, dict) and prev.get("overrides") == overrides else None
+    return prev if isinstance(prev, dict) and prev.get("overrides") == list(overrides) else None
 
 
 def _result(method: str, seed: int, settings: DemoSettings, cfg: Mapping[str, Any], overrides: list[str], built: Any,

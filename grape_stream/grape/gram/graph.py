@@ -5,14 +5,27 @@ Kept apart from group_gram.py (the orchestration) so each module stays small.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor, nn
 
 from grape_stream.grape.gram.batches import MicroBatch
 
-__all__ = ["fallback_backward", "scan_graph"]
+__all__ = ["fallback_backward", "graph_nodes", "scan_graph"]
+
+
+def graph_nodes(root: Tensor) -> Iterator[Any]:
+    """Every autograd node behind ``root`` once, depth first (the caller keeps the nodes it compares by id)."""
+    seen: set[int] = set()
+    stack = [root.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield node
+        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None and id(nxt) not in seen)
 
 
 def scan_graph(root: Tensor) -> tuple[set[int], list[Tensor], list[Any]]:
@@ -21,11 +34,7 @@ def scan_graph(root: Tensor) -> tuple[set[int], list[Tensor], list[Any]]:
     seen: set[int] = set()
     keep: list[Any] = []
     leaves: list[Tensor] = []
-    stack = [root.grad_fn] if root.grad_fn is not None else []
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
+    for node in graph_nodes(root):
         seen.add(id(node))
         keep.append(node)
         var = getattr(node, "variable", None)
@@ -33,9 +42,6 @@ def scan_graph(root: Tensor) -> tuple[set[int], list[Tensor], list[Any]]:
             leaves.append(var)
             seen.add(id(var))
             keep.append(var)
-        for nxt, _ in node.next_functions:
-            if nxt is not None and id(nxt) not in seen:
-                stack.append(nxt)
     return seen, leaves, keep
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from grape_stream.errors import ConfigError
+from grape_stream.grape.gram.graph import graph_nodes
 from grape_stream.grape.gram.plan import _classify, check_batch_coupling
 from grape_stream.grape.probes import unwrap_for_probe
 
@@ -73,24 +74,16 @@ def stray_uses(losses: Tensor, uses: list[Any], hooked_fn: type) -> list[str]:
     done (their gradient never arrives)."""
     mine = {id(p): u.name for u in uses for p in u.params.values()}
     seen: set[int] = set()
-    keep: list[Any] = []
+    keep: list[Any] = []  # the nodes stay alive while their ids are compared
     errors: list[str] = []
-    stack = [losses.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
+    for node in graph_nodes(losses):
         seen.add(id(node))
         keep.append(node)
         ours = getattr(node, "_forward_cls", None) is hooked_fn
         for nxt, _ in node.next_functions:
-            if nxt is None:
-                continue
             var = getattr(nxt, "variable", None)
             if isinstance(var, Tensor) and id(var) in mine and not ours:
                 errors.append(f"a parameter of {mine[id(var)]} is used outside its module's forward (functional use)")
-            if id(nxt) not in seen:
-                stack.append(nxt)
     for u in uses:
         if id(u.node) not in seen:
             u.fired = True
