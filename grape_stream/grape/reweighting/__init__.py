@@ -6,7 +6,8 @@
 Layout: ``base`` (the Reweighter class: state, input checks, Gram conditioning, history, checkpoints),
 ``step`` (the functional core: the shared mirror-descent step as a pure function), ``step_rule`` (how
 big a step is: the default KL trust region, the paper's lr / mu, constant; pure functions), ``from_scores``
-(updates from in-step scores instead of a Gram: ``alignments: steps``), ``options`` (the
+(updates from in-step scores instead of a Gram: ``alignments: steps``), ``from_losses`` (updates from
+the training steps' per-domain losses: the loss-driven online methods), ``options`` (the
 options dataclasses every method builds on, their checks, the paper's defaults PAPER_MU_ALPHA /
 PAPER_MU_Z), ``gram_input`` (reading, checking, clipping the Gram), ``noise`` (the math of the options
 beyond the paper: cosine alignments, Gram / alpha EMA), ``state`` (exact JSON forms), ``registry`` (the
@@ -27,6 +28,7 @@ methods and option filtering all read the registry.
 from __future__ import annotations
 
 from grape_stream.grape.reweighting.base import GRAM_ASYMMETRY_RTOL, Reweighter
+from grape_stream.grape.reweighting.from_losses import DomainLosses
 from grape_stream.grape.reweighting.options import (
     PAPER_MU_ALPHA,
     PAPER_MU_Z,
@@ -76,6 +78,7 @@ __all__ = [
     "PAPER_MU_Z",
     "REWEIGHTERS",
     "STATE_FORMAT",
+    "DomainLosses",
     "DogePCGradOptions",
     "DogePCGradReweighter",
     "DogeReweighter",

@@ -24,6 +24,7 @@ import numpy as np
 
 from grape_stream.errors import UnknownOptionError, did_you_mean
 from grape_stream.grape.reweighting import noise, step_rule
+from grape_stream.grape.reweighting.from_losses import FromLosses
 from grape_stream.grape.reweighting.from_scores import FromScores
 from grape_stream.grape.reweighting.gram_input import GRAM_ASYMMETRY_RTOL, check_and_symmetrise, to_matrix
 from grape_stream.grape.reweighting.options import ReweighterOptions, option_names, positive_int, real
@@ -43,7 +44,7 @@ __all__ = ["BOOKKEEPING_OPTIONS", "GRAM_ASYMMETRY_RTOL", "Reweighter"]
 BOOKKEEPING_OPTIONS = ("history_limit",)
 
 
-class Reweighter(FromScores):
+class Reweighter(FromScores, FromLosses):
     """Domain weights alpha (K) and task weights z (N), moved by one Gram matrix per update.
 
     ``Reweighter(K, N, config=Options(...), **options)``: ``config`` an instance of the method's options
@@ -352,6 +353,7 @@ class Reweighter(FromScores):
             **({"gram_ema": None if self._gram_ema is None else self._gram_ema.tolist()}
                if "gram_ema" in self._options else {}),
             **({"lr_peak": self._lr_peak} if self._options.get("step_size") == "trust_region" else {}),
+            **({} if (method_state := self._method_state()) is None else {"method_state": method_state}),
         }
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
@@ -403,4 +405,5 @@ class Reweighter(FromScores):
         self._num_skipped = int(state.get("num_skipped", 0))
         self._history = deque(history, maxlen=self._options["history_limit"])
         self._history_dropped = int(state.get("history_dropped", 0)) + max(0, len(history) - len(self._history))
+        self._load_method_state(state.get("method_state"))
 
