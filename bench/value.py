@@ -53,7 +53,12 @@ DATA = [f"data.seq_len={SEQ_LEN}", f"data.domains=[{','.join(SOURCES)}]", f"data
         "data.eval_batch_size=64"]
 
 
-_RUN = {"steps": STEPS}  # this invocation's --steps (main sets it)
+_RUN: dict[str, Any] = {"steps": STEPS, "out": REPO / "runs" / "bench_value"}  # this invocation's (main sets it)
+
+
+def _reference_dir(seed: int) -> Path:
+    """Where ``uniform_reference`` at ``seed`` saves its checkpoints (DoReMi reads the last one)."""
+    return Path(_RUN["out"]) / f"uniform_reference-seed{seed}" / "checkpoints"
 
 
 def _interval(steps: int) -> int:
@@ -107,6 +112,9 @@ METHODS: dict[str, tuple[str, Callable[..., list[str]]]] = {
     "oracle": ("static", lambda lr, d, s, r: [f"algorithm.options.weights={_vec(d['oracle']['weights'])}"]),
     "regmix": ("static", lambda lr, d, s, r: [f"algorithm.options.weights={_vec(d['regmix']['weights'])}"]),
     "crisp": ("static", lambda lr, d, s, r: [f"algorithm.options.weights={_vec(d['crisp']['weights'])}"]),
+    # uniform again, saving its final checkpoint: DoReMi's reference model (the paper's step 1)
+    "uniform_reference": ("uniform", lambda lr, d, s, r: [f"trainer.save_folder={_reference_dir(s)}",
+                                                          f"trainer.save_interval={_RUN['steps']}ba"]),
     "grape": ("grape", lambda lr, d, s, r: []),  # the library's defaults, untouched
     "grape_paper": ("grape", lambda lr, d, s, r: _paper_step(lr)),
     "grape_demo_tuned": ("grape", lambda lr, d, s, r: _demo_step(lr)),
@@ -396,6 +404,20 @@ def _twin(out: Path, run_dir: Path, want: Sequence[str]) -> dict[str, Any] | Non
     return None
 
 
+def kept_runs(path: Path, steps: int, exclude: Sequence[str]) -> dict[str, dict[int, dict[str, Any]]]:
+    """``--add``: the runs of the methods not retrained, as the results file holds them (same budget only)."""
+    prev = json.loads(path.read_text())
+    if prev.get("setting", {}).get("steps") != steps:
+        raise SystemExit(f"--add: {path} holds runs of {prev.get('setting', {}).get('steps')} steps, not {steps}")
+    _KEPT_SEARCH.update(prev.get("search") or {})
+    tokens = prev["setting"]["train_tokens"]
+    return {m: {int(s): {"train_tokens": tokens, **r} for s, r in by_seed.items()}
+            for m, by_seed in prev.get("runs", {}).items() if m not in exclude}
+
+
+_KEPT_SEARCH: dict[str, Any] = {}  # --add: the search section of the results file the kept runs come from
+
+
 def write(path: Path, runs: Mapping[str, Mapping[int, Mapping[str, Any]]], docs: Mapping[str, Any], args: Any,
           partial: bool) -> dict[str, Any]:
     agg = aggregate(runs)
@@ -405,10 +427,10 @@ def write(path: Path, runs: Mapping[str, Mapping[int, Mapping[str, Any]]], docs:
                        "metric": "token-level test cross-entropy (nats/token), 256 strided test sequences per target"},
            "claims": claims(agg), "table": table(agg) if agg else "",
            "search": {k: {kk: v for kk, v in d.items() if kk != "details"} | {"chosen": d["details"].get("chosen")}
-                      for k, d in docs.items() if isinstance(d, dict) and "weights" in d},
+                      for k, d in docs.items() if isinstance(d, dict) and "weights" in d} or dict(_KEPT_SEARCH),
            "methods": agg,
            "runs": {m: {str(s): {k: r[k] for k in ("final", "final_avg", "final_worst", "curve", "trajectory",
-                                                     "seconds", "train_loss") if k in r}
+                                                     "seconds", "train_loss", "train_tokens") if k in r}
                         for s, r in by_seed.items()} for m, by_seed in runs.items()}}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -432,6 +454,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--fresh", action="store_true")
     p.add_argument("--collect", action="store_true",
                    help="train nothing: write the results from every finished run on disk (methods x seeds given)")
+    p.add_argument("--add", action="store_true",
+                   help="train only --methods; every other method's runs are kept from the existing --results file "
+                        "(runs are deterministic: same settings, same numbers), so a new method joins the table "
+                        "without retraining the oracle search, uniform and the others")
     p.add_argument("--quick", action="store_true", help="smoke run: 32 steps, seed 0, uniform + grape, 4 proxies")
     args = p.parse_args(argv)
     if args.quick:
@@ -439,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out, args.results = args.out + "_quick", str(Path(args.results).with_name("value_quick.json"))
     import torch
 
-    _RUN["steps"] = args.steps
+    _RUN["steps"], _RUN["out"] = args.steps, Path(args.out)
     torch.set_num_threads(1)
     out, corpus = Path(args.out), Path(args.data)
     out.mkdir(parents=True, exist_ok=True)
@@ -457,6 +483,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"unknown methods {bad}; choose from {list(METHODS)}")
     seeds = [int(s) for s in args.seeds.split(",") if s]
     runs: dict[str, dict[int, dict[str, Any]]] = {}
+    if args.add:
+        runs = kept_runs(Path(args.results), args.steps, exclude=methods)
     if {"grape_replay", "grape_final_static"} & set(methods):  # reuse the GRAPE runs already on disk
         for path in sorted(out.glob("grape-seed*/result.json")):
             runs.setdefault("grape", {})[int(path.parent.name.rsplit("seed", 1)[1])] = json.loads(path.read_text())
