@@ -42,8 +42,11 @@ class RnbOptions(ReweighterOptions):
             raise ConfigError(f"rnb_lambda must be a finite number >= 0, got {lam!r}")
         out = super().resolve(num_domains, num_tasks)
         out["rnb_lambda"] = lam
-        out["eval_weights"] = (None if self.eval_weights is None
-                               else check_simplex(self.eval_weights, "eval_weights", num_domains).tolist())
+        try:
+            out["eval_weights"] = (None if self.eval_weights is None
+                                   else check_simplex(self.eval_weights, "eval_weights", num_domains).tolist())
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         return out
 
 
