@@ -6,6 +6,7 @@ middle of a round and resumes onto the uninterrupted trajectory."""
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -198,3 +199,66 @@ def test_rnb_needs_no_tasks_and_checks_its_options(tmp_path: Path) -> None:
     assert updates[0]["instep"]["observed_steps"] == 1
     with pytest.raises(ConfigError, match="rnb_lambda"):
         _run(data, 0, None, rnb_lambda=float("nan"))
+
+
+# ------------------------------------------------------------------------------------------ two ranks
+def _rank_batch(rank: int, step: int) -> dict:
+    batch = concat(lm_groups([6], seed=60 + 10 * step + rank))
+    batch["domain"] = torch.tensor([[2, 0, 1, 0, 2, 2], [1, 1, 0, 2, 0, 0]][rank])
+    return batch
+
+
+def _rank_worker(rank: int, world: int, tmp: str, data: str) -> None:
+    import contextlib
+
+    import torch.distributed as dist
+    from torch import nn
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
+    mixer = WeightedStreamingMixer(domains=[DomainStream(d, local=f"{data}/{d}", split="train") for d in DOMAINS],
+                                   batch_size=12, seed=0)
+    try:
+        model = gpt(torch.float64, seed=0)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        grape = GrapeController(mixer, [], method="rnb", alpha_every=2, alignment_steps=2)
+        grape.start()
+        rec = None
+        for step in (1, 2):
+            batch = _rank_batch(rank, step)
+            for a in range(0, 6, 4):  # no_sync until the last micro-batch, as Composer does
+                mb = map_tensors(batch, lambda t, a=a: t[a: a + 4])
+                sync = contextlib.nullcontext() if a + 4 >= 6 else ddp.no_sync()
+                with sync, grape.observe(ddp, step, mb):
+                    (per_sample_lm_loss(ddp, mb).mean() * (mb["domain"].shape[0] / 6)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            rec = grape.maybe_update(ddp, step, lr=0.5)
+        torch.save({"rec": rec, "alpha": grape.alpha}, os.path.join(tmp, f"rank{rank}.pt"))
+    finally:
+        mixer.close()
+        dist.destroy_process_group()
+
+
+def test_two_ranks_give_the_gram_of_all_samples(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    data = str(tmp_path / "data")
+    write_dataset(data, domains=3, tasks=(0, 2), n_domain=32, n_val=8, n_test=4)
+    mp.spawn(_rank_worker, args=(2, str(tmp_path), data), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert r0["rec"]["domain_gram"] == r1["rec"]["domain_gram"] and np.array_equal(r0["alpha"], r1["alpha"])
+    model = gpt(torch.float64, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    sums: list = [None] * K
+    counts = [0] * K
+    for step in (1, 2):  # DDP averages two equal-size ranks: the step on the 12 samples' mean loss
+        both = concat([_rank_batch(0, step), _rank_batch(1, step)])
+        _explicit(model, both, sums, counts)
+        per_sample_lm_loss(model, both).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    want = np.array([[float(sums[i] @ sums[j]) / (counts[i] * counts[j]) for j in range(K)] for i in range(K)])
+    np.testing.assert_allclose(np.array(r0["rec"]["domain_gram"]), want, rtol=1e-10)
