@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--devices", type=int, default=1, help="> 1: DDP on CPU (gloo); launch with torchrun")
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--resume", action="store_true")
-    p.add_argument("--alignments", default="probe", help="steps: in-step alignments, 2 observed steps per update; rnb: method rnb on them")
+    p.add_argument("--alignments", default="probe",
+                   help="steps: in-step alignments, 2 observed steps per update; rnb: method rnb on them")
     a = p.parse_args(argv)
 
     import lightning.pytorch as pl

@@ -106,11 +106,11 @@ def test_gram_of_two_steps_equals_explicit_per_domain_gradients(micro: int | Non
         batch = concat(lm_groups([8], seed=step))
         batch["domain"] = torch.tensor(doms)
         _explicit(model, batch, sums, counts)
-        size = 8
-        for a in range(0, size, micro or size):
-            mb = map_tensors(batch, lambda t, a=a: t[a: a + (micro or size)])
+        width = micro or 8
+        for a in range(0, 8, width):
+            mb = map_tensors(batch, lambda t, a=a, w=width: t[a: a + w])
             with sa.observe(mb, store=store):
-                (per_sample_lm_loss(model, mb).mean() * (mb["domain"].shape[0] / size)).backward()
+                (per_sample_lm_loss(model, mb).mean() * (mb["domain"].shape[0] / 8)).backward()
         weights += sa.weights.cpu()
         sa.reset()
         opt.step()  # the second step's gradients are taken at other parameters
@@ -262,3 +262,8 @@ def test_two_ranks_give_the_gram_of_all_samples(tmp_path: Path) -> None:
         opt.zero_grad(set_to_none=True)
     want = np.array([[float(sums[i] @ sums[j]) / (counts[i] * counts[j]) for j in range(K)] for i in range(K)])
     np.testing.assert_allclose(np.array(r0["rec"]["domain_gram"]), want, rtol=1e-10)
+
+
+def test_a_probe_gram_is_refused() -> None:
+    with pytest.raises(NotImplementedError, match="training steps"):
+        build_reweighter("rnb", 2, 1).update(np.eye(3), [1.0], 1e-3)

@@ -83,6 +83,11 @@ class RnbReweighter(Reweighter):
     #: updates read the per-domain Gram summed over the training steps (grape.instep_gram)
     needs_step_gram: ClassVar[bool] = True
 
+    def update(self, gram: Any, task_losses: Any, lr: float | None, step: int | None = None, *,
+               update_alpha: bool = True, update_z: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError("method 'rnb' updates from the training steps' per-domain Gram "
+                                  "(update_from_step_gram; the controller observes the steps), not from a probe Gram")
+
     def eval_weights(self) -> np.ndarray:
         p = self._options.get("eval_weights")
         return uniform(self.num_domains) if p is None else np.asarray(p, dtype=np.float64)
