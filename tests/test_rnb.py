@@ -79,9 +79,15 @@ def test_pure_step_and_state_round_trip() -> None:
 
 
 # ------------------------------------------------------------------------------------------ the Gram engine
-def _explicit(model, batch: dict, sums: list, counts: list) -> None:
-    """Add each domain's summed per-sample gradient (one autograd.grad per domain) and its sample count."""
-    params = [p for p in model.parameters() if p.requires_grad]
+def _explicit(model, batch: dict, sums: list, counts: list, patterns: list[str] | None = None) -> None:
+    """Add each domain's summed per-sample gradient (one autograd.grad per domain; only the parameters whose
+    names match ``patterns``, when given) and its sample count."""
+    import fnmatch
+
+    params = [p for n, p in model.named_parameters() if p.requires_grad
+              and (patterns is None or any(fnmatch.fnmatchcase(n, pat) for pat in patterns))]
+    if not params:
+        return
     for k in range(K):
         mask = (batch["domain"] == k).to(torch.float64)
         if mask.sum() == 0:
@@ -146,7 +152,7 @@ def _run(data: str, steps: int, resume: dict | None, **options) -> dict:
         for step in range(first, steps + 1):
             batch = next(loader)
             if resume is None and grape.instep.observed(step):
-                _explicit(model, batch, explicit["sums"], explicit["counts"])
+                _explicit(model, batch, explicit["sums"], explicit["counts"], options.get("rnb_params"))
             for half in (slice(0, 3), slice(3, 8)):  # gradient accumulation over two unequal micro-batches
                 micro = map_tensors(batch, lambda t, h=half: t[h])
                 with grape.observe(model, step, micro, optimizer=opt):
@@ -189,6 +195,20 @@ def test_loop_gram_is_exact_and_a_mid_round_checkpoint_resumes_exactly(tmp_path:
     assert [r["step"] for r in updates] == [4, 8, 12] and all(r.get("skipped") is None for r in updates)
     assert all(r["instep"]["observed_steps"] == 4 and sum(r["instep"]["samples"]) == 32 for r in updates)
     assert updates[-1]["alpha"] != straight["grape"]["history"][0]["alpha"]  # the mixture moved
+
+
+def test_rnb_params_restrict_the_gram_to_matching_parameters(tmp_path: Path) -> None:
+    data = str(tmp_path / "data")
+    write_dataset(data, domains=3, tasks=(0, 2), n_domain=64, n_val=8, n_test=4)
+    end = _run(data, 4, None, rnb_params=["blocks.0.fc.*", "ln_f.weight"])
+    (got, want), = end["checks"]
+    for gi, wi in zip(got, want):
+        for g, w in zip(gi, wi):
+            assert (w is None and math.isnan(g)) or abs(g - w) <= 1e-9 * abs(w) + 1e-15, (g, w)
+    full = _run(data, 4, None)
+    assert full["checks"][0][0] != got  # the whole gradient gives another Gram
+    with pytest.raises(ConfigError, match="match no trainable parameter"):
+        _run(data, 1, None, rnb_params=["lm_head.*"])
 
 
 def test_rnb_needs_no_tasks_and_checks_its_options(tmp_path: Path) -> None:

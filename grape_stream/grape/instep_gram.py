@@ -21,21 +21,23 @@ observes steps for ``alignments: steps`` observes them for this too. docs/reweig
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import time
-from typing import Any, Callable, ContextManager, Mapping, Optional
+from typing import Any, Callable, ContextManager, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
 from grape_stream.config import AlgorithmConfig
+from grape_stream.errors import ConfigError
 from grape_stream.grape.gram.instep import StepAlignments
 from grape_stream.grape.gram.instep_grads import PartStore
 from grape_stream.grape.instep_mode import InstepMode
 from grape_stream.grape.probes import unwrap_for_probe
 from grape_stream.world import dist_active
 
-__all__ = ["STEP_GRAM_FORMAT", "StepGramMode", "gram_of_sums"]
+__all__ = ["STEP_GRAM_FORMAT", "StepGramMode", "gram_of_sums", "kept_parameters"]
 
 STEP_GRAM_FORMAT = "grape_stream.step_gram/1"
 
@@ -50,6 +52,18 @@ def gram_of_sums(sums: Mapping[Any, torch.Tensor], weights: torch.Tensor) -> np.
     w = weights.to(torch.float64).cpu()
     with np.errstate(invalid="ignore", divide="ignore"):
         return (g / torch.outer(w, w)).numpy()
+
+
+def kept_parameters(model: nn.Module, patterns: Optional[Sequence[str]]) -> Optional[set[int]]:
+    """The ids of the trainable parameters whose names match one of ``patterns`` (fnmatch; None: all)."""
+    if patterns is None:
+        return None
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    keep = {id(p) for n, p in named if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)}
+    if not keep:
+        raise ConfigError(f"rnb_params {list(patterns)} match no trainable parameter (names: "
+                          f"{', '.join(n for n, _ in named[:6])}{', ...' if len(named) > 6 else ''})")
+    return keep
 
 
 class StepGramMode(InstepMode):
@@ -73,6 +87,7 @@ class StepGramMode(InstepMode):
         self._tasks = None
         self.has_direction = True  # no direction to probe for
         self.observed_steps = 0
+        self.keep: Optional[set[int]] = None  # option rnb_params: the parameters in G (None: all)
         self.store = PartStore(self.num_domains)  # the interval's sums A_k, by id(parameter)
         self.weights = torch.zeros(self.num_domains, dtype=torch.float64)
         self.samples = torch.zeros(self.num_domains, dtype=torch.float64)
@@ -88,7 +103,8 @@ class StepGramMode(InstepMode):
             named = self._pending_named if self.alignments is None else self._named_sums()
             self.alignments = StepAlignments(model, self.per_sample_loss, self.num_domains)
             self.alignments.set_directions([])
-            self.store = PartStore(self.num_domains)
+            self.keep = kept_parameters(inner, self.reweighter.options.get("rnb_params"))
+            self.store = PartStore(self.num_domains, self.keep)
             if named:
                 params = dict(inner.named_parameters())
                 self.store.grads = {id(params[n]): t.to(params[n].device) for n, t in named.items()}
@@ -103,7 +119,7 @@ class StepGramMode(InstepMode):
         sa = self._engine(model)
         self.end()  # a micro-batch whose end was never signalled (an exception in the trainer) is dropped
         if self._step_store is None:  # one process: the parts go straight into the interval's sums
-            self._step_store = PartStore(self.num_domains) if dist_active() else self.store
+            self._step_store = PartStore(self.num_domains, self.keep) if dist_active() else self.store
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(sa.observe(batch, domains, store=self._step_store))
         self._step_observed = True

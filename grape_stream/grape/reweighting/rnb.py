@@ -35,6 +35,9 @@ __all__ = ["RnbOptions", "RnbReweighter", "rnb_scores", "rnb_step"]
 class RnbOptions(ReweighterOptions):
     rnb_lambda: float = 3.0  # lambda: the softmax's inverse temperature (the authors' S1 setting: 3)
     eval_weights: Optional[list[float]] = None  # p: each domain's share of the evaluation data (None: uniform)
+    # the parameters whose gradients form G, as fnmatch patterns of their names (None: all; the authors track the
+    # final layer: e.g. ["lm_head.*"]); fewer parameters, fewer kept gradient copies
+    rnb_params: Optional[list[str]] = None
 
     def resolve(self, num_domains: int, num_tasks: int) -> dict[str, Any]:
         lam = real(self.rnb_lambda, "rnb_lambda")
@@ -42,6 +45,13 @@ class RnbOptions(ReweighterOptions):
             raise ConfigError(f"rnb_lambda must be a finite number >= 0, got {lam!r}")
         out = super().resolve(num_domains, num_tasks)
         out["rnb_lambda"] = lam
+        params = self.rnb_params
+        if params is not None and (isinstance(params, str) or not params
+                                   or not all(isinstance(x, str) and x for x in params)):
+            raise ConfigError(f"rnb_params must be None (every parameter) or a non-empty list of parameter-name "
+                              f"patterns (fnmatch), got {params!r}")
+        if params is not None:
+            out["rnb_params"] = list(params)
         try:
             out["eval_weights"] = (None if self.eval_weights is None
                                    else check_simplex(self.eval_weights, "eval_weights", num_domains).tolist())
