@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--devices", type=int, default=1, help="> 1: DDP on CPU (gloo); launch with torchrun")
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--resume", action="store_true")
-    p.add_argument("--alignments", default="probe", help="steps: in-step alignments, 2 observed steps per update")
+    p.add_argument("--alignments", default="probe",
+                   help="steps: in-step alignments, 2 observed steps per update; rnb: method rnb on them")
     a = p.parse_args(argv)
 
     import lightning.pytorch as pl
@@ -87,9 +88,10 @@ def main(argv: list[str] | None = None) -> None:
     mixer = WeightedStreamingMixer([DomainStream(d, local=f"{a.data}/{d}", split="train") for d in DOMAINS],
                                    batch_size=8, seed=0)
     tasks = [TaskStream(t, local=f"{a.data}/tasks/{t}") for t in TASKS]
-    grape = GrapeLightningCallback(mixer, method="grape", tasks=tasks, alpha_every=4, z_every=4, probe_domain_batch=4,
-                                   probe_task_batch=4, mu_alpha=3e-3, mu_z=3e-4, plots=False,
-                                   **({"alignments": "steps", "alignment_steps": 2} if a.alignments == "steps" else {}))
+    in_step = {"steps": {"alignments": "steps", "alignment_steps": 2}, "rnb": {"alignment_steps": 2}}
+    grape = GrapeLightningCallback(mixer, method="rnb" if a.alignments == "rnb" else "grape", tasks=tasks,
+                                   alpha_every=4, z_every=4, probe_domain_batch=4, probe_task_batch=4, mu_alpha=3e-3,
+                                   mu_z=3e-4, plots=False, **in_step.get(a.alignments, {}))
     ckpt_dir = os.path.join(a.out, "ckpt")
     checkpoints = ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=a.save_every, save_top_k=-1)
     torch.manual_seed(0)

@@ -123,16 +123,18 @@ def test_grape_trainer_refuses_what_cannot_work(data, tmp_path):
         mixer.close()
 
 
-def test_grape_trainer_refuses_in_step_alignments_in_one_line(data, tmp_path):
-    """The HF Trainer computes its loss inside the model (no watchable per-sample losses): refused at train()."""
+@pytest.mark.parametrize("method, options", [("grape", {"alignments": "steps"}), ("rnb", {})], ids=["steps", "rnb"])
+def test_grape_trainer_refuses_in_step_alignments_in_one_line(data, tmp_path, method, options):
+    """The HF Trainer computes its loss inside the model (no watchable per-sample losses): in-step alignments and
+    R&B (which reads the training steps' Gram) are refused at train()."""
     from transformers import TrainingArguments
 
     from grape_stream.integrations.hf import GrapeTrainer, GrapeTrainerCallback
 
     mixer = _mixer(data)
     try:
-        grape = GrapeTrainerCallback(method="grape", tasks=_tasks(data), alpha_every=2, z_every=2,
-                                     alignments="steps", alignment_steps=1, trajectory=False)
+        grape = GrapeTrainerCallback(method=method, tasks=_tasks(data), alpha_every=2, z_every=2,
+                                     alignment_steps=1, trajectory=False, **options)
         args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, report_to=[],
                                  use_cpu=True)
         trainer = GrapeTrainer(model=_llama(), args=args, mixer=mixer, callbacks=[grape])

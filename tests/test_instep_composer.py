@@ -1,7 +1,7 @@
 """alignments: steps in a real Composer Trainer (recipe -> build -> fit) on real MDS shards, with
 micro-batches: the observed step's per-domain alignments equal explicit per-domain gradients of the same
 batch at the same parameters; a run SIGKILLed after a checkpoint taken in the middle of an interval resumes
-onto the uninterrupted trajectory."""
+onto the uninterrupted trajectory (also with method rnb, whose checkpoint holds the open round's sums)."""
 
 from __future__ import annotations
 
@@ -66,10 +66,11 @@ def test_observed_step_in_a_trainer_is_exact(data_dir, tmp_path) -> None:
     assert updates[-1]["alpha"] != history[0]["alpha"]
 
 
-def test_sigkill_mid_interval_then_autoresume_continues_the_same_trajectory(data_dir, tmp_path) -> None:
+@pytest.mark.parametrize("algorithm", [STEPS, {"method": "rnb", "alignment_steps": 2}], ids=["steps", "rnb"])
+def test_sigkill_mid_interval_then_autoresume_continues_the_same_trajectory(data_dir, tmp_path, algorithm) -> None:
     trainer = {"max_duration": "12ba", "save_interval": "6ba", "autoresume": True, "eval_interval": "100ba",
                "save_folder": str(tmp_path / "{run_name}" / "ckpt")}
-    base = tiny_recipe(data_dir, str(tmp_path), trainer=trainer, algorithm=STEPS)
+    base = tiny_recipe(data_dir, str(tmp_path), trainer=trainer, algorithm=algorithm)
     straight, resumed = dict(base, run_name="straight"), dict(base, run_name="resumed")
     _run(straight, str(tmp_path / "straight.json"))
     killed = _run(resumed, str(tmp_path / "resumed.json"), "--kill-at", "7", check=False)

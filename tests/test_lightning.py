@@ -24,8 +24,10 @@ from _grape_data import write_dataset
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 #: (accumulate, steps, save every, kill at, the last checkpoint before the kill, alignments); with in-step
-#: alignments (2 observed steps of every 4) the checkpoint of step 6 is taken in the middle of an interval
-CASES = [(1, 24, 6, 15, 12, "probe"), (2, 12, 4, 10, 8, "probe"), (2, 12, 6, 10, 6, "steps")]
+#: alignments (2 observed steps of every 4) the checkpoint of step 6 is taken in the middle of an interval; "rnb":
+#: method rnb (R&B) on the same observed steps
+CASES = [(1, 24, 6, 15, 12, "probe"), (2, 12, 4, 10, 8, "probe"), (2, 12, 6, 10, 6, "steps"),
+         (2, 12, 6, 10, 6, "rnb")]
 BATCHES = 24
 
 
@@ -69,7 +71,8 @@ def data(tmp_path_factory) -> str:
     return root
 
 
-@pytest.mark.parametrize("case", CASES, ids=["no-accumulation", "accumulate-2", "accumulate-2-instep"])
+@pytest.mark.parametrize("case", CASES, ids=["no-accumulation", "accumulate-2", "accumulate-2-instep",
+                                                 "accumulate-2-rnb"])
 def test_lightning_sigkill_then_resume_replays_the_straight_run(data, tmp_path, case):
     accumulate, steps, save_every, kill_at, last, alignments = case
     straight, broken = str(tmp_path / "straight"), str(tmp_path / "killed")
@@ -91,7 +94,7 @@ def test_lightning_sigkill_then_resume_replays_the_straight_run(data, tmp_path, 
     assert all(torch.equal(ca["state_dict"][k], cb["state_dict"][k]) for k in ca["state_dict"])
     state = ca["callbacks"]["GrapeLightningCallback"]
     assert state["format"] == "grape_stream.loop/1" and state["step"] == steps and state["batches"] == BATCHES
-    assert ("instep" in state["controller"]) == (alignments == "steps")
+    assert ("instep" in state["controller"]) == (alignments in ("steps", "rnb"))
     assert state["mixer"]["batch"] == BATCHES  # trained on, not the one Lightning's fetcher read ahead
     # the GRAPE metrics reach the Trainer's logger at every update
     rows = list(csv.DictReader(open(os.path.join(straight, "csv", "version_0", "metrics.csv"), encoding="utf-8")))

@@ -43,6 +43,7 @@ from grape_stream.grape.algorithm_config import (
 )
 from grape_stream.grape.checkpoint import STATE_FORMAT, check_state_format, from_plain, history_tail, to_plain
 from grape_stream.grape.collectives import agree_with_rank_zero
+from grape_stream.grape.instep_gram import StepGramMode
 from grape_stream.grape.instep_mode import InstepMode
 from grape_stream.grape.metrics import update_metrics
 from grape_stream.grape.mixer_port import MixerPort, check_mixer, push_weights
@@ -116,7 +117,10 @@ class GrapeController:
         if self.needs_probe and not self.task_names:
             raise ConfigError(f"method {self.method!r} needs at least one target task")
         #: ``alignments: steps``: the domain side from the training steps (grape.instep_mode); None: probes
-        self.instep = InstepMode(self, self.config) if self.config.alignments == "steps" and self.needs_probe else None
+        #: a method that reads the training steps' per-domain Gram (R&B) keeps it there too (grape.instep_gram)
+        self.instep: InstepMode | None = (
+            InstepMode(self, self.config) if self.config.alignments == "steps" and self.needs_probe
+            else StepGramMode(self, self.config) if getattr(self.reweighter, "needs_step_gram", False) else None)
 
     def _build_reweighter(self) -> Reweighter:
         opts = dict(self.reweighter_options)

@@ -91,9 +91,10 @@ class PartStore:
     The task probe of in-step alignments uses it (domains = tasks) to get every task's gradient from one
     backward; it costs K gradient copies while it lives."""
 
-    def __init__(self, num_domains: int) -> None:
+    def __init__(self, num_domains: int, keep: Optional[set[int]] = None) -> None:
         self.num_domains = num_domains
         self.grads: dict[int, Tensor] = {}
+        self.keep = keep  # the ids of the parameters whose parts are kept (None: every parameter)
 
     def _buf(self, p: Tensor, dtype: torch.dtype) -> Tensor:
         buf = self.grads.get(id(p))
@@ -102,10 +103,12 @@ class PartStore:
         return buf
 
     def add(self, p: Tensor, domain: int, part: Tensor) -> None:
-        self._buf(p, part.dtype)[domain] += part.reshape(p.shape)
+        if self.keep is None or id(p) in self.keep:
+            self._buf(p, part.dtype)[domain] += part.reshape(p.shape)
 
     def add_rows(self, p: Tensor, domain: int, ids: Tensor, vecs: Tensor) -> None:
-        self._buf(p, vecs.dtype)[domain].index_add_(0, ids, vecs)
+        if self.keep is None or id(p) in self.keep:
+            self._buf(p, vecs.dtype)[domain].index_add_(0, ids, vecs)
 
 
 def _dots(part: Tensor, u: Optional[Tensor]) -> Optional[Tensor]:

@@ -14,7 +14,8 @@ beyond the paper: cosine alignments, Gram / alpha EMA), ``state`` (exact JSON fo
 one method list and the functions that read it), and one file per method family, each with its options
 dataclass, its pure step function and its classes: ``fixed`` (uniform, static), ``doge`` (doge,
 doge_pcgrad, the PCGrad coefficient math: ``doge_step``), ``grape`` (grape, grape_gap, grape_ema:
-``grape_step``). docs/reweighting.md has the equations as implemented.
+``grape_step``), ``rnb`` (R&B's Balance from the training steps' domain Gram: ``rnb_step``).
+docs/reweighting.md has the equations as implemented.
 
 Adding a method: one file here with an options dataclass (fields = the options it accepts, ``resolve``
 = their checks), its step as a pure function, and a ``Reweighter`` subclass decorated with ``@register``
@@ -70,6 +71,7 @@ from grape_stream.grape.reweighting.grape import (
     GrapeReweighter,
     grape_step,
 )
+from grape_stream.grape.reweighting.rnb import RnbOptions, RnbReweighter, rnb_step
 # isort: on
 
 __all__ = [
@@ -90,6 +92,8 @@ __all__ = [
     "NoiseOptions",
     "Reweighter",
     "ReweighterOptions",
+    "RnbOptions",
+    "RnbReweighter",
     "StaticOptions",
     "StaticReweighter",
     "StepOptions",
@@ -109,4 +113,5 @@ __all__ = [
     "pcgrad_task_orders",
     "register",
     "reweighter_from_state_dict",
+    "rnb_step",
 ]

@@ -146,15 +146,16 @@ class GrapeAlgorithm(Algorithm):
                 "algorithms= (it keeps the architecture at Event.INIT), not to a Trainer whose model is already "
                 "wrapped."
             )
-        if self._skeleton is not None and self.config.alignments != "probe":
-            raise ConfigError("alignments: steps is not supported under FSDP: each rank's backward sees a shard of "
-                              "every weight gradient; use alignments: probe (docs/alignment.md, 'In-step alignments')")
         if self._skeleton is not None and self.config.geometry != "sgd":
             raise ConfigError(
                 "geometry='adam' is not supported under FSDP: the probe runs on an unsharded replica whose "
                 "parameters have no optimizer state; use geometry='sgd' (the paper) or train with DDP"
             )
-        self.loop.attach(find_mixer(state.train_dataloader))
+        ctl = self.loop.attach(find_mixer(state.train_dataloader))
+        if self._skeleton is not None and ctl.instep is not None:
+            raise ConfigError("alignments: steps (and method rnb, which reads the training steps' Gram) is not "
+                              "supported under FSDP: each rank's backward sees a shard of every weight gradient; "
+                              "use alignments: probe (docs/alignment.md, 'In-step alignments')")
         self.loop.start()
 
     @staticmethod

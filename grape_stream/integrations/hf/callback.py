@@ -79,10 +79,11 @@ class GrapeTrainerCallback(TrainerCallback):
         unwrap_for_probe(kwargs["model"])  # sharded parameters (FSDP) fail here, before the first step
         self.loop.default_trajectory(_output_dir(args))
         if self.loop.attach(mixer).instep is not None:
-            raise ConfigError("alignments: steps is not available with the Hugging Face Trainer: the model computes "
-                              "its own loss (a token mean) and the batch reaches it without its 'domain' column, so "
-                              "no per-sample loss can be watched; use alignments: probe (docs/alignment.md, "
-                              "'In-step alignments')")
+            raise ConfigError("alignments: steps and method rnb (both read the training steps' own backward) are "
+                              "not available with the Hugging Face Trainer: the model computes its own loss (a token "
+                              "mean) and the batch reaches it without its 'domain' column, so no per-sample loss can "
+                              "be watched; use alignments: probe with a probing method (docs/alignment.md, 'In-step "
+                              "alignments')")
         folder = self.resume_from
         if folder is None and state.global_step > 0:  # resumed by a Trainer that did not say from where
             folder = os.path.join(_output_dir(args), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
