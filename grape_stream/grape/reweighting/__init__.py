@@ -14,7 +14,8 @@ beyond the paper: cosine alignments, Gram / alpha EMA), ``state`` (exact JSON fo
 one method list and the functions that read it), and one file per method family, each with its options
 dataclass, its pure step function and its classes: ``fixed`` (uniform, static), ``doge`` (doge,
 doge_pcgrad, the PCGrad coefficient math: ``doge_step``), ``grape`` (grape, grape_gap, grape_ema:
-``grape_step``). docs/reweighting.md has the equations as implemented.
+``grape_step``), ``odm`` (ODM's EXP3 bandit on training losses: ``odm_step``), ``ado`` and ``ado_fit`` (ADO's
+per-domain power-law fits of the training losses: ``ado_step``). docs/reweighting.md has the equations as implemented.
 
 Adding a method: one file here with an options dataclass (fields = the options it accepts, ``resolve``
 = their checks), its step as a pure function, and a ``Reweighter`` subclass decorated with ``@register``
@@ -70,6 +71,8 @@ from grape_stream.grape.reweighting.grape import (
     GrapeReweighter,
     grape_step,
 )
+from grape_stream.grape.reweighting.odm import OdmOptions, OdmReweighter, odm_step
+from grape_stream.grape.reweighting.ado import AdoOptions, AdoReweighter, ado_step
 # isort: on
 
 __all__ = [
@@ -78,6 +81,8 @@ __all__ = [
     "PAPER_MU_Z",
     "REWEIGHTERS",
     "STATE_FORMAT",
+    "AdoOptions",
+    "AdoReweighter",
     "DomainLosses",
     "DogePCGradOptions",
     "DogePCGradReweighter",
@@ -88,6 +93,8 @@ __all__ = [
     "GrapeOptions",
     "GrapeReweighter",
     "NoiseOptions",
+    "OdmOptions",
+    "OdmReweighter",
     "Reweighter",
     "ReweighterOptions",
     "StaticOptions",
@@ -95,6 +102,7 @@ __all__ = [
     "StepOptions",
     "UniformReweighter",
     "WeightStep",
+    "ado_step",
     "all_options",
     "available_methods",
     "build_reweighter",
@@ -105,6 +113,7 @@ __all__ = [
     "method_needs_probe",
     "method_options",
     "mirror_step",
+    "odm_step",
     "pcgrad_coefficients",
     "pcgrad_task_orders",
     "register",
