@@ -112,7 +112,7 @@ def ado_step(state: AdoState, losses: DomainLosses, o: Mapping[str, Any],
         h = decay * h + (1.0 - decay) * samples / samples.sum()
     bins = state.bins
     if t > o["ignore_steps"]:
-        bins = tuple(add_point(b, n_seen[k], losses.loss[k], o["history_points"]) if losses.seen[k] else b
+        bins = tuple(add_point(b, n_seen[k], losses.loss[k], o["bins_per_decade"]) if losses.seen[k] else b
                      for k, b in enumerate(bins))
     fits, last_fit = state.fits, state.last_fit
     if t >= o["warmup_steps"] and (last_fit is None or t - last_fit >= o["fit_every"]):
@@ -145,7 +145,7 @@ class AdoOptions(ReweighterOptions):
     credit_power: float = 0.5  # s in lambda = h^s
     credit: str = "h"  # "h": lambda = h^s (paper); "h(1-h)": (h (1 - h))^s (authors' code)
     min_prob: float = 0.01  # delta_min: each preference floored here (<= 1/K)
-    history_points: int = 200  # loss-history bins kept per domain (older ones merge pairwise)
+    bins_per_decade: int = 20  # loss-history bins per factor 10 of n (points in one bin are averaged)
 
     def resolve(self, num_domains: int, num_tasks: int) -> dict[str, Any]:
         out = super().resolve(num_domains, num_tasks)
@@ -154,10 +154,8 @@ class AdoOptions(ReweighterOptions):
             raise ConfigError("prior must give every domain a weight > 0 (ADO's preference is proportional to it)")
         out["prior"] = None if prior is None else prior.tolist()
         out["alpha0"] = out["prior"]
-        for name in ("warmup_steps", "fit_every", "history_points"):
+        for name in ("warmup_steps", "fit_every", "bins_per_decade"):
             out[name] = positive_int(getattr(self, name), name)
-        if out["history_points"] < 3:
-            raise ConfigError(f"history_points must be >= 3 (a fit has 3 parameters), got {out['history_points']}")
         ignore = self.ignore_steps
         if isinstance(ignore, bool) or not isinstance(ignore, (int, np.integer)) or ignore < 0:
             raise ConfigError(f"ignore_steps must be an integer >= 0, got {ignore!r}")

@@ -8,15 +8,17 @@ and no random start is drawn, so the same points give bit-identical parameters (
 exactly), and a fit of 13 domains x 200 points takes a few milliseconds. It fits the loss itself (squared
 error), not its log with a Huber loss: docs/reweighting.md ("ADO") says what that changes.
 
-The history is per domain a list of bins (n, loss, weight): each update adds a bin of weight 1 and, past
-``max_points`` bins, neighbouring pairs merge into their weighted means (weight summed), so memory is
-bounded, old stretches of the curve are kept at a coarser resolution, and the least-squares weights keep
-every observation counted once.
+The history is per domain a list of bins on a log-n grid (``bins_per_decade`` bins per factor 10 of n):
+a new point falling in the last bin is merged into it (the weighted mean of log n and of the loss, weight
++1), otherwise it opens a bin. Memory is bounded by bins_per_decade x log10(largest n) bins, the early,
+steep part of the curve keeps one bin per point, and the least-squares weights (the bins' counts) keep
+every observation counted once, as a fit through all raw points would.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+import math
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -62,34 +64,31 @@ class Bins:
     n: tuple[float, ...] = ()
     loss: tuple[float, ...] = ()
     weight: tuple[float, ...] = ()
+    key: tuple[int, ...] = ()  # each bin's log-n bin number
 
-    def to_json(self) -> dict[str, list[float]]:
-        return {"n": list(self.n), "loss": list(self.loss), "weight": list(self.weight)}
+    def to_json(self) -> dict[str, list[Any]]:
+        return {"n": list(self.n), "loss": list(self.loss), "weight": list(self.weight), "key": list(self.key)}
 
     @classmethod
     def from_json(cls, value: Any) -> "Bins":
-        n, loss, weight = (tuple(float(v) for v in value[key]) for key in ("n", "loss", "weight"))
-        if not len(n) == len(loss) == len(weight):
+        n, loss, weight = (tuple(float(v) for v in value[name]) for name in ("n", "loss", "weight"))
+        key = tuple(int(v) for v in value["key"])
+        if not len(n) == len(loss) == len(weight) == len(key):
             raise ValueError("an ADO loss history has lists of different lengths")
-        return cls(n, loss, weight)
+        return cls(n, loss, weight, key)
 
 
-def add_point(bins: Bins, n: float, loss: float, max_points: int) -> Bins:
-    """``bins`` with (n, loss) appended at weight 1; past ``max_points`` bins, pairs (0,1), (2,3), ... merge."""
-    n_, loss_, w_ = list(bins.n) + [float(n)], list(bins.loss) + [float(loss)], list(bins.weight) + [1.0]
-    if len(n_) <= max_points:
-        return Bins(tuple(n_), tuple(loss_), tuple(w_))
-    out_n, out_l, out_w = [], [], []
-    for i in range(0, len(n_) - 1, 2):
-        w = w_[i] + w_[i + 1]
-        out_n.append((w_[i] * n_[i] + w_[i + 1] * n_[i + 1]) / w)
-        out_l.append((w_[i] * loss_[i] + w_[i + 1] * loss_[i + 1]) / w)
-        out_w.append(w)
-    if len(n_) % 2:
-        out_n.append(n_[-1])
-        out_l.append(loss_[-1])
-        out_w.append(w_[-1])
-    return Bins(tuple(out_n), tuple(out_l), tuple(out_w))
+def add_point(bins: Bins, n: float, loss: float, bins_per_decade: int) -> Bins:
+    """``bins`` with (n, loss) added: merged into the last bin when n falls in the same log-n bin
+    (floor(bins_per_decade * log10 n)), else appended as a new bin of weight 1. ``n`` never decreases."""
+    key = math.floor(bins_per_decade * math.log10(n))
+    if bins.key and bins.key[-1] == key:
+        w0 = bins.weight[-1]
+        w = w0 + 1.0
+        log_n = (w0 * math.log(bins.n[-1]) + math.log(n)) / w
+        mean = (w0 * bins.loss[-1] + float(loss)) / w
+        return Bins(bins.n[:-1] + (math.exp(log_n),), bins.loss[:-1] + (mean,), bins.weight[:-1] + (w,), bins.key)
+    return Bins(bins.n + (float(n),), bins.loss + (float(loss),), bins.weight + (1.0,), bins.key + (key,))
 
 
 def _solve(exponents: np.ndarray, n: np.ndarray, loss: np.ndarray,
