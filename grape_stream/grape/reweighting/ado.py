@@ -58,15 +58,15 @@ class AdoState:
 
     @classmethod
     def from_json(cls, state: Mapping[str, Any], k: int) -> "AdoState":
-        vectors = [np.array(state[key], dtype=np.float64) for key in ("n_seen", "h", "pi_bar")]
-        if any(v.shape != (k,) or not np.all(np.isfinite(v)) for v in vectors):
+        n_seen, h, pi_bar = (np.array(state[key], dtype=np.float64) for key in ("n_seen", "h", "pi_bar"))
+        if any(v.shape != (k,) or not np.all(np.isfinite(v)) for v in (n_seen, h, pi_bar)):
             raise ValueError(f"state_dict['method_state'] of ado must hold {k} finite n_seen, h and pi_bar")
         bins = tuple(Bins.from_json(b) for b in state["bins"])
         fits = tuple(None if f is None else PowerLaw.from_json(f) for f in state["fits"])
         if len(bins) != k or len(fits) != k:
             raise ValueError(f"state_dict['method_state'] of ado must hold {k} loss histories and fits")
         last = state.get("last_fit")
-        return cls(int(state["steps_seen"]), *vectors, bins, fits, None if last is None else int(last))
+        return cls(int(state["steps_seen"]), n_seen, h, pi_bar, bins, fits, None if last is None else int(last))
 
 
 def ado_preference(fits: tuple[Optional[PowerLaw], ...], n_seen: np.ndarray, h: np.ndarray, prior: np.ndarray,
@@ -183,6 +183,8 @@ class AdoReweighter(Reweighter):
     moves_alpha = True
     needs_probe = False
     needs_training_losses = True
+
+    _state: AdoState
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

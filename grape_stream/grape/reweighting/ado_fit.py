@@ -17,8 +17,8 @@ every observation counted once, as a fit through all raw points would.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import math
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import numpy as np

@@ -97,6 +97,8 @@ class OdmReweighter(Reweighter):
     moves_alpha = True
     needs_probe = False
     needs_training_losses = True
+    _rewards: np.ndarray
+    _steps_seen: int
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
