@@ -27,7 +27,9 @@ from grape_stream.grape.reweighting import (
     reweighter_from_state_dict,
 )
 
-METHODS = ["uniform", "static", "doge", "doge_pcgrad", "grape", "grape_gap", "grape_ema"]
+METHODS = ["uniform", "static", "doge", "doge_pcgrad", "grape", "grape_gap", "grape_ema"]  # Gram updates
+#: methods that update from the training losses, never a Gram (tests/test_online_methods.py tests them)
+LOSS_METHODS = ["odm", "ado"]
 MOVING = ["doge", "doge_pcgrad", "grape", "grape_gap", "grape_ema"]
 GRAPES = ["grape", "grape_gap", "grape_ema"]
 SETTINGS = settings(max_examples=50, deadline=None)
@@ -542,9 +544,11 @@ def test_exponent_overflow_is_skipped():
 # inputs and errors
 # ----------------------------------------------------------------------------------------------------
 def test_registry_and_names():
-    assert available_methods() == METHODS + ["rnb"]  # rnb updates from the training steps' Gram: test_rnb.py
-    assert set(REWEIGHTERS) == set(METHODS) | {"rnb"}
-    for name in METHODS:
+    assert available_methods() == METHODS + ["rnb"] + LOSS_METHODS  # rnb: test_rnb.py
+    assert set(REWEIGHTERS) == set(METHODS + LOSS_METHODS) | {"rnb"}
+    assert all(REWEIGHTERS[m].needs_training_losses and not REWEIGHTERS[m].needs_probe for m in LOSS_METHODS)
+    assert not any(REWEIGHTERS[m].needs_training_losses for m in METHODS)
+    for name in METHODS + LOSS_METHODS:
         r = build_reweighter(name, 2, 2, **options_for(name, 2))
         assert isinstance(r, Reweighter) and r.method == name and REWEIGHTERS[name].description
     assert build_reweighter("GRAPE-gap", 2, 2).method == "grape_gap"

@@ -14,8 +14,9 @@ beyond the paper: cosine alignments, Gram / alpha EMA), ``state`` (exact JSON fo
 one method list and the functions that read it), and one file per method family, each with its options
 dataclass, its pure step function and its classes: ``fixed`` (uniform, static), ``doge`` (doge,
 doge_pcgrad, the PCGrad coefficient math: ``doge_step``), ``grape`` (grape, grape_gap, grape_ema:
-``grape_step``), ``rnb`` (R&B's Balance from the training steps' domain Gram: ``rnb_step``).
-docs/reweighting.md has the equations as implemented.
+``grape_step``), ``rnb`` (R&B's Balance from the training steps' domain Gram: ``rnb_step``), ``odm`` (ODM's
+EXP3 bandit on training losses: ``odm_step``), ``ado`` and ``ado_fit`` (ADO's per-domain power-law fits of the
+training losses: ``ado_step``). docs/reweighting.md has the equations as implemented.
 
 Adding a method: one file here with an options dataclass (fields = the options it accepts, ``resolve``
 = their checks), its step as a pure function, and a ``Reweighter`` subclass decorated with ``@register``
@@ -72,6 +73,8 @@ from grape_stream.grape.reweighting.grape import (
     grape_step,
 )
 from grape_stream.grape.reweighting.rnb import RnbOptions, RnbReweighter, rnb_step
+from grape_stream.grape.reweighting.odm import OdmOptions, OdmReweighter, odm_step
+from grape_stream.grape.reweighting.ado import AdoOptions, AdoReweighter, ado_step
 # isort: on
 
 __all__ = [
@@ -80,6 +83,8 @@ __all__ = [
     "PAPER_MU_Z",
     "REWEIGHTERS",
     "STATE_FORMAT",
+    "AdoOptions",
+    "AdoReweighter",
     "DomainLosses",
     "DogePCGradOptions",
     "DogePCGradReweighter",
@@ -90,6 +95,8 @@ __all__ = [
     "GrapeOptions",
     "GrapeReweighter",
     "NoiseOptions",
+    "OdmOptions",
+    "OdmReweighter",
     "Reweighter",
     "ReweighterOptions",
     "RnbOptions",
@@ -99,6 +106,7 @@ __all__ = [
     "StepOptions",
     "UniformReweighter",
     "WeightStep",
+    "ado_step",
     "all_options",
     "available_methods",
     "build_reweighter",
@@ -109,6 +117,7 @@ __all__ = [
     "method_needs_probe",
     "method_options",
     "mirror_step",
+    "odm_step",
     "pcgrad_coefficients",
     "pcgrad_task_orders",
     "register",
