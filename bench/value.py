@@ -128,6 +128,7 @@ METHODS: dict[str, tuple[str, Callable[..., list[str]]]] = {
     "doge": ("doge", lambda lr, d, s, r: []),
     "doge_paper": ("doge", lambda lr, d, s, r: _paper_step(lr)),
     # reuse: a previous GRAPE run (the seed before, cyclically) replayed from step 0, or its final weights
+    "rnb": ("rnb", lambda lr, d, s, r: []),  # R&B's Balance, the library's defaults (4 observed steps a round)
     "grape_replay": ("schedule", lambda lr, d, s, r: [f"algorithm.schedule_path={_prev(r, 'grape', s)['traj']}"]),
     "grape_final_static": ("static",
                            lambda lr, d, s, r: [f"algorithm.options.weights={_vec(_prev(r, 'grape', s)['alpha'])}"]),
