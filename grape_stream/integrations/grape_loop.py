@@ -132,17 +132,18 @@ class GrapeLoop:
 
     def begin_step(self, model: nn.Module, step: int, batch: Any, *, optimizer: Any = None,
                    autocast: Callable[[], ContextManager[Any]] | None = None) -> None:
-        """``alignments: steps``: before the forward of each (micro-)batch of optimizer step ``step`` (1-based:
-        the step being trained); :meth:`end_step` after its backward. A no-op otherwise and on unobserved steps."""
-        instep = self._ctl().instep
-        if instep is not None:
-            instep.begin(model, step, batch, optimizer=optimizer, autocast=autocast)
+        """``alignments: steps`` and the loss-driven methods: before the forward of each (micro-)batch of optimizer
+        step ``step`` (1-based: the step being trained); :meth:`end_step` after its backward. A no-op otherwise
+        and on unobserved steps."""
+        mode = self._ctl().step_mode
+        if mode is not None:
+            mode.begin(model, step, batch, optimizer=optimizer, autocast=autocast)
 
     def end_step(self) -> None:
         """After the backward of the (micro-)batch :meth:`begin_step` began."""
-        instep = self._ctl().instep
-        if instep is not None:
-            instep.end()
+        mode = self._ctl().step_mode
+        if mode is not None:
+            mode.end()
 
     def after_step(self, model: nn.Module, step: int, lr: float, *,
                    autocast: Callable[[], ContextManager[Any]] | None = None, optimizer: Any = None,

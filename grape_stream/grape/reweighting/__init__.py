@@ -70,6 +70,12 @@ from grape_stream.grape.reweighting.grape import (
     GrapeReweighter,
     grape_step,
 )
+from grape_stream.grape.reweighting.doremi import (
+    DoremiOptions,
+    DoremiReweighter,
+    average_alpha_from_trajectory,
+    doremi_step,
+)
 # isort: on
 
 __all__ = [
@@ -82,6 +88,8 @@ __all__ = [
     "DogePCGradOptions",
     "DogePCGradReweighter",
     "DogeReweighter",
+    "DoremiOptions",
+    "DoremiReweighter",
     "GrapeEmaOptions",
     "GrapeEmaReweighter",
     "GrapeGapReweighter",
@@ -97,9 +105,11 @@ __all__ = [
     "WeightStep",
     "all_options",
     "available_methods",
+    "average_alpha_from_trajectory",
     "build_reweighter",
     "condition_gram",
     "doge_step",
+    "doremi_step",
     "grape_step",
     "method_description",
     "method_needs_probe",
