@@ -95,7 +95,7 @@ class LossMode:
             if not path:
                 raise ConfigError(f"method {reweighter.method!r} needs algorithm.options.reference: the reference "
                                   "model's weights (a Composer checkpoint or a state_dict file)")
-            if not os.path.isfile(str(path)):
+            if not os.path.exists(str(path)):
                 raise ConfigError(f"algorithm.options.reference: no reference model file at {path!r}")
             self.reference = ReferenceModel(str(path), controller.per_sample_loss)
         #: the interval's sums (rows: loss, samples, excess, tokens), summed over ranks

@@ -34,6 +34,15 @@ _PREFIXES = ("model.", "module.", "_orig_mod.")
 
 
 def _load_file(path: str) -> Any:
+    if os.path.isdir(path):  # a Hugging Face checkpoint folder
+        for name in ("model.safetensors", "pytorch_model.bin"):
+            if os.path.isfile(os.path.join(path, name)):
+                return _load_file(os.path.join(path, name))
+        raise ConfigError(f"algorithm.options.reference: {path} is a folder without model.safetensors")
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError):
@@ -44,13 +53,15 @@ def _load_file(path: str) -> Any:
 
 def reference_state_dict(path: str, want: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The reference weights in ``path``, keyed as ``want`` (the copy's own state_dict) is."""
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise ConfigError(f"algorithm.options.reference: no reference model file at {path!r}")
     obj = _load_file(path)
     if isinstance(obj, Mapping) and isinstance(obj.get("state"), Mapping) and "model" in obj["state"]:
         obj = obj["state"]["model"]  # a Composer checkpoint
     elif isinstance(obj, Mapping) and isinstance(obj.get("model"), Mapping):
         obj = obj["model"]
+    elif isinstance(obj, Mapping) and isinstance(obj.get("state_dict"), Mapping):
+        obj = obj["state_dict"]  # a Lightning checkpoint
     if not isinstance(obj, Mapping):
         raise ConfigError(f"algorithm.options.reference: {path} holds no state_dict (got {type(obj).__name__})")
     sd = {str(k): v for k, v in obj.items() if isinstance(v, torch.Tensor)}
