@@ -193,3 +193,30 @@ def test_refusals_are_one_line(data, reference, tmp_path: Path) -> None:
             ctl.maybe_update(model, 1, 1e-3)
     finally:
         mixer.close()
+
+
+def test_doremi_options_state_and_the_final_weights(tmp_path: Path) -> None:
+    import json
+
+    from grape_stream.grape.reweighting import DomainLosses, average_alpha_from_trajectory, build_reweighter
+
+    with pytest.raises(ConfigError, match="eta must be a positive number"):
+        build_reweighter("doremi", 3, 1, eta=0.0)
+    with pytest.raises(ConfigError, match="smoothing must lie in"):
+        build_reweighter("doremi", 3, 1, smoothing=1.5)
+    r = build_reweighter("doremi", 3, 1, reference="ref.pt", eta=1.0, smoothing=0.0)
+    steps = [np.array([1.0, 0.0, np.nan]), np.array([0.0, 2.0, 0.5])]
+    for excess in steps:
+        r.update_from_losses(DomainLosses(np.ones(3), np.array([2, 2, 0 if np.isnan(excess[2]) else 2]),
+                                          excess=excess), None)
+    first = np.exp([1.0, 0.0, 0.0]) / np.exp([1.0, 0.0, 0.0]).sum()  # no token of domain 2: lambda 0
+    second = first * np.exp([0.0, 2.0, 0.5]) / (first * np.exp([0.0, 2.0, 0.5])).sum()
+    np.testing.assert_allclose(r.alpha, second, rtol=1e-12)
+    np.testing.assert_allclose(r.history[-1]["average_alpha"], (first + second) / 2, rtol=1e-12)
+    other = build_reweighter("doremi", 3, 1, reference="ref.pt", eta=1.0, smoothing=0.0)
+    other.load_state_dict(json.loads(json.dumps(r.state_dict())))
+    assert other.average_alpha.tolist() == r.average_alpha.tolist()
+    path = tmp_path / "traj.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in [{"type": "meta"}, {"type": "update", "step": 0},
+                                                       {"type": "update", "average_alpha": [0.2, 0.8]}]))
+    assert average_alpha_from_trajectory(path) == [0.2, 0.8]
