@@ -205,14 +205,15 @@ def test_doremi_options_state_and_the_final_weights(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="smoothing must lie in"):
         build_reweighter("doremi", 3, 1, smoothing=1.5)
     r = build_reweighter("doremi", 3, 1, reference="ref.pt", eta=1.0, smoothing=0.0)
-    steps = [np.array([1.0, 0.0, np.nan]), np.array([0.0, 2.0, 0.5])]
+    steps = [np.array([1.0, 0.0, np.nan]), np.array([0.0, 2.0, 0.5]), np.array([0.0, 0.0, np.nan])]
     for excess in steps:
         r.update_from_losses(DomainLosses(np.ones(3), np.array([2, 2, 0 if np.isnan(excess[2]) else 2]),
                                           excess=excess), None)
     first = np.exp([1.0, 0.0, 0.0]) / np.exp([1.0, 0.0, 0.0]).sum()  # no token of domain 2: lambda 0
     second = first * np.exp([0.0, 2.0, 0.5]) / (first * np.exp([0.0, 2.0, 0.5])).sum()
-    np.testing.assert_allclose(r.alpha, second, rtol=1e-12)
-    np.testing.assert_allclose(r.history[-1]["average_alpha"], (first + second) / 2, rtol=1e-12)
+    third = second * np.exp([0.0, 0.0, 0.5]) / (second * np.exp([0.0, 0.0, 0.5])).sum()  # domain 2: its last lambda
+    np.testing.assert_allclose(r.alpha, third, rtol=1e-12)
+    np.testing.assert_allclose(r.history[-1]["average_alpha"], (first + second + third) / 3, rtol=1e-12)
     other = build_reweighter("doremi", 3, 1, reference="ref.pt", eta=1.0, smoothing=0.0)
     other.load_state_dict(json.loads(json.dumps(r.state_dict())))
     assert other.average_alpha.tolist() == r.average_alpha.tolist()

@@ -8,7 +8,9 @@ the model trains on),
     alpha'  = softmax(log alpha_prev + eta * lambda)
     alpha   = (1 - c) * alpha' + c / K
 
-(eta: ``eta``, paper 1.0; c: ``smoothing``, paper 1e-3). A domain with no token in the interval has lambda 0.
+(eta: ``eta``, paper 1.0; c: ``smoothing``, paper 1e-3). A domain with no token in the interval keeps its last
+lambda (0 before its first), as the authors' code does: sampling from alpha, a small domain often has no
+sample in an interval, and "no evidence" must not read as "no excess loss".
 The paper's output, the domain weights of the final run, is the average of alpha over the updates: kept in
 the method's state and written into every update record as ``average_alpha``
 (:func:`average_alpha_from_trajectory` reads the last one; docs/reweighting.md, "DoReMi", says how to train
@@ -56,8 +58,8 @@ class DoremiOptions(ReweighterOptions):
 
 def doremi_step(alpha_prev: np.ndarray, excess: np.ndarray, eta: float, smoothing: float) -> np.ndarray:
     """Algorithm 1's weight update: the new alpha from the previous one and the per-domain excess losses
-    ``excess`` (lambda; NaN for a domain without tokens, taken as 0)."""
-    lam = np.nan_to_num(np.asarray(excess, dtype=np.float64), nan=0.0)
+    ``excess`` (lambda, finite: the caller fills a domain without tokens)."""
+    lam = np.asarray(excess, dtype=np.float64)
     with np.errstate(divide="ignore"):
         logits = np.log(np.asarray(alpha_prev, dtype=np.float64)) + eta * lam
     p = np.exp(logits - logits.max())
@@ -79,15 +81,19 @@ class DoremiReweighter(Reweighter):
         super().__init__(*args, **kwargs)
         self._alpha_sum = np.zeros(self.num_domains)
         self._alpha_count = 0
+        self._last_excess = np.zeros(self.num_domains)
 
     def _loss_step(self, losses: DomainLosses, lr: float | None,
                    index: int) -> tuple[np.ndarray, np.ndarray | None, float]:
         assert losses.excess is not None, "update_from_losses checks it"
         o = self._options
-        alpha = doremi_step(self._alpha, losses.excess, o["eta"], o["smoothing"])
+        excess = np.asarray(losses.excess, dtype=np.float64)
+        lam = np.where(np.isfinite(excess), excess, self._last_excess)
+        alpha = doremi_step(self._alpha, lam, o["eta"], o["smoothing"])
+        self._last_excess = lam
         self._alpha_sum = self._alpha_sum + alpha
         self._alpha_count += 1
-        return np.log(alpha), np.nan_to_num(np.asarray(losses.excess, dtype=np.float64), nan=0.0), float(o["eta"])
+        return np.log(alpha), lam, float(o["eta"])
 
     @property
     def average_alpha(self) -> np.ndarray:
@@ -98,11 +104,14 @@ class DoremiReweighter(Reweighter):
         return {"average_alpha": self.average_alpha.tolist()}
 
     def _method_state(self) -> Optional[dict[str, Any]]:
-        return {"alpha_sum": self._alpha_sum.tolist(), "alpha_count": self._alpha_count}
+        return {"alpha_sum": self._alpha_sum.tolist(), "alpha_count": self._alpha_count,
+                "last_excess": self._last_excess.tolist()}
 
     def _load_method_state(self, state: Optional[Mapping[str, Any]]) -> None:
-        self._alpha_sum = np.zeros(self.num_domains) if state is None else np.asarray(state["alpha_sum"], np.float64)
+        zeros = np.zeros(self.num_domains)
+        self._alpha_sum = zeros if state is None else np.asarray(state["alpha_sum"], np.float64)
         self._alpha_count = 0 if state is None else int(state["alpha_count"])
+        self._last_excess = zeros.copy() if state is None else np.asarray(state["last_excess"], np.float64)
 
 
 def average_alpha_from_trajectory(path: str | os.PathLike[str]) -> list[float]:
