@@ -76,3 +76,40 @@ def test_lightning_trains_a_loss_driven_method(data, lightning_reference, tmp_pa
     _run("_lightning_run.py", data, str(tmp_path), "--steps", "8", "--save-every", "100", "--accumulate", "2",
          "--method", method, *ref)
     _check(str(tmp_path), 8, 16, method)
+
+
+@pytest.mark.parametrize("method", LOSS_METHODS)
+def test_hf_model_without_logits_is_refused_in_one_line(data, tmp_path, method) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    from _grape_data import SEQ, VOCAB
+    from grape_stream import DomainStream, WeightedStreamingMixer
+    from grape_stream.errors import ConfigError
+    from grape_stream.integrations.hf import GrapeTrainer, GrapeTrainerCallback
+
+    class LossOnly(torch.nn.Module):  # returns its loss and nothing else
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                                   max_position_embeddings=SEQ))
+
+        def forward(self, input_ids, labels=None, **kwargs):
+            return {"loss": self.lm(input_ids=input_ids, labels=labels).loss}
+
+    model = LossOnly()
+    reference = str(tmp_path / "ref.pt")
+    torch.save(model.state_dict(), reference)
+    mixer = WeightedStreamingMixer([DomainStream(d, local=f"{data}/{d}", split="train") for d in ("d0", "d1", "d2")],
+                                   batch_size=8, seed=0)
+    try:
+        grape = GrapeTrainerCallback(method=method, alpha_every=2, trajectory=False, **(
+            {"options": {"reference": reference}} if REWEIGHTERS[method].needs_reference else {}))
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, report_to=[], use_cpu=True)
+        trainer = GrapeTrainer(model=model, args=args, mixer=mixer, callbacks=[grape])
+        with pytest.raises(ConfigError, match="logits") as err:
+            trainer.train()
+        assert "\n" not in str(err.value)
+    finally:
+        mixer.close()

@@ -123,7 +123,12 @@ class ReferenceModel:
             self.model = self._build(model)
         capture = _TokenCapture()
         with torch.no_grad(), watching_losses(capture), (autocast() if autocast else contextlib.nullcontext()):
-            self.per_sample_loss(self.model, batch)
+            try:
+                self.per_sample_loss(self.model, batch)
+            except (TypeError, AttributeError, KeyError) as exc:
+                raise ConfigError(f"DoReMi could not score the reference model ({type(exc).__name__}: "
+                                  f"{str(exc).splitlines()[0] if str(exc) else ''}): its forward must take the "
+                                  "tokens and return logits (or an output with .logits)") from exc
         if capture.tokens is None:
             raise ConfigError("DoReMi needs per-token losses: the reference's loss did not go through "
                               "grape_stream.models.per_sample_lm_loss_from_logits (pass a per_sample_loss that does)")
