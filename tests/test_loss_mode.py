@@ -173,6 +173,11 @@ def test_refusals_are_one_line(data, reference, tmp_path: Path) -> None:
             GrapeController(mixer, [], method="doremi", options={"reference": str(tmp_path / "nope.pt")})
         with pytest.raises(ConfigError, match="alignments: steps does not apply"):
             GrapeController(mixer, [], method="doremi", alignments="steps", options={"reference": reference})
+        from grape_stream.recipe import load_recipe
+
+        with pytest.raises(ConfigError, match="alignments: steps does not apply"):  # at recipe load already
+            load_recipe({"data": {"local": data, "domains": DOMAINS},
+                         "algorithm": {"method": "doremi", "alignments": "steps"}})
         ctl = GrapeController(mixer, [], method="doremi", options={"reference": reference})
         model = _model(0)
         with pytest.raises(ConfigError, match="'domain' column"):
