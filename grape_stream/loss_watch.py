@@ -5,7 +5,10 @@ backpropagates (a mean, Composer's micro-batch fraction, a gradient scaler's fac
 exactly the gradient the per-sample loss vector receives, so the per-sample losses grape_stream computes
 (``models.per_sample_lm_loss_from_logits``, used by ComposerGPT's training loss and the plain loop) pass
 through :func:`watch_losses`, which hands them to the watcher installed with :func:`watching_losses` (if
-any). Outside an observed step it returns the tensor untouched. Level 0: imports nothing from grape_stream.
+any). Outside an observed step it returns the tensor untouched. The loss-driven methods' training-loss mode
+(``grape/loss_mode.py``) watches the same vectors, and DoReMi's excess loss also needs the per-token losses
+behind them: a watcher with a ``watch_tokens(token_losses, mask)`` method receives those first. Level 0:
+imports nothing from grape_stream.
 """
 
 from __future__ import annotations
@@ -38,9 +41,15 @@ def watching_losses(watcher: LossWatcher) -> Iterator[None]:
         _WATCHER.reset(token)
 
 
-def watch_losses(losses: Tensor) -> Tensor:
-    """Show a per-sample loss vector to the installed watcher (if any); returns it unchanged."""
+def watch_losses(losses: Tensor, token_losses: Optional[Tensor] = None, token_mask: Optional[Tensor] = None) -> Tensor:
+    """Show a per-sample loss vector to the installed watcher (if any); returns it unchanged.
+
+    ``token_losses`` (B, T) / ``token_mask`` (B, T or None: every token counts) are the per-token losses the
+    vector averages; a watcher that has ``watch_tokens`` sees them before the vector."""
     watcher = _WATCHER.get()
     if watcher is not None:
+        watch_tokens = getattr(watcher, "watch_tokens", None)
+        if watch_tokens is not None and token_losses is not None:
+            watch_tokens(token_losses, token_mask)
         watcher.watch(losses)
     return losses

@@ -209,9 +209,9 @@ def per_sample_lm_loss_from_logits(
     inplace = owned and flat.is_contiguous() and _INPLACE_GRAD_OK.get()
     ce = _LeanCrossEntropy.apply(flat, targets.reshape(-1), inplace).view(targets.shape)
     if mask is None:
-        return watch_losses(ce.mean(dim=1))
+        return watch_losses(ce.mean(dim=1), ce)
     m = mask.to(ce.dtype)
-    return watch_losses((ce * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0))  # (in-step alignments read it)
+    return watch_losses((ce * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0), ce, m)  # (in-step alignments read it)
 
 
 def per_sample_lm_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:

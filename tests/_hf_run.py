@@ -8,7 +8,8 @@ the end of that optimizer step (after GRAPE's update): nothing is flushed or clo
 preempted node. ``--resume`` resumes from the newest ``checkpoint-N`` in OUT. Each rank writes its
 controller's (step, alpha) history to ``OUT/alphas-rank<r>.json`` at the end. Under ``torchrun
 --nproc_per_node 2`` it trains with DDP on CPU (gloo); rank r > 0 records its batches in
-``samples-rank<r>.jsonl``.
+``samples-rank<r>.jsonl``. ``--method`` other than grape: uniform or a loss-driven method updating every 4
+steps (``--reference``: DoReMi's reference weights); the update records go to ``OUT/history-rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--method", default="grape")
+    p.add_argument("--reference", default=None)
     a = p.parse_args(argv)
 
     import torch
@@ -72,13 +75,19 @@ def main(argv: list[str] | None = None) -> None:
     args = TrainingArguments(output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=8, learning_rate=3e-3,
                              gradient_accumulation_steps=a.accumulate, lr_scheduler_type="cosine", logging_steps=1,
                              save_steps=a.save_every, report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
-    grape = GrapeTrainerCallback(method="grape", tasks=tasks, alpha_every=4, z_every=4, probe_domain_batch=4,
-                                 probe_task_batch=4, mu_alpha=3e-3, mu_z=3e-4, plots=False)
+    if a.method != "grape":  # uniform or a loss-driven method (--reference: DoReMi's)
+        grape = GrapeTrainerCallback(method=a.method, alpha_every=4, plots=False,
+                                     options={"reference": a.reference} if a.reference else {})
+    else:
+        grape = GrapeTrainerCallback(method="grape", tasks=tasks, alpha_every=4, z_every=4, probe_domain_batch=4,
+                                     probe_task_batch=4, mu_alpha=3e-3, mu_z=3e-4, plots=False)
     trainer = GrapeTrainer(model=model, args=args, mixer=mixer, batch_transform=recording_inputs,
                            callbacks=[grape, KillAt()])
     trainer.train(resume_from_checkpoint=True if a.resume else None)
     with open(os.path.join(a.out, f"alphas-rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump([[r["step"], r["alpha"]] for r in grape.controller.history], f)
+    with open(os.path.join(a.out, f"history-rank{rank}.json"), "w", encoding="utf-8") as f:
+        json.dump(grape.controller.history, f)
     mixer.close()
 
 

@@ -1,13 +1,15 @@
 """Subprocess entry for tests/test_lightning.py: grape_stream's tiny GPT trained by a Lightning Trainer on the mixer.
 
     python tests/_lightning_run.py DATA OUT [--steps 24] [--save-every 6] [--accumulate 1] [--kill-at STEP]
-                                   [--resume] [--devices N]
+                                   [--resume] [--devices N] [--method M [--reference PATH]]
 
 Every batch trained on is appended to ``OUT/samples.jsonl`` (mixer batch index, sample ids, domains and the
 exact loss), flushed line by line so a SIGKILL keeps what was written. ``--kill-at`` SIGKILLs the process at
 the end of that optimizer step (after GRAPE's update). ``--resume`` resumes from the newest checkpoint in
 ``OUT/ckpt``. Checkpoints are ``OUT/ckpt/step=N.ckpt``; metrics go to ``OUT/csv/version_0/metrics.csv``; each
-rank writes its controller's (step, alpha) history to ``OUT/alphas-rank<r>.json`` at the end.
+rank writes its controller's (step, alpha) history to ``OUT/alphas-rank<r>.json`` and its update records to
+``OUT/history-rank<r>.json`` at the end. ``--method`` other than grape: a loss-driven method (``--reference``: the
+reference weights DoReMi reads), updating every 4 steps.
 ``--devices 2`` under ``torchrun --nproc_per_node 2``: DDP on CPU (gloo); rank r > 0 records its batches
 in ``samples-rank<r>.jsonl``.
 """
@@ -39,6 +41,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--alignments", default="probe",
                    help="steps: in-step alignments, 2 observed steps per update; rnb: method rnb on them")
+    p.add_argument("--method", default="grape")
+    p.add_argument("--reference", default=None)
     a = p.parse_args(argv)
 
     import lightning.pytorch as pl
@@ -88,10 +92,14 @@ def main(argv: list[str] | None = None) -> None:
     mixer = WeightedStreamingMixer([DomainStream(d, local=f"{a.data}/{d}", split="train") for d in DOMAINS],
                                    batch_size=8, seed=0)
     tasks = [TaskStream(t, local=f"{a.data}/tasks/{t}") for t in TASKS]
-    in_step = {"steps": {"alignments": "steps", "alignment_steps": 2}, "rnb": {"alignment_steps": 2}}
-    grape = GrapeLightningCallback(mixer, method="rnb" if a.alignments == "rnb" else "grape", tasks=tasks,
-                                   alpha_every=4, z_every=4, probe_domain_batch=4, probe_task_batch=4, mu_alpha=3e-3,
-                                   mu_z=3e-4, plots=False, **in_step.get(a.alignments, {}))
+    if a.method != "grape":
+        options = {"reference": a.reference} if a.reference else {}
+        grape = GrapeLightningCallback(mixer, method=a.method, alpha_every=4, options=options, plots=False)
+    else:
+        in_step = {"steps": {"alignments": "steps", "alignment_steps": 2}, "rnb": {"alignment_steps": 2}}
+        grape = GrapeLightningCallback(mixer, method="rnb" if a.alignments == "rnb" else "grape", tasks=tasks,
+                                       alpha_every=4, z_every=4, probe_domain_batch=4, probe_task_batch=4,
+                                       mu_alpha=3e-3, mu_z=3e-4, plots=False, **in_step.get(a.alignments, {}))
     ckpt_dir = os.path.join(a.out, "ckpt")
     checkpoints = ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=a.save_every, save_top_k=-1)
     torch.manual_seed(0)
@@ -108,6 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     trainer.fit(module, datamodule=MixerDataModule(mixer), ckpt_path=resume)
     with open(os.path.join(a.out, f"alphas-rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump([[r["step"], r["alpha"]] for r in grape.controller.history], f)
+    with open(os.path.join(a.out, f"history-rank{rank}.json"), "w", encoding="utf-8") as f:
+        json.dump(grape.controller.history, f)
     mixer.close()
 
 

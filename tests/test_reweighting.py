@@ -544,8 +544,9 @@ def test_exponent_overflow_is_skipped():
 # inputs and errors
 # ----------------------------------------------------------------------------------------------------
 def test_registry_and_names():
-    assert available_methods() == METHODS + ["rnb"] + LOSS_METHODS  # rnb: test_rnb.py
-    assert set(REWEIGHTERS) == set(METHODS + LOSS_METHODS) | {"rnb"}
+    assert available_methods() == METHODS + ["rnb", "doremi"] + LOSS_METHODS  # rnb, doremi: own test files
+    assert set(REWEIGHTERS) == set(METHODS + LOSS_METHODS) | {"rnb", "doremi"}
+    assert REWEIGHTERS["doremi"].needs_training_losses and REWEIGHTERS["doremi"].needs_reference
     assert all(REWEIGHTERS[m].needs_training_losses and not REWEIGHTERS[m].needs_probe for m in LOSS_METHODS)
     assert not any(REWEIGHTERS[m].needs_training_losses for m in METHODS)
     for name in METHODS + LOSS_METHODS:
@@ -553,8 +554,8 @@ def test_registry_and_names():
         assert isinstance(r, Reweighter) and r.method == name and REWEIGHTERS[name].description
     assert build_reweighter("GRAPE-gap", 2, 2).method == "grape_gap"
     assert "seed" in method_options("doge_pcgrad") and "seed" not in method_options("grape")
-    with pytest.raises(ValueError, match="unknown reweighting method 'doremi'.*grape_ema"):
-        build_reweighter("doremi", 2, 2)
+    with pytest.raises(ValueError, match="unknown reweighting method 'remido'.*grape_ema"):
+        build_reweighter("remido", 2, 2)
 
 
 @pytest.mark.parametrize(

@@ -59,9 +59,12 @@ _strided_indices = strided_indices  # the name it had when it lived here
 
 def demo_methods() -> list[str]:
     """The registry's methods that run from the recipe's options alone (``static`` needs ``weights=[...]``,
-    which the demo has no way to give): the demo's ``--methods`` choices."""
+    which the demo has no way to give; ``doremi`` needs a reference model's weights): the demo's ``--methods``
+    choices."""
     out = []
     for m in available_methods():
+        if REWEIGHTERS[m].needs_reference:
+            continue
         try:
             build_reweighter(m, num_domains=2, num_tasks=2)
         except (TypeError, ValueError):

@@ -26,7 +26,7 @@ from grape_stream.errors import ConfigError, UnknownOptionError, did_you_mean
 from grape_stream.grape.geometry import GEOMETRIES
 from grape_stream.grape.instep_mode import ALIGNMENTS
 from grape_stream.grape.replay import REPLAY_METHOD
-from grape_stream.grape.reweighting import all_options, available_methods, method_options
+from grape_stream.grape.reweighting import REWEIGHTERS, all_options, available_methods, method_options
 from grape_stream.grape.reweighting.registry import canonical_method, method_options_class
 
 __all__ = ["PROBE_MODES", "algorithm_config", "check_algorithm", "check_option_names", "check_reweighter_options",
@@ -136,6 +136,10 @@ def check_algorithm(config: AlgorithmConfig, *, prefix: str = "") -> None:
         raise ConfigError(f"{prefix}schedule_stretch must be > 0, got {config.schedule_stretch}")
     if config.method == REPLAY_METHOD and not config.schedule_path:
         raise ConfigError(f"{prefix}method=schedule needs {prefix}schedule_path (a trajectory JSONL)")
+    if config.method != REPLAY_METHOD and config.alignments == "steps" \
+            and REWEIGHTERS[canonical_method(config.method)].needs_training_losses:
+        raise ConfigError(f"{prefix}alignments: steps does not apply to method {config.method!r}: it reads the "
+                          "training losses, not alignments; leave alignments at 'probe'")
 
 
 def check_reweighter_options(config: AlgorithmConfig, num_domains: int, num_tasks: int) -> None:

@@ -45,6 +45,7 @@ from grape_stream.grape.checkpoint import STATE_FORMAT, check_state_format, from
 from grape_stream.grape.collectives import agree_with_rank_zero
 from grape_stream.grape.instep_gram import StepGramMode
 from grape_stream.grape.instep_mode import InstepMode
+from grape_stream.grape.loss_mode import LossMode
 from grape_stream.grape.metrics import update_metrics
 from grape_stream.grape.mixer_port import MixerPort, check_mixer, push_weights
 from grape_stream.grape.probe_stage import PerSampleLoss, ProbeStage
@@ -121,6 +122,9 @@ class GrapeController:
         self.instep: InstepMode | None = (
             InstepMode(self, self.config) if self.config.alignments == "steps" and self.needs_probe
             else StepGramMode(self, self.config) if getattr(self.reweighter, "needs_step_gram", False) else None)
+        #: loss-driven methods (DoReMi, ODM, ADO): per-domain training losses of every step (grape.loss_mode)
+        self.losses = (LossMode(self, self.config)
+                       if self.reweighter is not None and self.reweighter.needs_training_losses else None)
 
     def _build_reweighter(self) -> Reweighter:
         opts = dict(self.reweighter_options)
@@ -205,15 +209,24 @@ class GrapeController:
         """Whether :meth:`maybe_update` does anything after ``step`` (an update is due, a replay runs, or an
         observed step's in-step sums are to be folded in):
         a loop may skip the call (and what it costs to prepare) otherwise."""
-        return self.replay is not None or any(self.due(step)) or (self.instep is not None and self.instep.pending)
+        mode = self.step_mode
+        return self.replay is not None or any(self.due(step)) or (mode is not None and mode.pending)
+
+    @property
+    def step_mode(self) -> InstepMode | LossMode | None:
+        """What watches the training steps' forward + backward: ``alignments: steps`` (grape.instep_mode), a
+        loss-driven method's training losses (grape.loss_mode), or nothing (None)."""
+        return self.instep if self.instep is not None else self.losses
 
     def observe(self, model: nn.Module, step: int, batch: Any, domains: torch.Tensor | None = None, *,
                 optimizer: Any = None, autocast: Callable[[], ContextManager[Any]] | None = None) -> ContextManager:
-        """``alignments: steps``: wrap the forward + backward of each (micro-)batch of optimizer step ``step``
-        (1-based: the step being trained) in it (grape.instep_mode); a no-op otherwise and on other steps."""
-        if self.instep is None:
+        """``alignments: steps`` and the loss-driven methods: wrap the forward + backward of each (micro-)batch of
+        optimizer step ``step`` (1-based: the step being trained) in it (grape.instep_mode, grape.loss_mode); a
+        no-op otherwise and on steps not observed."""
+        mode = self.step_mode
+        if mode is None:
             return contextlib.nullcontext()
-        return self.instep.observe(model, step, batch, domains, optimizer=optimizer, autocast=autocast)
+        return mode.observe(model, step, batch, domains, optimizer=optimizer, autocast=autocast)
 
     # ------------------------------------------------------------------------------------------------
     def maybe_update(
@@ -237,8 +250,9 @@ class GrapeController:
         training optimizer, read (never changed) by ``geometry="adam"``.
         """
         self._consumed = consumed_batches
-        if self.instep is not None:
-            self.instep.after_step()
+        mode = self.step_mode
+        if mode is not None:
+            mode.after_step()
         if not self._started:
             self.start()
         if self.replay is not None:
@@ -253,6 +267,8 @@ class GrapeController:
         rec: dict[str, Any] = {"type": "update", "step": int(step), "lr": float(lr), "method": self.method}
         if self.instep is not None:
             self.instep.update(model, step, lr, optimizer, autocast, rec, seconds)
+        elif self.losses is not None:
+            self.losses.update(step, lr, rec, seconds)
         elif self.needs_probe:
             self._probe_and_reweight(model, step, lr, a_due, z_due, autocast, rank, world, rec, seconds, optimizer)
         alpha, z = self.alpha, self.z
@@ -344,6 +360,7 @@ class GrapeController:
             "history_dropped": dropped,
             **({} if self.probe.sizer is None else {"probe_size": self.probe.state_dict()}),
             **({} if self.instep is None else {"instep": self.instep.state_dict()}),
+            **({} if self.losses is None else {"training_losses": self.losses.state_dict()}),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -361,6 +378,8 @@ class GrapeController:
         self.probe.load_state_dict(state.get("probe_size"))
         if self.instep is not None and state.get("instep") is not None:
             self.instep.load_state_dict(state["instep"])
+        if self.losses is not None and state.get("training_losses") is not None:
+            self.losses.load_state_dict(state["training_losses"])
         self._resumed = True
 
     def write_trajectory(self, path: str | os.PathLike[str]) -> str:

@@ -25,6 +25,7 @@ def update_metrics(
         ("z", task_names, rec.get("z")),
         ("task_loss", task_names, rec.get("task_loss")),
         ("domain_loss", domain_names, rec.get("domain_loss")),
+        ("domain_excess", domain_names, rec.get("domain_excess")),
         ("domain_alignment", domain_names, rec.get("domain_alignment")),
         ("task_alignment", task_names, rec.get("task_alignment")),
     )

@@ -27,7 +27,9 @@ from torch import nn
 from grape_stream.config import AlgorithmConfig
 from grape_stream.errors import DataError
 from grape_stream.grape.algorithm_config import algorithm_config, reweighter_options
-from grape_stream.grape.controller import GrapeController
+from grape_stream.grape.controller import REPLAY_METHOD, GrapeController
+from grape_stream.grape.reweighting import REWEIGHTERS
+from grape_stream.grape.reweighting.registry import canonical_method
 from grape_stream.grape.trajectory import TRAJECTORY_FILE
 from grape_stream.integrations.common import as_task
 from grape_stream.integrations.progress import UpdateProgress
@@ -95,6 +97,13 @@ class GrapeLoop:
         """The options this config gives the method's reweighter (grape.algorithm_config's rule)."""
         return reweighter_options(self.config)
 
+    @property
+    def needs_training_losses(self) -> bool:
+        """Whether the method reads the training steps' per-domain losses (grape.loss_mode): the trainer must show
+        each (micro-)batch's per-sample loss and domains (known before the controller is built)."""
+        method = self.config.method
+        return method != REPLAY_METHOD and REWEIGHTERS[canonical_method(method)].needs_training_losses
+
     def default_trajectory(self, folder: str | os.PathLike[str]) -> None:
         """Write the trajectory into ``folder`` (``TRAJECTORY_FILE``) unless the config says otherwise."""
         if self.trajectory is None and self.write_trajectory:
@@ -132,17 +141,23 @@ class GrapeLoop:
 
     def begin_step(self, model: nn.Module, step: int, batch: Any, *, optimizer: Any = None,
                    autocast: Callable[[], ContextManager[Any]] | None = None) -> None:
-        """``alignments: steps``: before the forward of each (micro-)batch of optimizer step ``step`` (1-based:
-        the step being trained); :meth:`end_step` after its backward. A no-op otherwise and on unobserved steps."""
-        instep = self._ctl().instep
-        if instep is not None:
-            instep.begin(model, step, batch, optimizer=optimizer, autocast=autocast)
+        """``alignments: steps`` and the loss-driven methods: before the forward of each (micro-)batch of optimizer
+        step ``step`` (1-based: the step being trained); :meth:`end_step` after its backward. A no-op otherwise
+        and on unobserved steps."""
+        mode = self._ctl().step_mode
+        if mode is not None:
+            mode.begin(model, step, batch, optimizer=optimizer, autocast=autocast)
+
+    def observe(self, model: nn.Module, step: int, batch: Any, *, optimizer: Any = None,
+                autocast: Callable[[], ContextManager[Any]] | None = None) -> ContextManager[Any]:
+        """:meth:`begin_step` ... :meth:`end_step` as a context manager around one (micro-)batch."""
+        return self._ctl().observe(model, step, batch, optimizer=optimizer, autocast=autocast)
 
     def end_step(self) -> None:
         """After the backward of the (micro-)batch :meth:`begin_step` began."""
-        instep = self._ctl().instep
-        if instep is not None:
-            instep.end()
+        mode = self._ctl().step_mode
+        if mode is not None:
+            mode.end()
 
     def after_step(self, model: nn.Module, step: int, lr: float, *,
                    autocast: Callable[[], ContextManager[Any]] | None = None, optimizer: Any = None,

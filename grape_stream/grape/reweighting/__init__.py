@@ -73,6 +73,12 @@ from grape_stream.grape.reweighting.grape import (
     grape_step,
 )
 from grape_stream.grape.reweighting.rnb import RnbOptions, RnbReweighter, rnb_step
+from grape_stream.grape.reweighting.doremi import (
+    DoremiOptions,
+    DoremiReweighter,
+    average_alpha_from_trajectory,
+    doremi_step,
+)
 from grape_stream.grape.reweighting.odm import OdmOptions, OdmReweighter, odm_step
 from grape_stream.grape.reweighting.ado import AdoOptions, AdoReweighter, ado_step
 # isort: on
@@ -89,6 +95,8 @@ __all__ = [
     "DogePCGradOptions",
     "DogePCGradReweighter",
     "DogeReweighter",
+    "DoremiOptions",
+    "DoremiReweighter",
     "GrapeEmaOptions",
     "GrapeEmaReweighter",
     "GrapeGapReweighter",
@@ -109,9 +117,11 @@ __all__ = [
     "ado_step",
     "all_options",
     "available_methods",
+    "average_alpha_from_trajectory",
     "build_reweighter",
     "condition_gram",
     "doge_step",
+    "doremi_step",
     "grape_step",
     "method_description",
     "method_needs_probe",

@@ -67,6 +67,7 @@ class FromLosses:
     _log_z: np.ndarray
     _alpha: np.ndarray
     _z: np.ndarray
+    _history: Any
     #: whether updates read the training steps' per-domain losses (:meth:`update_from_losses`)
     needs_training_losses: ClassVar[bool] = False
     #: whether those losses need a reference model's loss on the same tokens (DoReMi's excess loss)
@@ -104,6 +105,9 @@ class FromLosses:
         log_alpha = log_normalize(np.asarray(log_alpha, dtype=np.float64))
         self._log_alpha, self._alpha = log_alpha, probs_from_log(log_alpha)
         self._record(index, step, lr_value, np.zeros(0), None, score, eta, 0.0, None)
+        extra = self._record_extra()
+        if extra and self._history:
+            self._history[-1].update(extra)
         self._num_updates += 1
         return self._alpha.copy(), self._z.copy()
 
@@ -112,6 +116,11 @@ class FromLosses:
                    index: int) -> tuple[np.ndarray, np.ndarray | None, float]:
         """(new log-alpha (normalised here), the per-domain score it used (recorded as ``b``), its step size)."""
         raise NotImplementedError
+
+    def _record_extra(self) -> dict[str, Any]:
+        """Entries a method adds to its update record (plain JSON types; DoReMi's ``average_alpha``); the
+        controller's training-loss mode copies them into its own record (the trajectory)."""
+        return {}
 
     def _method_state(self) -> Optional[dict[str, Any]]:
         """The method's own state beyond the weights (plain JSON types), or None."""

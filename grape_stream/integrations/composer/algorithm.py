@@ -93,8 +93,8 @@ class GrapeAlgorithm(Algorithm):
 
     # -- Composer hooks ------------------------------------------------------------------------------
     def match(self, event: Event, state: State) -> bool:
-        if event in _STEP_EVENTS:  # alignments: steps observes the training forward / backward itself
-            return self.controller is not None and self.controller.instep is not None
+        if event in _STEP_EVENTS:  # alignments: steps / a loss-driven method observes the training forward + backward
+            return self.controller is not None and self.controller.step_mode is not None
         return event in (Event.INIT, Event.FIT_START, Event.BATCH_END)
 
     def apply(self, event: Event, state: State, logger: Logger) -> Optional[int]:
@@ -123,14 +123,16 @@ class GrapeAlgorithm(Algorithm):
         return None
 
     def _observe(self, event: Event, state: State) -> None:
-        """alignments: steps. The batch of an observed step is put in domain order (its samples' order within
-        the batch: contiguous rows per domain make the per-domain gradients plain matmuls of views); each
-        micro-batch's forward + backward is observed (step = the optimizer step being trained, 1-based)."""
-        instep = self.controller.instep if self.controller is not None else None
-        assert instep is not None
+        """alignments: steps and the loss-driven methods (grape.loss_mode: every step). alignments: steps puts the
+        batch of an observed step in domain order (its samples' order within the batch: contiguous rows per domain
+        make the per-domain gradients plain matmuls of views); each micro-batch's forward + backward is observed
+        (step = the optimizer step being trained, 1-based)."""
+        assert self.controller is not None
+        instep = self.controller.instep
         step = int(state.timestamp.batch) + 1
         if event == Event.AFTER_DATALOADER:
-            if instep.observed(step) and isinstance(state.batch, Mapping) and "domain" in state.batch:
+            sortable = isinstance(state.batch, Mapping) and "domain" in state.batch
+            if instep is not None and instep.observed(step) and sortable:
                 state.batch = sort_by_domain(state.batch)
         elif event == Event.BEFORE_FORWARD:
             self.loop.begin_step(state.model, step, state.batch,

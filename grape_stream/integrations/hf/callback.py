@@ -84,6 +84,9 @@ class GrapeTrainerCallback(TrainerCallback):
                               "mean) and the batch reaches it without its 'domain' column, so no per-sample loss can "
                               "be watched; use alignments: probe with a probing method (docs/alignment.md, 'In-step "
                               "alignments')")
+        if self.loop.controller is not None and self.loop.controller.losses is not None and self._trainer is None:
+            raise ConfigError(f"method {self.loop.method!r} reads each sample's training loss: train with "
+                              "grape_stream.integrations.hf.GrapeTrainer, which shows it (docs/hf.md)")
         folder = self.resume_from
         if folder is None and state.global_step > 0:  # resumed by a Trainer that did not say from where
             folder = os.path.join(_output_dir(args), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")

@@ -10,13 +10,18 @@ these:
 * ``ignore_data_skip`` is forced on: on resume the Trainer would otherwise re-read (and throw away) every
   batch since the start through a new loader; the mixer restores its position itself.
 * ``train`` tells the GrapeTrainerCallback which checkpoint folder it resumes from.
+* ``compute_loss``, for a loss-driven method (DoReMi, ODM, ADO: grape/loss_mode.py) only: the model still
+  computes its own loss (the training objective is unchanged); the per-sample losses the method reads are
+  recomputed from the output's logits (detached, no gradient) with the mixer batch, which the loader
+  carries beside the model's inputs (``grape_batch``: the model never sees it).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Mapping
 
+import torch
 from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
@@ -24,11 +29,15 @@ from grape_stream.errors import ConfigError
 from grape_stream.integrations.common import BatchTransform, MixerTrainLoader, causal_lm_inputs
 from grape_stream.integrations.hf.callback import GrapeTrainerCallback
 from grape_stream.mixing.mixer import WeightedStreamingMixer
+from grape_stream.models import per_sample_lm_loss_from_logits
 
-__all__ = ["GrapeTrainer"]
+__all__ = ["GRAPE_BATCH", "GrapeTrainer"]
 
 log = logging.getLogger(__name__)
 
+
+#: the key under which a loss-driven method's loader carries the mixer batch (domains, tokens, loss_mask)
+GRAPE_BATCH = "grape_batch"
 
 #: TrainingArguments' default per_device_train_batch_size: left there, the mixer's batch_size is used instead
 _HF_DEFAULT_BATCH = 8
@@ -84,7 +93,39 @@ class GrapeTrainer(Trainer):
     def get_train_dataloader(self) -> MixerTrainLoader:  # type: ignore[override]
         loader = self.mixer.dataloader(num_workers=self.args.dataloader_num_workers,
                                        pin_memory=self.args.dataloader_pin_memory)
-        return MixerTrainLoader(loader, self.batch_transform)
+        transform = self.batch_transform
+        if transform is not None and self._loss_callbacks():
+            inner = transform
+
+            def transform(batch: Mapping[str, Any]) -> Mapping[str, Any]:
+                return {**inner(batch), GRAPE_BATCH: dict(batch)}
+        return MixerTrainLoader(loader, transform)
+
+    def _loss_callbacks(self) -> list[GrapeTrainerCallback]:
+        return [cb for cb in self.grape_callbacks() if cb.loop.needs_training_losses]
+
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        """The Trainer's loss; for a loss-driven method also each sample's loss, shown to it (grape.loss_mode)."""
+        batch = inputs.pop(GRAPE_BATCH, None) if isinstance(inputs, dict) else None
+        callbacks = self._loss_callbacks() if batch is not None else []
+        if not callbacks:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        loop = callbacks[0].loop
+        with loop.observe(model, self.state.global_step + 1, batch, autocast=self.autocast_smart_context_manager):
+            loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
+                                                 num_items_in_batch=num_items_in_batch)
+            logits = getattr(outputs, "logits", None)
+            if logits is None and isinstance(outputs, Mapping):
+                logits = outputs.get("logits")
+            if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+                raise ConfigError(f"method {loop.method!r} reads each sample's training loss, which GrapeTrainer "
+                                  "recomputes from the model output's .logits (B, T, V): this model returns none; "
+                                  "use a causal LM or pass per-sample losses in your own loop (docs/hf.md)")
+            with torch.no_grad():
+                per_sample_lm_loss_from_logits(logits[:, :-1].detach(), batch)
+        return (loss, outputs) if return_outputs else loss
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; a resume (a folder, or True: the newest ``checkpoint-N`` in ``output_dir``) also
