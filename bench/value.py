@@ -61,6 +61,23 @@ def _reference_dir(seed: int) -> Path:
     return Path(_RUN["out"]) / f"uniform_reference-seed{seed}" / "checkpoints"
 
 
+def _reference_checkpoint() -> Path:
+    """DoReMi's reference model: ``uniform_reference`` seed 0's last checkpoint (run it first)."""
+    path = _reference_dir(0) / f"ep0-ba{_RUN['steps']}-rank0.pt"
+    if not path.is_file():
+        raise SystemExit(f"doremi needs its reference model {path}: run --methods uniform_reference --seeds 0 first")
+    return path
+
+
+def _doremi_average(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], seed: int) -> list[float]:
+    """The average alpha of the DoReMi proxy run at ``seed`` (the paper's output for the final run)."""
+    from grape_stream.grape.reweighting import average_alpha_from_trajectory
+
+    if seed not in runs.get("doremi", {}):
+        raise SystemExit(f"doremi_final_static needs the doremi run of seed {seed} first")
+    return average_alpha_from_trajectory(Path(runs["doremi"][seed]["run_dir"]) / "grape_trajectory.jsonl")
+
+
 def _interval(steps: int) -> int:
     """Training steps between two alpha/z updates (and two test-curve points) at a budget of ``steps``."""
     return max(steps // 16, 1)
@@ -127,8 +144,18 @@ METHODS: dict[str, tuple[str, Callable[..., list[str]]]] = {
     "grape_gap": ("grape_gap", lambda lr, d, s, r: []),
     "doge": ("doge", lambda lr, d, s, r: []),
     "doge_paper": ("doge", lambda lr, d, s, r: _paper_step(lr)),
-    # reuse: a previous GRAPE run (the seed before, cyclically) replayed from step 0, or its final weights
+    # the other online methods (issue 24), each at its defaults except where a default is sized for 10^4+ steps
     "rnb": ("rnb", lambda lr, d, s, r: []),  # R&B's Balance, the library's defaults (4 observed steps a round)
+    "odm": ("odm", lambda lr, d, s, r: ["algorithm.alpha_every=1"]),  # the paper's bandit step: every step
+    # ADO's defaults are the authors' Pile run (warm-up and refit every 1,000 steps): scaled to a 400-step run
+    "ado": ("ado", lambda lr, d, s, r: ["algorithm.alpha_every=1", "algorithm.options.warmup_steps=60",
+                                        "algorithm.options.fit_every=10", "algorithm.options.ignore_steps=20"]),
+    # DoReMi: the proxy run against uniform_reference seed 0's final checkpoint (one reference, as in the paper),
+    # then the paper's final run: a static mixture at the proxy's average alpha (same seed)
+    "doremi": ("doremi", lambda lr, d, s, r: ["algorithm.alpha_every=1",
+                                              f"algorithm.options.reference={_reference_checkpoint()}"]),
+    "doremi_final_static": ("static", lambda lr, d, s, r: [f"algorithm.options.weights={_vec(_doremi_average(r, s))}"]),
+    # reuse: a previous GRAPE run (the seed before, cyclically) replayed from step 0, or its final weights
     "grape_replay": ("schedule", lambda lr, d, s, r: [f"algorithm.schedule_path={_prev(r, 'grape', s)['traj']}"]),
     "grape_final_static": ("static",
                            lambda lr, d, s, r: [f"algorithm.options.weights={_vec(_prev(r, 'grape', s)['alpha'])}"]),
@@ -486,9 +513,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: dict[str, dict[int, dict[str, Any]]] = {}
     if args.add:
         runs = kept_runs(Path(args.results), args.steps, exclude=methods)
-    if {"grape_replay", "grape_final_static"} & set(methods):  # reuse the GRAPE runs already on disk
-        for path in sorted(out.glob("grape-seed*/result.json")):
-            runs.setdefault("grape", {})[int(path.parent.name.rsplit("seed", 1)[1])] = json.loads(path.read_text())
+    for reuse, source in (({"grape_replay", "grape_final_static"}, "grape"), ({"doremi_final_static"}, "doremi")):
+        if reuse & set(methods) and source not in methods:  # reuse the source runs already on disk
+            for path in sorted(out.glob(f"{source}-seed*/result.json")):
+                runs.setdefault(source, {})[int(path.parent.name.rsplit("seed", 1)[1])] = json.loads(path.read_text())
     order = [(m, s) for m in methods for s in seeds]  # method-major: reuse methods need their source runs
     if args.collect:  # only the runs that finished with this invocation's settings
         order = [(m, s) for m, s in order if _finished_run(m, s, args.steps, mds, out, docs, runs, args.extra)]
