@@ -235,6 +235,7 @@ def _fractions(ids: np.ndarray, schedule: list[dict[str, Any]], every: int) -> d
     for e in sorted(schedule, key=lambda e: e["from_batch"]):
         alpha[e["from_batch"]:] = e["alpha"]
     counts = np.stack([(ids >> 32 == k).sum(axis=1) for k in range(K)], axis=1) / B
+    every = max(1, min(every, n))  # --change-every past --batches: the whole run is one segment
     segs = n // every
     real = counts[: segs * every].reshape(segs, every, K).mean(axis=1)
     want = alpha[: segs * every].reshape(segs, every, K).mean(axis=1)

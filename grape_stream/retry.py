@@ -257,13 +257,16 @@ def storage_call(
     refresh: Callable[[], None] | None = None,
     on_failure: Callable[[BaseException, int], None] | None = None,
     retryable: Callable[[BaseException], bool] | None = None,
+    throttled_as: str | None = None,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
 ) -> T:
     """One object-store operation under the retry policy, with the rules every storage call shares.
 
     Network errors and 5xx are retried with backoff until the deadline (`RetryError`, one line). Throttling
-    (503 SlowDown) is retried too, and said once per job and `url` (:func:`note_throttled`). Credentials
+    (503 SlowDown) is retried too, and said once per job and prefix (:func:`note_throttled`): the prefix is
+    `throttled_as` when given (a domain's remote, for a read of one object under it such as its index.json, so
+    that the index and the shards of one throttled domain are one line, not two), else `url`. Credentials
     are never retried as if the network blinked: a credential error calls `refresh` (build a new client,
     which reads the credentials again: they may have rotated) and tries once more; a second credential
     error in a row is final (`CredentialsError`, one line naming what to set). A missing object is raised
@@ -283,7 +286,7 @@ def storage_call(
             return True
         refreshed[0] = False
         if kind == "throttled":
-            note_throttled(url, exc)
+            note_throttled(throttled_as or url, exc)
         return kind in ("transient", "throttled") or (retryable is not None and retryable(exc))
 
     try:
@@ -324,6 +327,7 @@ def _first_in_job(key: str) -> bool:
 
 def note_throttled(url: str, exc: BaseException) -> None:
     """Say once per job and prefix that the store is throttling: the run goes on, slower, losing nothing."""
+    url = url.rstrip("/")  # "s3://b/d0/" and "s3://b/d0" are one prefix
     if _first_in_job(f"throttled {url}"):
         codes, _ = error_codes(exc)
         code = next(iter(sorted(codes & THROTTLE_CODES)), None) or "503 SlowDown"

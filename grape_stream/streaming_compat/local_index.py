@@ -87,12 +87,13 @@ def _remote_join(remote: str, *parts: str | None) -> str:
 
 
 def fetch_remote_file(url: str, dest: str, *, what: str, timeout: float = 60.0,
-                      retry_deadline: float | None = None) -> None:
+                      retry_deadline: float | None = None, throttled_as: str | None = None) -> None:
     """Download one object to ``dest`` with streaming's downloader, under the retry policy.
 
     Network and server errors are retried under the retry deadline (a job started during an outage
     waits it out; throttling is said once); refused credentials are read again once (rotated), then
     raise :class:`~grape_stream.retry.CredentialsError`; a missing object is raised as streaming raises it.
+    Throttling is said under `throttled_as` (the prefix the object lies under, e.g. its domain's remote) if given.
     """
     from streaming.base.storage.download import CloudDownloader
 
@@ -105,7 +106,7 @@ def fetch_remote_file(url: str, dest: str, *, what: str, timeout: float = 60.0,
 
     # the deadline bounds the attempts (streaming's download_retry is per shard download)
     storage_call(attempt, policy=default_policy().with_deadline(retry_deadline), what=f"{what}{endpoint_note(url)}",
-                 url=url, refresh=refresh_credentials)
+                 url=url, refresh=refresh_credentials, throttled_as=throttled_as)
 
 
 def _download_index(domain: str, remote: str, split: str | None, dest: str, timeout: float,
@@ -114,8 +115,9 @@ def _download_index(domain: str, remote: str, split: str | None, dest: str, time
     missing object told apart from refused credentials: streaming reports both as "not found")."""
     url = _remote_join(remote, split, "index.json")
     try:
+        # throttling said under the domain's remote, as its shard reads say it (one line per domain)
         fetch_remote_file(url, dest, what=f"domain {domain!r}: cannot read {url}", timeout=timeout,
-                          retry_deadline=retry_deadline)
+                          retry_deadline=retry_deadline, throttled_as=remote)
     except RetryError as exc:
         raise DomainUnavailableError(str(exc)) from exc
     except Exception as exc:
