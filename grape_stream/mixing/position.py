@@ -7,6 +7,12 @@ workers, or on 1 rank with micro-batches, at exactly the next global batch. It a
 of everything the stream assumes (seed, composition, shuffling, domains and their sizes, budgets); a
 checkpoint whose fingerprint differs would continue a different stream, so it is refused with one line.
 
+A checkpoint also stores an ``anchor``: every domain's position at the start of one of the last
+``TAIL_PIECES`` weight pieces before its batch (:meth:`StreamPosition.anchor`). A resume checks that the
+schedule leads from the anchor to the stored positions (a walk over those few pieces: the cost of a
+resume does not grow with the batch); a state without one (written before the anchor existed) is
+checked from its origin, over every piece.
+
 ``grape_stream.mixer/2`` (this format) adds to ``/1``: ``global_batch_size``, ``positions``, ``origin``
 (the batch, sample count and positions where the current global batch size took effect: 0 unless the
 global batch size was changed on a resume) and ``written_by`` (the topology that wrote it, information
@@ -26,13 +32,16 @@ from grape_stream.mixing.compose import BatchComposer
 from grape_stream.mixing.domains import DomainStream
 from grape_stream.mixing.epoch_order import DomainOrder
 from grape_stream.mixing.planner import QuotaPlanner
-from grape_stream.mixing.schedule import EffectiveSchedule, WeightSchedule
+from grape_stream.mixing.schedule import WeightSchedule, read_entries
 
-__all__ = ["STATE_FORMAT", "MixerStateError", "Origin", "SavedPosition", "StreamPosition", "check_state",
+__all__ = ["STATE_FORMAT", "TAIL_PIECES", "MixerStateError", "Origin", "SavedPosition", "StreamPosition", "check_state",
            "domain_stats", "make_state", "state_batch"]
 
 STATE_FORMAT = "grape_stream.mixer/2"
 _FORMAT_1 = "grape_stream.mixer/1"
+
+#: A checkpoint's anchor is at the start of the TAIL_PIECES-th last weight piece before its batch.
+TAIL_PIECES = 8
 
 
 class MixerStateError(DataError):
@@ -60,6 +69,7 @@ class SavedPosition:
     positions: np.ndarray
     origin: Origin
     schedule: list[dict[str, Any]]
+    anchor: tuple[int, np.ndarray] | None  # (global batch, positions) the check starts from; None: the origin
 
 
 def state_batch(num_samples: int | None, from_beginning: bool, *, global_batch_size: int, origin: Origin,
@@ -93,12 +103,35 @@ def state_batch(num_samples: int | None, from_beginning: bool, *, global_batch_s
 
 def make_state(batch: int, positions: np.ndarray, *, global_batch_size: int, origin: Origin,
                fingerprint: Mapping[str, Any], schedule: list[dict[str, Any]],
-               written_by: Mapping[str, int]) -> dict[str, Any]:
-    """The checkpoint dict (plain Python types): format, position, the fingerprint's keys, the weight schedule."""
+               written_by: Mapping[str, int], anchor: tuple[int, np.ndarray] | None = None) -> dict[str, Any]:
+    """The checkpoint dict (plain Python types): format, position, the fingerprint's keys, the weight schedule
+    and the anchor a resume checks the position from (none: from the origin)."""
     num_samples = origin.num_samples + (batch - origin.batch) * int(global_batch_size)
-    return {"format": STATE_FORMAT, "batch": int(batch), "num_samples": int(num_samples),
-            "global_batch_size": int(global_batch_size), "positions": [int(p) for p in positions],
-            "origin": origin.as_dict(), **fingerprint, "schedule": schedule, "written_by": dict(written_by)}
+    state = {"format": STATE_FORMAT, "batch": int(batch), "num_samples": int(num_samples),
+             "global_batch_size": int(global_batch_size), "positions": [int(p) for p in positions],
+             "origin": origin.as_dict(), **fingerprint, "schedule": schedule, "written_by": dict(written_by)}
+    if anchor is not None:
+        state["anchor"] = {"batch": int(anchor[0]), "positions": [int(p) for p in anchor[1]]}
+    return state
+
+
+def _read_anchor(state: Mapping[str, Any], batch: int, positions: np.ndarray,
+                 origin: Origin) -> tuple[int, np.ndarray] | None:
+    """A checkpoint's anchor, if it has one: between its origin and its batch, positions in between too."""
+    a = state.get("anchor")
+    if a is None:
+        return None
+    try:
+        at, pos = int(a["batch"]), np.asarray(a["positions"], dtype=np.int64)
+    except (KeyError, TypeError, ValueError):
+        raise MixerStateError("the checkpoint's anchor is not {batch, positions}") from None
+    if (pos.shape != positions.shape or not origin.batch <= at <= batch
+            or (pos < np.asarray(origin.positions)).any() or (pos > positions).any()):
+        raise MixerStateError(
+            f"the checkpoint's anchor (batch {at}) does not lie between its origin (batch {origin.batch}) and its "
+            f"position (batch {batch}): edited by hand, or written by another grape_stream release"
+        )
+    return at, pos
 
 
 def check_state(state: Mapping[str, Any], fingerprint: Mapping[str, Any]) -> SavedPosition:
@@ -125,7 +158,9 @@ def check_state(state: Mapping[str, Any], fingerprint: Mapping[str, Any]) -> Sav
     origin = Origin(int(o.get("batch", 0)), int(o.get("num_samples", 0)), tuple(int(x) for x in o.get("positions", ())))
     if positions.shape != (k,) or len(origin.positions) != k or (positions < 0).any():
         raise MixerStateError(f"the checkpoint's positions or origin do not hold {k} domain positions")
-    return SavedPosition(int(state["batch"]), int(state["global_batch_size"]), positions, origin, list(schedule))
+    batch = int(state["batch"])
+    return SavedPosition(batch, int(state["global_batch_size"]), positions, origin, list(schedule),
+                         _read_anchor(state, batch, positions, origin))
 
 
 def domain_stats(domains: Sequence[DomainStream], orders: Sequence[DomainOrder], counts: np.ndarray,
@@ -152,14 +187,26 @@ def domain_stats(domains: Sequence[DomainStream], orders: Sequence[DomainOrder],
 class StreamPosition:
     """The main process's side of the position: where the current global batch size took effect (the
     origin), where this run resumed, and a planner that finds every domain's position at any global batch
-    (closed form from the origin, or onward from the last batch asked for)."""
+    (closed form from the nearest position known before it: the origin, the resume point, or the loader's
+    cursor; or onward from the last batch asked for)."""
 
     def __init__(self, composer: BatchComposer, schedule: WeightSchedule, fingerprint: Mapping[str, Any]) -> None:
         self.composer, self.schedule, self.fingerprint = composer, schedule, dict(fingerprint)
         self.topology = composer.topology
         self.origin = Origin(0, 0, (0,) * len(composer.orders))
         self.resume_batch = 0
+        self._resume_counts = np.zeros(len(composer.orders), np.int64)
         self._planner: QuotaPlanner | None = None
+
+    def _known_before(self, batch: int) -> tuple[int, np.ndarray]:
+        """The latest (global batch <= ``batch``, positions) known without a walk: the origin, the resume
+        point, or the cursor (where the next iteration starts: the main process moves it batch by batch)."""
+        best = (self.origin.batch, np.asarray(self.origin.positions, np.int64))
+        cursor, counts, _ = self.schedule.table.read_anchor()
+        for b, c in ((self.resume_batch, self._resume_counts), (self.topology.global_batch(cursor), counts)):
+            if best[0] < b <= batch:
+                best = (b, c)
+        return best
 
     def planner_at(self, batch: int) -> QuotaPlanner:
         """A planner standing at global batch ``batch`` (or where the stream ended before it)."""
@@ -167,46 +214,90 @@ class StreamPosition:
             raise ValueError(f"batch {batch} is before batch {self.origin.batch}, where the global batch size "
                              f"became {self.topology.global_batch_size}")
         p = self._planner
-        if p is None or p.batch > batch:
-            p = self._planner = self.composer.planner(self.origin.batch, self.origin.positions)
+        if p is None or p.batch > batch or p.exhausted_at is None:
+            start, counts = self._known_before(batch)
+            if p is None or p.batch > batch or start > p.batch:
+                p = self._planner = self.composer.planner(start, counts)
         p.advance_to(batch, self.schedule.effective.segments)
         return p
 
     def counts_at(self, batch: int) -> np.ndarray:
         return self.planner_at(batch).counts.copy()
 
+    def anchor(self, batch: int, counts: np.ndarray) -> tuple[int, np.ndarray]:
+        """Where a resume checks the position ``counts`` at ``batch`` from: every domain's position at the
+        start of the ``TAIL_PIECES``-th last weight piece before ``batch`` (not before the origin), found
+        backwards from ``counts`` over those pieces (closed form; a pure function of the position and the
+        schedule, so every topology writes the same). Where a budget ran out inside them, the start of
+        the last piece, else ``batch`` itself."""
+        c = self.composer
+        budgets = np.array([np.iinfo(np.int64).max if b is None else b for b in c.budgets], np.int64)
+        avail = counts < budgets
+        tried: set[int] = set()
+        for pieces in (TAIL_PIECES, 1):
+            start = self.schedule.effective.tail_start(self.origin.batch, batch, pieces)
+            if start >= batch or start in tried or not avail.any():
+                break
+            tried.add(start)
+            back = self._back(start, batch, counts, avail)
+            if back is not None:
+                return start, back
+        return batch, counts
+
+    def _back(self, start: int, batch: int, counts: np.ndarray, avail: np.ndarray) -> np.ndarray | None:
+        """The positions at ``start`` that lead to ``counts`` at ``batch`` with the domains ``avail`` (the
+        only ones with data left at ``batch``) available all the way; None if no such positions exist."""
+        c, segments = self.composer, self.schedule.effective.segments
+        walk = QuotaPlanner(seed=c.seed, batch_size=self.topology.global_batch_size, composition=c.composition,
+                            budgets=[None if a else 0 for a in avail.tolist()], start_batch=start)
+        walk.advance_to(batch, segments)  # the spent domains stay spent, the others never run out
+        back = counts - walk.counts
+        if walk.exhausted_at is not None or (back < np.asarray(self.origin.positions)).any():
+            return None
+        if avail.all():  # no budget ran out before batch: the walk from back is this closed form
+            return back
+        check = c.planner(start, back)
+        check.advance_to(batch, segments)
+        return back if check.exhausted_at is None and np.array_equal(check.counts, counts) else None
+
     def state(self, num_samples: int | None, from_beginning: bool) -> dict[str, Any]:
         t, s = self.topology, self.schedule
         batch = state_batch(num_samples, from_beginning, global_batch_size=t.global_batch_size, origin=self.origin,
                             consumed=s.consumed, micro=t.micro, consumed_known=s.consumed_known(),
                             resume_batch=self.resume_batch)
-        return make_state(batch, self.counts_at(batch), global_batch_size=t.global_batch_size, origin=self.origin,
-                          fingerprint=self.fingerprint, schedule=s.entries(), written_by=t.describe())
+        p = self.planner_at(batch)
+        counts = p.counts.copy()
+        anchor = None
+        if self.composer.composition == "systematic":
+            anchor = (batch, counts) if p.exhausted_at is not None else self.anchor(batch, counts)
+        return make_state(batch, counts, global_batch_size=t.global_batch_size, origin=self.origin,
+                          fingerprint=self.fingerprint, schedule=s.entries(), written_by=t.describe(), anchor=anchor)
 
     def load(self, state: Mapping[str, Any]) -> int:
-        """Check and adopt a checkpoint's position; return its global batch (the schedule is restored too)."""
+        """Check and adopt a checkpoint's position; return its global batch (the schedule is restored too).
+
+        Systematic composition: the stored positions must be where the schedule leads from the anchor
+        (a walk over the last few weight pieces), or from the origin in a state without an anchor."""
         saved = check_state(state, self.fingerprint)
-        g = self.topology.global_batch_size
+        schedule = read_entries(saved.schedule, len(self.composer.orders))
         if self.composer.composition == "systematic":  # closed form: cheap to check the stored positions
+            start, counts = saved.anchor or (saved.origin.batch, saved.origin.positions)
             check = QuotaPlanner(seed=self.composer.seed, batch_size=saved.global_batch_size,
                                  composition="systematic", budgets=self.composer.budgets,
-                                 start_batch=saved.origin.batch, start_counts=saved.origin.positions)
-            effective = EffectiveSchedule()
-            for e in saved.schedule:
-                effective.add(int(e["version"]), int(e["from_batch"]), np.asarray(e["alpha"], np.float64))
-            check.advance_to(saved.batch, effective.segments)
+                                 start_batch=start, start_counts=counts)
+            check.advance_to(saved.batch, schedule.effective.segments)
             if not np.array_equal(check.counts, saved.positions):
                 raise MixerStateError(
                     f"the checkpoint's domain positions at batch {saved.batch} ({saved.positions.tolist()}) are not "
-                    f"where its weight schedule leads ({check.counts.tolist()}): edited by hand, or written by "
-                    "another grape_stream release"
+                    f"where its weight schedule leads from batch {start} ({check.counts.tolist()}): edited by hand, "
+                    "or written by another grape_stream release"
                 )
-        self.schedule.restore(saved.schedule, saved.batch)
-        if saved.global_batch_size == g:
+        self.schedule.restore(schedule, saved.batch)
+        if saved.global_batch_size == self.topology.global_batch_size:
             self.origin = saved.origin
         else:  # a new global batch size: every domain continues where it stopped, batches of g from here on
             num_samples = saved.origin.num_samples + (saved.batch - saved.origin.batch) * saved.global_batch_size
             self.origin = Origin(saved.batch, num_samples, tuple(int(p) for p in saved.positions))
         self._planner = self.composer.planner(saved.batch, saved.positions)
-        self.resume_batch = saved.batch
+        self.resume_batch, self._resume_counts = saved.batch, saved.positions.copy()
         return saved.batch
