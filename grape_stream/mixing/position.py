@@ -187,23 +187,50 @@ def domain_stats(domains: Sequence[DomainStream], orders: Sequence[DomainOrder],
 class StreamPosition:
     """The main process's side of the position: where the current global batch size took effect (the
     origin), where this run resumed, and a planner that finds every domain's position at any global batch
-    (closed form from the nearest position known before it: the origin, the resume point, or the loader's
-    cursor; or onward from the last batch asked for)."""
+    (closed form from the nearest position known before it, or onward from the last batch asked for).
+
+    Known positions: the origin, the resume point and its anchor, the last ``_KEEP`` piece starts the
+    planner passed (the anchors of later states) and, without budgets, the cursor (where the next
+    iteration starts: the main process moves it batch by batch; with budgets the planner walks instead,
+    so that it passes the piece starts). A ``set_weights`` entry only changes batches from its
+    ``from_batch`` on, so the positions known after it are forgotten (and a planner past it restarts)."""
+
+    _KEEP = 64
 
     def __init__(self, composer: BatchComposer, schedule: WeightSchedule, fingerprint: Mapping[str, Any]) -> None:
         self.composer, self.schedule, self.fingerprint = composer, schedule, dict(fingerprint)
         self.topology = composer.topology
         self.origin = Origin(0, 0, (0,) * len(composer.orders))
         self.resume_batch = 0
-        self._resume_counts = np.zeros(len(composer.orders), np.int64)
         self._planner: QuotaPlanner | None = None
+        self._known: dict[int, np.ndarray] = {}
+        self._entries_seen = len(schedule.history)
+
+    def _note(self, batch: int, counts: np.ndarray) -> None:
+        self._known.pop(batch, None)
+        self._known[batch] = counts.copy()
+        if len(self._known) > self._KEEP:
+            self._known.pop(next(iter(self._known)))
+
+    def _forget_changed(self) -> None:
+        """Drop what new schedule entries changed: positions known after their first batch."""
+        history = self.schedule.history
+        if len(history) == self._entries_seen:
+            return
+        first = min(f for _, f, _ in history[self._entries_seen:])
+        self._entries_seen = len(history)
+        self._known = {b: c for b, c in self._known.items() if b <= first}
+        if self._planner is not None and self._planner.batch > first:
+            self._planner = None
 
     def _known_before(self, batch: int) -> tuple[int, np.ndarray]:
-        """The latest (global batch <= ``batch``, positions) known without a walk: the origin, the resume
-        point, or the cursor (where the next iteration starts: the main process moves it batch by batch)."""
+        """The latest (global batch <= ``batch``, positions) known without a walk (origin at least)."""
         best = (self.origin.batch, np.asarray(self.origin.positions, np.int64))
-        cursor, counts, _ = self.schedule.table.read_anchor()
-        for b, c in ((self.resume_batch, self._resume_counts), (self.topology.global_batch(cursor), counts)):
+        points = list(self._known.items())
+        if all(b is None for b in self.composer.budgets):
+            cursor, counts, _ = self.schedule.table.read_anchor()
+            points.append((self.topology.global_batch(cursor), counts))
+        for b, c in points:
             if best[0] < b <= batch:
                 best = (b, c)
         return best
@@ -213,12 +240,19 @@ class StreamPosition:
         if batch < self.origin.batch:
             raise ValueError(f"batch {batch} is before batch {self.origin.batch}, where the global batch size "
                              f"became {self.topology.global_batch_size}")
+        self._forget_changed()
         p = self._planner
         if p is None or p.batch > batch or p.exhausted_at is None:
             start, counts = self._known_before(batch)
             if p is None or p.batch > batch or start > p.batch:
                 p = self._planner = self.composer.planner(start, counts)
-        p.advance_to(batch, self.schedule.effective.segments)
+        segments = self.schedule.effective.segments
+        for seg in segments(p.batch, batch) if p.exhausted_at is None else ():
+            if p.batch == seg.origin:  # a piece starts: the anchor of a later state, perhaps
+                self._note(p.batch, p.counts)
+            p.advance_to(seg.end, segments)
+            if p.exhausted_at is not None:
+                break
         return p
 
     def counts_at(self, batch: int) -> np.ndarray:
@@ -226,39 +260,29 @@ class StreamPosition:
 
     def anchor(self, batch: int, counts: np.ndarray) -> tuple[int, np.ndarray]:
         """Where a resume checks the position ``counts`` at ``batch`` from: every domain's position at the
-        start of the ``TAIL_PIECES``-th last weight piece before ``batch`` (not before the origin), found
-        backwards from ``counts`` over those pieces (closed form; a pure function of the position and the
-        schedule, so every topology writes the same). Where a budget ran out inside them, the start of
-        the last piece, else ``batch`` itself."""
-        c = self.composer
-        budgets = np.array([np.iinfo(np.int64).max if b is None else b for b in c.budgets], np.int64)
-        avail = counts < budgets
-        tried: set[int] = set()
-        for pieces in (TAIL_PIECES, 1):
-            start = self.schedule.effective.tail_start(self.origin.batch, batch, pieces)
-            if start >= batch or start in tried or not avail.any():
-                break
-            tried.add(start)
-            back = self._back(start, batch, counts, avail)
-            if back is not None:
-                return start, back
-        return batch, counts
+        start ``a`` of the ``TAIL_PIECES``-th last weight piece before ``batch`` (not before the origin).
 
-    def _back(self, start: int, batch: int, counts: np.ndarray, avail: np.ndarray) -> np.ndarray | None:
-        """The positions at ``start`` that lead to ``counts`` at ``batch`` with the domains ``avail`` (the
-        only ones with data left at ``batch``) available all the way; None if no such positions exist."""
-        c, segments = self.composer, self.schedule.effective.segments
-        walk = QuotaPlanner(seed=c.seed, batch_size=self.topology.global_batch_size, composition=c.composition,
-                            budgets=[None if a else 0 for a in avail.tolist()], start_batch=start)
-        walk.advance_to(batch, segments)  # the spent domains stay spent, the others never run out
-        back = counts - walk.counts
-        if walk.exhausted_at is not None or (back < np.asarray(self.origin.positions)).any():
-            return None
-        if avail.all():  # no budget ran out before batch: the walk from back is this closed form
-            return back
-        check = c.planner(start, back)
-        check.advance_to(batch, segments)
-        return back if check.exhausted_at is None and np.array_equal(check.counts, counts) else None
+        While no budget has run out at ``batch``, they are found backwards from ``counts`` over those
+        pieces (closed form: a pure function of the position and the schedule, the same on every
+        topology). Else (the domains available changed somewhere), forwards from a known position at
+        most ``4 * TAIL_PIECES`` pieces before ``a``, or the earliest known position after ``a``."""
+        c, eff = self.composer, self.schedule.effective
+        start = eff.tail_start(self.origin.batch, batch, TAIL_PIECES)
+        if start >= batch:
+            return batch, counts
+        budgets = np.array([np.iinfo(np.int64).max if b is None else b for b in c.budgets], np.int64)
+        if (counts < budgets).all():
+            walk = c.planner(start, np.zeros_like(counts))  # no budget is reached on the way: counts only grow
+            walk.advance_to(batch, eff.segments)
+            return start, counts - walk.counts
+        lo, lo_counts = self._known_before(start)
+        if lo >= eff.tail_start(self.origin.batch, start, 4 * TAIL_PIECES):
+            walk = c.planner(lo, lo_counts)
+            walk.advance_to(start, eff.segments)
+            if walk.exhausted_at is None:
+                return start, walk.counts.copy()
+        later = sorted(b for b in self._known if start < b < batch)
+        return (later[0], self._known[later[0]].copy()) if later else (batch, counts)
 
     def state(self, num_samples: int | None, from_beginning: bool) -> dict[str, Any]:
         t, s = self.topology, self.schedule
@@ -299,5 +323,9 @@ class StreamPosition:
             num_samples = saved.origin.num_samples + (saved.batch - saved.origin.batch) * saved.global_batch_size
             self.origin = Origin(saved.batch, num_samples, tuple(int(p) for p in saved.positions))
         self._planner = self.composer.planner(saved.batch, saved.positions)
-        self.resume_batch, self._resume_counts = saved.batch, saved.positions.copy()
+        self.resume_batch = saved.batch
+        self._known, self._entries_seen = {}, len(self.schedule.history)
+        if saved.anchor is not None and saved.anchor[0] >= self.origin.batch:
+            self._note(*saved.anchor)
+        self._note(saved.batch, saved.positions)
         return saved.batch
