@@ -25,7 +25,8 @@ batches (each with its 8 workers, messages and batch split exactly as ``MixerDat
 node 0's ranks (8, or all of a smaller world) over a window of ``--node-window`` batches from the middle
 of the run (the planner jumps there in closed form), and every rank's slice on the checked batches. Then
 one row times a resume at batch 10^6 of a K=20 run with weights changing every 100 batches (10^4 schedule
-entries), real mixer, real shards: ``load_state_dict`` and the first batch, with 0 and 2 workers.
+entries), real mixer, real shards: ``load_state_dict``, the first batch and the next ``state_dict``, with 0
+and 2 workers (none of them grows with the step), and the saving side's ``state_dict`` and a cold ``seek``.
 
     .venv/bin/python bench/scale.py [--batches 100000] [--quick] [--out bench/results/scale.json]
 """
@@ -256,7 +257,9 @@ def simulate_rank_one_worker(stream: Stream, topo: Topology, first: int, last: i
 
 def resume_row(at: int, every: int) -> dict[str, Any]:
     """A real mixer (K=20 small local domains) resumed at global batch ``at`` with a weight change every
-    ``every`` batches before it: load_state_dict, then the first batch, without and with workers."""
+    ``every`` batches before it: load_state_dict, the first batch and the next state_dict, without and with
+    workers. Also the writing side: a cold ``seek(at)`` (a mixer that never walked the stream: O(weight
+    pieces), the one cost that grows with the step) and ``state_dict`` where the mixer stands."""
     rng = np.random.default_rng(1)
     with tempfile.TemporaryDirectory() as tmp:
         dirs = write_domains(tmp, [500 + 37 * k for k in range(K)], samples_per_shard=64)
@@ -267,9 +270,12 @@ def resume_row(at: int, every: int) -> dict[str, Any]:
                 m.set_weights(rng.dirichlet(np.ones(K)), at_batch=f)
             t0 = time.perf_counter()
             m.seek(at)
+            t1 = time.perf_counter()
             state = m.state_dict()
-            position_s = time.perf_counter() - t0
-        out: dict[str, Any] = {"at_batch": at, "schedule_entries": len(state["schedule"]), "position_s": position_s}
+            t2 = time.perf_counter()
+        out: dict[str, Any] = {"at_batch": at, "schedule_entries": len(state["schedule"]),
+                               "anchor_batch": state["anchor"]["batch"], "cold_seek_s": t1 - t0,
+                               "state_dict_s": t2 - t1}
         for workers in (0, 2):
             with WeightedStreamingMixer(doms, batch_size=G, seed=3, schedule_capacity=cap) as m:
                 t0 = time.perf_counter()
@@ -278,7 +284,11 @@ def resume_row(at: int, every: int) -> dict[str, Any]:
                 batch = next(iter(m.dataloader(num_workers=workers)))
                 t2 = time.perf_counter()
                 assert int(batch["batch_index"][0]) == at
-            out[f"workers{workers}"] = {"load_state_dict_s": t1 - t0, "first_batch_s": t2 - t1, "total_s": t2 - t0}
+                later = m.state_dict()
+                t3 = time.perf_counter()
+                assert later["batch"] == at + 1
+            out[f"workers{workers}"] = {"load_state_dict_s": t1 - t0, "first_batch_s": t2 - t1, "total_s": t2 - t0,
+                                        "next_state_dict_s": t3 - t2}
     return out
 
 
@@ -337,9 +347,10 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append(f"global walk: {w['bad_batches']} bad batches, {w['walk_us_per_batch']:.0f} us/batch; closed form to "
                  f"batch {c['batches']}: {w['closed_form_s'] * 1e3:.1f} ms; epochs per domain "
                  f"{w['epochs_per_domain_min_max']}")
-    lines.append(f"resume at batch {res['at_batch']} ({res['schedule_entries']} schedule entries): position "
-                 f"{res['position_s']:.2f} s; load_state_dict + first batch: "
-                 f"{res['workers0']['total_s']:.2f} s (0 workers), {res['workers2']['total_s']:.2f} s (2 workers)")
+    lines.append(f"resume at batch {res['at_batch']} ({res['schedule_entries']} schedule entries): load_state_dict "
+                 f"+ first batch {res['workers0']['total_s']:.2f} s (0 workers), {res['workers2']['total_s']:.2f} s "
+                 f"(2 workers); state_dict {res['state_dict_s']:.3f} s; a cold seek (a mixer that never walked "
+                 f"the stream) {res['cold_seek_s']:.2f} s")
     return "\n".join(lines)
 
 

@@ -149,7 +149,7 @@ class BatchComposer:
                 stacklevel=1,  # this generator runs inside a DataLoader worker: no useful caller to point at
             )
         sched = EffectiveSchedule()
-        next_seq = table.read_into(sched, max(0, table.published - table.C + table.C // 4))
+        next_seq = table.read_into(sched, max(table.base, table.published - table.C + table.C // 4))
         try:
             sched.at(start)
         except KeyError:

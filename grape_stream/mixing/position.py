@@ -7,6 +7,12 @@ workers, or on 1 rank with micro-batches, at exactly the next global batch. It a
 of everything the stream assumes (seed, composition, shuffling, domains and their sizes, budgets); a
 checkpoint whose fingerprint differs would continue a different stream, so it is refused with one line.
 
+A checkpoint also stores an ``anchor``: every domain's position at the start of one of the last
+``TAIL_PIECES`` weight pieces before its batch (:meth:`StreamPosition.anchor`). A resume checks that the
+schedule leads from the anchor to the stored positions (a walk over those few pieces: the cost of a
+resume does not grow with the batch); a state without one (written before the anchor existed) is
+checked from its origin, over every piece.
+
 ``grape_stream.mixer/2`` (this format) adds to ``/1``: ``global_batch_size``, ``positions``, ``origin``
 (the batch, sample count and positions where the current global batch size took effect: 0 unless the
 global batch size was changed on a resume) and ``written_by`` (the topology that wrote it, information
@@ -26,13 +32,16 @@ from grape_stream.mixing.compose import BatchComposer
 from grape_stream.mixing.domains import DomainStream
 from grape_stream.mixing.epoch_order import DomainOrder
 from grape_stream.mixing.planner import QuotaPlanner
-from grape_stream.mixing.schedule import EffectiveSchedule, WeightSchedule
+from grape_stream.mixing.schedule import WeightSchedule, read_entries
 
-__all__ = ["STATE_FORMAT", "MixerStateError", "Origin", "SavedPosition", "StreamPosition", "check_state",
+__all__ = ["STATE_FORMAT", "TAIL_PIECES", "MixerStateError", "Origin", "SavedPosition", "StreamPosition", "check_state",
            "domain_stats", "make_state", "state_batch"]
 
 STATE_FORMAT = "grape_stream.mixer/2"
 _FORMAT_1 = "grape_stream.mixer/1"
+
+#: A checkpoint's anchor is at the start of the TAIL_PIECES-th last weight piece before its batch.
+TAIL_PIECES = 8
 
 
 class MixerStateError(DataError):
@@ -60,6 +69,7 @@ class SavedPosition:
     positions: np.ndarray
     origin: Origin
     schedule: list[dict[str, Any]]
+    anchor: tuple[int, np.ndarray] | None  # (global batch, positions) the check starts from; None: the origin
 
 
 def state_batch(num_samples: int | None, from_beginning: bool, *, global_batch_size: int, origin: Origin,
@@ -93,12 +103,35 @@ def state_batch(num_samples: int | None, from_beginning: bool, *, global_batch_s
 
 def make_state(batch: int, positions: np.ndarray, *, global_batch_size: int, origin: Origin,
                fingerprint: Mapping[str, Any], schedule: list[dict[str, Any]],
-               written_by: Mapping[str, int]) -> dict[str, Any]:
-    """The checkpoint dict (plain Python types): format, position, the fingerprint's keys, the weight schedule."""
+               written_by: Mapping[str, int], anchor: tuple[int, np.ndarray] | None = None) -> dict[str, Any]:
+    """The checkpoint dict (plain Python types): format, position, the fingerprint's keys, the weight schedule
+    and the anchor a resume checks the position from (none: from the origin)."""
     num_samples = origin.num_samples + (batch - origin.batch) * int(global_batch_size)
-    return {"format": STATE_FORMAT, "batch": int(batch), "num_samples": int(num_samples),
-            "global_batch_size": int(global_batch_size), "positions": [int(p) for p in positions],
-            "origin": origin.as_dict(), **fingerprint, "schedule": schedule, "written_by": dict(written_by)}
+    state = {"format": STATE_FORMAT, "batch": int(batch), "num_samples": int(num_samples),
+             "global_batch_size": int(global_batch_size), "positions": [int(p) for p in positions],
+             "origin": origin.as_dict(), **fingerprint, "schedule": schedule, "written_by": dict(written_by)}
+    if anchor is not None:
+        state["anchor"] = {"batch": int(anchor[0]), "positions": [int(p) for p in anchor[1]]}
+    return state
+
+
+def _read_anchor(state: Mapping[str, Any], batch: int, positions: np.ndarray,
+                 origin: Origin) -> tuple[int, np.ndarray] | None:
+    """A checkpoint's anchor, if it has one: between its origin and its batch, positions in between too."""
+    a = state.get("anchor")
+    if a is None:
+        return None
+    try:
+        at, pos = int(a["batch"]), np.asarray(a["positions"], dtype=np.int64)
+    except (KeyError, TypeError, ValueError):
+        raise MixerStateError("the checkpoint's anchor is not {batch, positions}") from None
+    if (pos.shape != positions.shape or not origin.batch <= at <= batch
+            or (pos < np.asarray(origin.positions)).any() or (pos > positions).any()):
+        raise MixerStateError(
+            f"the checkpoint's anchor (batch {at}) does not lie between its origin (batch {origin.batch}) and its "
+            f"position (batch {batch}): edited by hand, or written by another grape_stream release"
+        )
+    return at, pos
 
 
 def check_state(state: Mapping[str, Any], fingerprint: Mapping[str, Any]) -> SavedPosition:
@@ -125,7 +158,9 @@ def check_state(state: Mapping[str, Any], fingerprint: Mapping[str, Any]) -> Sav
     origin = Origin(int(o.get("batch", 0)), int(o.get("num_samples", 0)), tuple(int(x) for x in o.get("positions", ())))
     if positions.shape != (k,) or len(origin.positions) != k or (positions < 0).any():
         raise MixerStateError(f"the checkpoint's positions or origin do not hold {k} domain positions")
-    return SavedPosition(int(state["batch"]), int(state["global_batch_size"]), positions, origin, list(schedule))
+    batch = int(state["batch"])
+    return SavedPosition(batch, int(state["global_batch_size"]), positions, origin, list(schedule),
+                         _read_anchor(state, batch, positions, origin))
 
 
 def domain_stats(domains: Sequence[DomainStream], orders: Sequence[DomainOrder], counts: np.ndarray,
@@ -152,7 +187,15 @@ def domain_stats(domains: Sequence[DomainStream], orders: Sequence[DomainOrder],
 class StreamPosition:
     """The main process's side of the position: where the current global batch size took effect (the
     origin), where this run resumed, and a planner that finds every domain's position at any global batch
-    (closed form from the origin, or onward from the last batch asked for)."""
+    (closed form from the nearest position known before it, or onward from the last batch asked for).
+
+    Known positions: the origin, the resume point and its anchor, the last ``_KEEP`` piece starts the
+    planner passed (the anchors of later states) and, without budgets, the cursor (where the next
+    iteration starts: the main process moves it batch by batch; with budgets the planner walks instead,
+    so that it passes the piece starts). A ``set_weights`` entry only changes batches from its
+    ``from_batch`` on, so the positions known after it are forgotten (and a planner past it restarts)."""
+
+    _KEEP = 64
 
     def __init__(self, composer: BatchComposer, schedule: WeightSchedule, fingerprint: Mapping[str, Any]) -> None:
         self.composer, self.schedule, self.fingerprint = composer, schedule, dict(fingerprint)
@@ -160,53 +203,129 @@ class StreamPosition:
         self.origin = Origin(0, 0, (0,) * len(composer.orders))
         self.resume_batch = 0
         self._planner: QuotaPlanner | None = None
+        self._known: dict[int, np.ndarray] = {}
+        self._entries_seen = len(schedule.history)
+
+    def _note(self, batch: int, counts: np.ndarray) -> None:
+        self._known.pop(batch, None)
+        self._known[batch] = counts.copy()
+        if len(self._known) > self._KEEP:
+            self._known.pop(next(iter(self._known)))
+
+    def _forget_changed(self) -> None:
+        """Drop what new schedule entries changed: positions known after their first batch."""
+        history = self.schedule.history
+        if len(history) == self._entries_seen:
+            return
+        first = min(f for _, f, _ in history[self._entries_seen:])
+        self._entries_seen = len(history)
+        self._known = {b: c for b, c in self._known.items() if b <= first}
+        if self._planner is not None and self._planner.batch > first:
+            self._planner = None
+
+    def _known_before(self, batch: int) -> tuple[int, np.ndarray]:
+        """The latest (global batch <= ``batch``, positions) known without a walk (origin at least)."""
+        best = (self.origin.batch, np.asarray(self.origin.positions, np.int64))
+        points = list(self._known.items())
+        if all(b is None for b in self.composer.budgets):
+            cursor, counts, _ = self.schedule.table.read_anchor()
+            points.append((self.topology.global_batch(cursor), counts))
+        for b, c in points:
+            if best[0] < b <= batch:
+                best = (b, c)
+        return best
 
     def planner_at(self, batch: int) -> QuotaPlanner:
         """A planner standing at global batch ``batch`` (or where the stream ended before it)."""
         if batch < self.origin.batch:
             raise ValueError(f"batch {batch} is before batch {self.origin.batch}, where the global batch size "
                              f"became {self.topology.global_batch_size}")
+        self._forget_changed()
         p = self._planner
-        if p is None or p.batch > batch:
-            p = self._planner = self.composer.planner(self.origin.batch, self.origin.positions)
-        p.advance_to(batch, self.schedule.effective.segments)
+        if p is None or p.batch > batch or p.exhausted_at is None:
+            start, counts = self._known_before(batch)
+            if p is None or p.batch > batch or start > p.batch:
+                p = self._planner = self.composer.planner(start, counts)
+        segments = self.schedule.effective.segments
+        for seg in segments(p.batch, batch) if p.exhausted_at is None else ():
+            if p.batch == seg.origin:  # a piece starts: the anchor of a later state, perhaps
+                self._note(p.batch, p.counts)
+            p.advance_to(seg.end, segments)
+            if p.exhausted_at is not None:
+                break
         return p
 
     def counts_at(self, batch: int) -> np.ndarray:
         return self.planner_at(batch).counts.copy()
+
+    def anchor(self, batch: int, counts: np.ndarray) -> tuple[int, np.ndarray]:
+        """Where a resume checks the position ``counts`` at ``batch`` from: every domain's position at the
+        start ``a`` of the ``TAIL_PIECES``-th last weight piece before ``batch`` (not before the origin).
+
+        While no budget has run out at ``batch``, they are found backwards from ``counts`` over those
+        pieces (closed form: a pure function of the position and the schedule, the same on every
+        topology). Else (the domains available changed somewhere), forwards from a known position at
+        most ``4 * TAIL_PIECES`` pieces before ``a``, or the earliest known position after ``a``."""
+        c, eff = self.composer, self.schedule.effective
+        start = eff.tail_start(self.origin.batch, batch, TAIL_PIECES)
+        if start >= batch:
+            return batch, counts
+        budgets = np.array([np.iinfo(np.int64).max if b is None else b for b in c.budgets], np.int64)
+        if (counts < budgets).all():
+            walk = c.planner(start, np.zeros_like(counts))  # no budget is reached on the way: counts only grow
+            walk.advance_to(batch, eff.segments)
+            return start, counts - walk.counts
+        lo, lo_counts = self._known_before(start)
+        if lo >= eff.tail_start(self.origin.batch, start, 4 * TAIL_PIECES):
+            walk = c.planner(lo, lo_counts)
+            walk.advance_to(start, eff.segments)
+            if walk.exhausted_at is None:
+                return start, walk.counts.copy()
+        later = sorted(b for b in self._known if start < b < batch)
+        return (later[0], self._known[later[0]].copy()) if later else (batch, counts)
 
     def state(self, num_samples: int | None, from_beginning: bool) -> dict[str, Any]:
         t, s = self.topology, self.schedule
         batch = state_batch(num_samples, from_beginning, global_batch_size=t.global_batch_size, origin=self.origin,
                             consumed=s.consumed, micro=t.micro, consumed_known=s.consumed_known(),
                             resume_batch=self.resume_batch)
-        return make_state(batch, self.counts_at(batch), global_batch_size=t.global_batch_size, origin=self.origin,
-                          fingerprint=self.fingerprint, schedule=s.entries(), written_by=t.describe())
+        p = self.planner_at(batch)
+        counts = p.counts.copy()
+        anchor = None
+        if self.composer.composition == "systematic":
+            anchor = (batch, counts) if p.exhausted_at is not None else self.anchor(batch, counts)
+        return make_state(batch, counts, global_batch_size=t.global_batch_size, origin=self.origin,
+                          fingerprint=self.fingerprint, schedule=s.entries(), written_by=t.describe(), anchor=anchor)
 
     def load(self, state: Mapping[str, Any]) -> int:
-        """Check and adopt a checkpoint's position; return its global batch (the schedule is restored too)."""
+        """Check and adopt a checkpoint's position; return its global batch (the schedule is restored too).
+
+        Systematic composition: the stored positions must be where the schedule leads from the anchor
+        (a walk over the last few weight pieces), or from the origin in a state without an anchor."""
         saved = check_state(state, self.fingerprint)
-        g = self.topology.global_batch_size
+        schedule = read_entries(saved.schedule, len(self.composer.orders))
         if self.composer.composition == "systematic":  # closed form: cheap to check the stored positions
+            start, counts = saved.anchor or (saved.origin.batch, saved.origin.positions)
             check = QuotaPlanner(seed=self.composer.seed, batch_size=saved.global_batch_size,
                                  composition="systematic", budgets=self.composer.budgets,
-                                 start_batch=saved.origin.batch, start_counts=saved.origin.positions)
-            effective = EffectiveSchedule()
-            for e in saved.schedule:
-                effective.add(int(e["version"]), int(e["from_batch"]), np.asarray(e["alpha"], np.float64))
-            check.advance_to(saved.batch, effective.segments)
+                                 start_batch=start, start_counts=counts)
+            check.advance_to(saved.batch, schedule.effective.segments)
             if not np.array_equal(check.counts, saved.positions):
                 raise MixerStateError(
                     f"the checkpoint's domain positions at batch {saved.batch} ({saved.positions.tolist()}) are not "
-                    f"where its weight schedule leads ({check.counts.tolist()}): edited by hand, or written by "
-                    "another grape_stream release"
+                    f"where its weight schedule leads from batch {start} ({check.counts.tolist()}): edited by hand, "
+                    "or written by another grape_stream release"
                 )
-        self.schedule.restore(saved.schedule, saved.batch)
-        if saved.global_batch_size == g:
+        self.schedule.restore(schedule, saved.batch)
+        if saved.global_batch_size == self.topology.global_batch_size:
             self.origin = saved.origin
         else:  # a new global batch size: every domain continues where it stopped, batches of g from here on
             num_samples = saved.origin.num_samples + (saved.batch - saved.origin.batch) * saved.global_batch_size
             self.origin = Origin(saved.batch, num_samples, tuple(int(p) for p in saved.positions))
         self._planner = self.composer.planner(saved.batch, saved.positions)
         self.resume_batch = saved.batch
+        self._known, self._entries_seen = {}, len(self.schedule.history)
+        if saved.anchor is not None and saved.anchor[0] >= self.origin.batch:
+            self._note(*saved.anchor)
+        self._note(saved.batch, saved.positions)
         return saved.batch

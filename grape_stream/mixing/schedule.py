@@ -13,16 +13,18 @@ position that rule depends on (batches consumed, loader depth), because the two 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Sequence
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from grape_stream.mixing.quotas import Segment
 from grape_stream.mixing.weight_table import ScheduleOverflow, SharedWeightTable
-from grape_stream.simplex import check_simplex
+from grape_stream.simplex import SUM_ATOL, check_simplex
 
-__all__ = ["EffectiveSchedule", "WeightSchedule", "validate_weights"]
+__all__ = ["EffectiveSchedule", "SavedSchedule", "WeightSchedule", "read_entries", "validate_weights"]
 
 
 def validate_weights(weights: Any, k: int) -> np.ndarray:
@@ -59,12 +61,28 @@ class EffectiveSchedule:
 
     def prune_before(self, batch: int) -> None:
         """Forget pieces that end at or before ``batch`` (workers only ever move forward)."""
-        i = int(np.searchsorted(self._starts, batch, side="right")) - 1
+        i = bisect_right(self._starts, batch) - 1
         if i > 0:
             del self._starts[:i], self._versions[:i], self._alphas[:i]
 
+    @classmethod
+    def from_entries(cls, froms: Sequence[int], alphas: np.ndarray) -> "EffectiveSchedule":
+        """The schedule of entries ``0, 1, ...`` (``froms[v]``, ``alphas[v]``) in one pass: what
+        :meth:`add` gives entry after entry, without copying every weight vector."""
+        out = cls()
+        starts, versions = out._starts, out._versions
+        for v, f in enumerate(froms):
+            while starts and starts[-1] >= f:
+                starts.pop()
+                versions.pop()
+            starts.append(int(f))
+            versions.append(v)
+        out._alphas = [alphas[v] for v in versions]
+        out.last_version = len(froms) - 1
+        return out
+
     def at(self, batch: int) -> tuple[int, np.ndarray]:
-        i = int(np.searchsorted(self._starts, batch, side="right")) - 1
+        i = bisect_right(self._starts, batch) - 1
         if i < 0:
             raise KeyError(f"no weights are defined for batch {batch}")
         return self._versions[i], self._alphas[i]
@@ -74,7 +92,7 @@ class EffectiveSchedule:
         out: list[Segment] = []
         if end <= start:
             return out
-        i = int(np.searchsorted(self._starts, start, side="right")) - 1
+        i = bisect_right(self._starts, start) - 1
         if i < 0:
             raise KeyError(f"no weights are defined for batch {start}")
         b = start
@@ -86,6 +104,14 @@ class EffectiveSchedule:
             b = e
             i += 1
         return out
+
+    def tail_start(self, begin: int, end: int, pieces: int) -> int:
+        """The first batch of the ``pieces``-th last weight piece covering batches ``[begin, end)``, not
+        before ``begin`` (``begin`` when the range is empty)."""
+        if end <= begin:
+            return begin
+        i = bisect_right(self._starts, end - 1) - 1
+        return max(begin, self._starts[max(0, i - pieces + 1)])
 
     def __len__(self) -> int:
         return len(self._starts)
@@ -162,6 +188,7 @@ class WeightSchedule:
     def seek(self, batch: int, counts: np.ndarray) -> None:
         """Move the cursor: the next iteration starts at ``batch`` with read positions ``counts``."""
         self.table.set_cursor(batch, counts)
+        self.table.set_base(self.effective.at(batch // self.micro)[0])
         self.table.reset_claims(batch)
         self.consumed = batch
         self.iterating = False
@@ -232,21 +259,54 @@ class WeightSchedule:
                 f"raise schedule_capacity (now {self.table.C})"
             )
 
-    def restore(self, entries: Sequence[dict[str, Any]], batch: int) -> None:
-        """Replace the schedule by a checkpoint's ``entries`` (versions 0, 1, ...) resumed at ``batch``."""
-        self.history = []
-        self.effective = EffectiveSchedule()
-        self.table.reset()
-        for e in entries:
-            alpha = validate_weights(e["alpha"], self.K)
-            version = len(self.history)
-            self.history.append((version, int(e["from_batch"]), alpha))
-            self.effective.add(version, int(e["from_batch"]), alpha)
-        first = max(0, len(self.history) - (3 * self.table.C) // 4)
-        if self.effective.at(batch)[0] < first:
+    def restore(self, saved: "SavedSchedule", batch: int) -> None:
+        """Replace the schedule by a checkpoint's (:func:`read_entries`) resumed at global batch ``batch``.
+
+        Only the entries the workers may need go to the shared table, in one write, and its readers are
+        told to start at the entry in force at ``batch`` (the older ones only concern earlier batches)."""
+        n = len(saved.froms)
+        in_force = saved.effective.at(batch)[0]
+        first = max(0, n - (3 * self.table.C) // 4)
+        if in_force < first:
             raise ScheduleOverflow(
-                f"{len(self.history) - self.effective.at(batch)[0]} weight changes are pending after batch {batch}; "
+                f"{n - in_force} weight changes are pending after batch {batch}; "
                 f"raise schedule_capacity (now {self.table.C})"
             )
-        for v, f, a in self.history[first:]:
-            self.table.publish(v, v, f, a)
+        self.history = [(v, f, saved.alphas[v]) for v, f in enumerate(saved.froms)]
+        self.effective = saved.effective
+        self.table.reset()
+        self.table.publish_many(first, saved.froms[first:], saved.alphas[first:])
+        self.table.set_base(in_force)
+
+
+@dataclass(frozen=True)
+class SavedSchedule:
+    """A checkpoint's schedule entries, checked: ``froms[v]`` and ``alphas[v]`` of entry ``v`` (the weights
+    exactly as stored: those the run composed with) and the effective schedule they make."""
+
+    froms: list[int]
+    alphas: np.ndarray
+    effective: EffectiveSchedule
+
+
+def read_entries(entries: Sequence[Mapping[str, Any]], k: int) -> SavedSchedule:
+    """A checkpoint's entries (versions 0, 1, ... in order) as arrays, each weight vector checked as
+    ``set_weights`` checks it (ValueError naming the problem), in one pass: O(entries) numpy work."""
+    try:
+        froms = [int(e["from_batch"]) for e in entries]
+        alphas = np.array([e["alpha"] for e in entries], dtype=np.float64)
+    except (KeyError, TypeError, ValueError):
+        alphas = np.empty((0, 0))
+        froms = []
+    if alphas.shape != (len(entries), k):
+        for e in entries:  # the first bad entry raises, naming what is wrong with it
+            validate_weights(e["alpha"], k)
+            int(e["from_batch"])
+        raise ValueError("the checkpoint's weight schedule entries are malformed")  # pragma: no cover
+    with np.errstate(invalid="ignore"):
+        ok = np.isfinite(alphas).all(axis=1) & (alphas >= 0).all(axis=1) & (abs(alphas.sum(axis=1) - 1.0) <= SUM_ATOL)
+    bad = np.flatnonzero(~ok)
+    if bad.size:
+        validate_weights(alphas[bad[0]], k)  # raises, naming what is wrong
+    alphas.flags.writeable = False
+    return SavedSchedule(froms, alphas, EffectiveSchedule.from_entries(froms, alphas))

@@ -6,6 +6,7 @@ name), so nothing is left in /dev/shm even after a SIGKILL. Layout (all little-e
 
     header  int64[16]    0: entries published   1: cursor (first batch of the next iteration)
                          2: anchor batch          3: generation (bumped on every cursor write)
+                         4: base (the entry in force at the cursor: a reader needs none before it)
     claimed int64[S]     highest batch each process has started composing (slot 0 = the main
                          process, 1 + w = DataLoader worker w), -1 = none
     anchor  int64[K]     per-domain read positions of this rank before the anchor batch
@@ -23,7 +24,7 @@ never used. No lock is needed because an entry never concerns a batch that a wor
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -97,11 +98,35 @@ class SharedWeightTable:
         v["seq"][slot] = seq
         v["header"][0] = seq + 1
 
+    def publish_many(self, first: int, froms: Sequence[int], alphas: np.ndarray) -> None:
+        """Entries ``first, first + 1, ...`` (sequence number = version) in one write: a restore."""
+        n = len(froms)
+        if n > self.C:
+            raise ValueError(f"{n} entries do not fit a schedule table of capacity {self.C}")
+        v = self._v
+        seqs = np.arange(first, first + n, dtype=np.int64)
+        slots = seqs % self.C
+        v["seq"][slots] = -1
+        v["from"][slots] = np.asarray(froms, dtype=np.int64)
+        v["version"][slots] = seqs
+        v["alpha"][slots, :] = alphas
+        v["seq"][slots] = seqs
+        v["header"][0] = first + n
+
     def reset(self) -> None:
         v = self._v
         v["seq"][:] = -1
         v["header"][0] = 0
+        v["header"][4] = 0
         v["claimed"][:] = -1
+
+    def set_base(self, seq: int) -> None:
+        """Readers that start from now on need no entry before ``seq`` (it is in force at the cursor)."""
+        self._v["header"][4] = seq
+
+    @property
+    def base(self) -> int:
+        return int(self._v["header"][4])
 
     def set_cursor(self, batch: int, counts: np.ndarray) -> None:
         v = self._v
