@@ -16,6 +16,9 @@ from typing import Sequence
 import numpy as np
 
 VOCAB = 300
+#: what lets a loss-driven method move inside a few-step test run (ADO's defaults wait 1,000 steps to fit, and a
+#: fit needs three points of each domain's loss curve): its alpha_every and options, over the tests' own
+SHORT_RUN: dict = {"ado": {"alpha_every": 2, "options": {"warmup_steps": 1, "fit_every": 1, "ignore_steps": 1}}}
 SEQ = 32
 PAD = 0
 

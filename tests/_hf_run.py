@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments
 
-    from _grape_data import SEQ, VOCAB
+    from _grape_data import SEQ, SHORT_RUN, VOCAB
     from grape_stream import DomainStream, TaskStream, WeightedStreamingMixer
     from grape_stream.integrations.hf import GrapeTrainer, GrapeTrainerCallback, causal_lm_inputs
 
@@ -76,8 +76,10 @@ def main(argv: list[str] | None = None) -> None:
                              gradient_accumulation_steps=a.accumulate, lr_scheduler_type="cosine", logging_steps=1,
                              save_steps=a.save_every, report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
     if a.method != "grape":  # uniform or a loss-driven method (--reference: DoReMi's)
-        grape = GrapeTrainerCallback(method=a.method, alpha_every=4, plots=False,
-                                     options={"reference": a.reference} if a.reference else {})
+        short = SHORT_RUN.get(a.method, {})
+        grape = GrapeTrainerCallback(method=a.method, alpha_every=short.get("alpha_every", 4), plots=False,
+                                     options={**short.get("options", {}),
+                                              **({"reference": a.reference} if a.reference else {})})
     else:
         grape = GrapeTrainerCallback(method="grape", tasks=tasks, alpha_every=4, z_every=4, probe_domain_batch=4,
                                      probe_task_batch=4, mu_alpha=3e-3, mu_z=3e-4, plots=False)

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
 
-    from _grape_data import SEQ, VOCAB
+    from _grape_data import SEQ, SHORT_RUN, VOCAB
     from grape_stream import DomainStream, TaskStream, WeightedStreamingMixer
     from grape_stream.integrations.lightning import GrapeLightningCallback, MixerDataModule
     from grape_stream.models import GPT, GPTConfig, per_sample_lm_loss
@@ -93,8 +93,10 @@ def main(argv: list[str] | None = None) -> None:
                                    batch_size=8, seed=0)
     tasks = [TaskStream(t, local=f"{a.data}/tasks/{t}") for t in TASKS]
     if a.method != "grape":
-        options = {"reference": a.reference} if a.reference else {}
-        grape = GrapeLightningCallback(mixer, method=a.method, alpha_every=4, options=options, plots=False)
+        short = SHORT_RUN.get(a.method, {})
+        options = {**short.get("options", {}), **({"reference": a.reference} if a.reference else {})}
+        grape = GrapeLightningCallback(mixer, method=a.method, alpha_every=short.get("alpha_every", 4),
+                                       options=options, plots=False)
     else:
         in_step = {"steps": {"alignments": "steps", "alignment_steps": 2}, "rnb": {"alignment_steps": 2}}
         grape = GrapeLightningCallback(mixer, method="rnb" if a.alignments == "rnb" else "grape", tasks=tasks,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from _grape_data import write_dataset
+from _grape_data import SHORT_RUN, write_dataset
 from grape_stream.grape.reweighting import REWEIGHTERS
 from test_composer import _run, _trajectory, tiny_recipe
 from test_loss_mode import _slow_doremi, _slow_truth
@@ -49,7 +49,8 @@ def reference(data_dir, tmp_path_factory) -> str:
 
 
 def _options(method: str, reference: str) -> dict:
-    return {"reference": reference} if REWEIGHTERS[method].needs_reference else {}
+    return {**SHORT_RUN.get(method, {}).get("options", {}),
+            **({"reference": reference} if REWEIGHTERS[method].needs_reference else {})}
 
 
 def test_micro_batch_sums_in_a_trainer_are_exact(data_dir, reference, tmp_path) -> None:

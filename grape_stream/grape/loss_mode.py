@@ -123,19 +123,20 @@ class LossMode:
                                   "training batch must carry the mixer's 'domain' column (or pass domains=)")
             domains = batch["domain"]
         domains = torch.as_tensor(domains)
-        self.end()  # a micro-batch whose end was never signalled (an exception in the trainer) is dropped
+        self.end(check=False)  # a micro-batch whose end was never signalled (an exception in the trainer) is dropped
         reference = None if self.reference is None else self.reference.token_losses(model, batch, autocast)
         self._window = _Window(self, domains, reference)
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(watching_losses(self._window))
 
-    def end(self) -> None:
-        """The forward (+ backward) of the micro-batch begun last has run."""
+    def end(self, check: bool = True) -> None:
+        """The forward (+ backward) of the micro-batch begun last has run (``check=False``: it was cut short by
+        an exception, which is the error to report, not that no loss was seen)."""
         stack, window = self._stack, self._window
         self._stack = self._window = None
         if stack is not None:
             stack.close()
-        if window is not None and not window.seen:
+        if check and window is not None and not window.seen:
             raise ConfigError(f"method {self.reweighter.method!r} saw no per-sample training loss: compute the "
                               "training loss with grape_stream.models.per_sample_lm_loss (or pass per-sample losses "
                               f"through grape_stream.loss_watch.watch_losses) inside observe() ({_WHERE})")
@@ -146,8 +147,10 @@ class LossMode:
         self.begin(model, step, batch, domains, optimizer=optimizer, autocast=autocast)
         try:
             yield
-        finally:
-            self.end()
+        except BaseException:
+            self.end(check=False)
+            raise
+        self.end()
 
     @property
     def pending(self) -> bool:
