@@ -16,18 +16,22 @@ definition of the pool, the targets, the tokenizer, the model and the budget.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
+from typing import Any, Mapping, Sequence
 
 from grape_stream.apps.demo_corpus import ensure_converted
 from grape_stream.apps.demo_settings import DEMO, DemoSettings
 from grape_stream.config import AlgorithmConfig
 
 __all__ = ["BATCH", "DATA", "LR", "MODEL", "SEQ_LEN", "SOURCES", "STEPS", "TARGETS", "VOCAB", "overrides",
-           "pool_settings", "prepare", "update_interval"]
+           "QUICK_STEPS", "pool_settings", "prepare", "quick_settings", "reference_lines", "reference_path",
+           "update_interval"]
 
 SOURCES = ("en", "fr", "de", "es", "ru", "it", "tr", "da", "ca", "pl", "nl", "uk", "pt")
 TARGETS = ("tr", "da", "ca", "pl", "nl", "uk", "pt")
 VOCAB, SEQ_LEN, STEPS, BATCH, LR = 4096, 128, 400, 32, 1e-3
+QUICK_STEPS = 48  # --quick
 MODEL = [f"model.vocab_size={VOCAB}", "model.n_layer=4", "model.n_head=4", "model.d_model=128", "model.d_ff=512"]
 DATA = [f"data.seq_len={SEQ_LEN}", f"data.domains=[{','.join(SOURCES)}]", f"data.tasks=[{','.join(TARGETS)}]",
         "data.eval_batch_size=64"]
@@ -69,3 +73,45 @@ def prepare(out: Path, corpus: Path) -> tuple[Path, bool]:
     _, converted = ensure_converted(corpus, mds, seq_len=SEQ_LEN, progress=False, tokenizer=str(tok),
                                     domain_field="lang")
     return mds, trained or converted
+
+
+def quick_settings(steps: int = QUICK_STEPS) -> DemoSettings:
+    """``--quick``: the same setting at a smoke-test budget, with fewer curve points and a smaller final subset."""
+    return pool_settings(steps).replace(update_every=max(steps // 6, 1), curve_every=max(steps // 4, 1),
+                                        curve_samples=32, final_samples=96)
+
+
+def reference_path() -> Path:
+    """The value benchmark's committed results (``bench/results/value.json`` in the repository)."""
+    return Path(__file__).resolve().parents[2] / "bench" / "results" / "value.json"
+
+
+def reference_lines(methods: Sequence[str], seed: int | None = None, path: Path | None = None) -> list[str]:
+    """Where a run at the benchmark's exact settings sits: the benchmark's seed means of ``methods`` (and its run at
+    ``seed``, the same run as the demo's up to floating point) and the best static mixture's (found by its search
+    on the probe split, not retrained here), read from its JSON; [] when the file is absent or holds none of them."""
+    path = reference_path() if path is None else path
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        agg = doc["methods"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    rows: list[tuple[str, Mapping[str, Any]]] = [(m, agg[m]) for m in methods if m in agg]
+    if "oracle" in agg:
+        rows.append(("best static", agg["oracle"]))
+    if not rows:
+        return []
+    lines = [f"The value benchmark at these exact settings (bench/results/{path.name}; mean +- std over its seeds):"]
+    for name, st in rows:
+        avg, worst, seeds = st["avg"], st["worst"], list(st["seeds"])
+        at = (f"; seed {seed}: average {st['avg_values'][seeds.index(seed)]:.4f}"
+              if name != "best static" and seed in seeds and "avg_values" in st else "")
+        lines.append(f"  {name:<12} average {avg[0]:.4f} +- {avg[1]:.4f}   worst {worst[0]:.4f} +- {worst[1]:.4f}"
+                     f"   (seeds {','.join(map(str, seeds))}{at})")
+    if "oracle" in agg:
+        search = doc.get("search_settings") or {}
+        chosen = (doc.get("search", {}).get("oracle") or {}).get("chosen")
+        how = f"{search['proxies']}-proxy RegMix search" if search.get("proxies") else "RegMix-style search"
+        lines.append(f"  best static = the fixed mixture the benchmark's {how} found on the probe split"
+                     + (f" ({chosen}'s weights)" if chosen else "") + ", trained at this budget; not run by the demo.")
+    return lines
