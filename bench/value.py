@@ -32,7 +32,6 @@ settings are reused (``--fresh`` redoes them), so an interrupted bench continues
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import sys
@@ -42,16 +41,24 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+# the setting is the demo's (one definition: grape_stream/apps/demo_pool.py)
+from grape_stream.apps.demo_pool import (
+    BATCH,
+    DATA,
+    LR,
+    MODEL,
+    SEQ_LEN,
+    SOURCES,
+    STEPS,
+    TARGETS,
+    VOCAB,
+    pool_settings,
+    update_interval,
+)
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 RESULTS = REPO / "bench" / "results" / "value.json"
-SOURCES = ("en", "fr", "de", "es", "ru", "it", "tr", "da", "ca", "pl", "nl", "uk", "pt")
-TARGETS = ("tr", "da", "ca", "pl", "nl", "uk", "pt")
-VOCAB, SEQ_LEN, STEPS, LR = 4096, 128, 400, 1e-3
-MODEL = ["model.vocab_size=4096", "model.n_layer=4", "model.n_head=4", "model.d_model=128", "model.d_ff=512"]
-DATA = [f"data.seq_len={SEQ_LEN}", f"data.domains=[{','.join(SOURCES)}]", f"data.tasks=[{','.join(TARGETS)}]",
-        "data.eval_batch_size=64"]
-
 
 _RUN: dict[str, Any] = {"steps": STEPS, "out": REPO / "runs" / "bench_value"}  # this invocation's (main sets it)
 
@@ -78,27 +85,14 @@ def _doremi_average(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], seed: i
     return average_alpha_from_trajectory(Path(runs["doremi"][seed]["run_dir"]) / "grape_trajectory.jsonl")
 
 
-def _interval(steps: int) -> int:
-    """Training steps between two alpha/z updates (and two test-curve points) at a budget of ``steps``."""
-    return max(steps // 16, 1)
-
-
 def _every() -> int:
-    """:func:`_interval` at this invocation's budget (the method lambdas do not see it)."""
-    return _interval(_RUN["steps"])
+    """:func:`update_interval` at this invocation's budget (the method lambdas do not see it)."""
+    return update_interval(_RUN["steps"])
 
 
 def settings(steps: int) -> Any:
-    """The demo's runner at this benchmark's size: an alpha/z update every steps/16, the test curve every steps/16."""
-    from grape_stream.apps.demo_settings import DEMO
-    from grape_stream.config import AlgorithmConfig
-
-    every = _interval(steps)
-    lib = AlgorithmConfig()  # GRAPE's step sizes: the library's defaults (the demo's tuned ones are a method)
-    return DEMO.replace(steps=steps, global_batch=32, lr=LR, warmup=max(steps // 10, 1), update_every=every,
-                        curve_every=every, curve_samples=48, final_eval=False, final_samples=256,
-                        probe_domain_batch=8, probe_task_batch=8, eval_batch_size=64,
-                        mu_alpha=lib.mu_alpha, mu_z=lib.mu_z, clip_norm=None)
+    """The demo's runner at this benchmark's size (:func:`grape_stream.apps.demo_pool.pool_settings`)."""
+    return pool_settings(steps)
 
 
 def _vec(xs: Sequence[float]) -> str:
@@ -181,18 +175,9 @@ def _prev(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], method: str, seed
 
 def prepare(out: Path, corpus: Path) -> Path:
     """Train the BPE (once) and convert the corpus with it; returns the MDS directory."""
-    from grape_stream.apps.demo_corpus import ensure_converted
-    from grape_stream.convert.train_tokenizer import corpus_texts, train_bpe
+    from grape_stream.apps.demo_pool import prepare as prepare_pool
 
-    tok = out / "tokenizer.json"
-    if not tok.is_file():
-        files = [str(corpus / "train" / f"{s}.jsonl.zst") for s in SOURCES]
-        train_bpe(corpus_texts(files), VOCAB, tok)
-        print(f"trained {tok}", flush=True)
-    digest = hashlib.sha256(tok.read_bytes()).hexdigest()[:12]
-    mds = out / f"mds-{digest}"
-    ensure_converted(corpus, mds, seq_len=SEQ_LEN, progress=False, tokenizer=str(tok), domain_field="lang")
-    return mds
+    return prepare_pool(out, corpus)[0]
 
 
 # ----------------------------------------------------------------------------- oracle search
@@ -451,9 +436,10 @@ def write(path: Path, runs: Mapping[str, Mapping[int, Mapping[str, Any]]], docs:
     agg = aggregate(runs)
     doc = {"bench": "value", "partial": partial, "command": "python bench/value.py " + " ".join(sys.argv[1:]),
            "setting": {"sources": SOURCES, "targets": TARGETS, "vocab": VOCAB, "seq_len": SEQ_LEN, "steps": args.steps,
-                       "batch": 32, "train_tokens": args.steps * 32 * SEQ_LEN, "lr": LR, "model": MODEL,
+                       "batch": BATCH, "train_tokens": args.steps * BATCH * SEQ_LEN, "lr": LR, "model": MODEL,
                        "metric": "token-level test cross-entropy (nats/token), 256 strided test sequences per target"},
            "claims": claims(agg), "table": table(agg) if agg else "",
+           "search_settings": docs.get("key"),  # proxies, proxy/candidate budget (the demo prints them)
            "search": {k: {kk: v for kk, v in d.items() if kk != "details"} | {"chosen": d["details"].get("chosen")}
                       for k, d in docs.items() if isinstance(d, dict) and "weights" in d} or dict(_KEPT_SEARCH),
            "methods": agg,

@@ -1,7 +1,8 @@
-"""`grape-stream demo` end to end on the bundled corpus (a 12-step variant of --quick), plus its helpers.
+"""`grape-stream demo` end to end on the bundled corpus (a 12-step variant of --quick: BPE training, conversion,
+uniform and GRAPE; a 4-step run of the byte-level setting), plus its helpers.
 
-The end-to-end run goes through the real converter, the demo-cpu recipe, Composer's Trainer with
-GrapeAlgorithm and the real MDS shards; nothing is mocked.
+The end-to-end runs go through the real tokenizer trainer and converter, the demo-cpu recipe, Composer's Trainer
+with GrapeAlgorithm and the real MDS shards; nothing is mocked.
 """
 
 from __future__ import annotations
@@ -13,24 +14,38 @@ from pathlib import Path
 
 import pytest
 
-from grape_stream.apps import demo
+from grape_stream.apps import demo, demo_pool
 from grape_stream.cli import main as cli_main
 
-CORPUS = Path(__file__).resolve().parent.parent / "data" / "demo"
-METHODS = ["uniform", "doge", "grape"]
+REPO = Path(__file__).resolve().parent.parent
+CORPUS = REPO / "data" / "demo"
+METHODS = ["uniform", "grape"]  # the default
 
 
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str]:
-    out = tmp_path_factory.mktemp("demo")
+def _run_demo(out: Path, *args: str) -> tuple[int, str]:
     import contextlib
     import io
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        rc = cli_main(["demo", "--quick", "--steps", "12", "--out", str(out), "--data", str(CORPUS), "--no-progress",
-                       "--methods", ",".join(METHODS)])
-    return out, rc, buf.getvalue()
+        rc = cli_main(["demo", "--out", str(out), "--data", str(CORPUS), "--no-progress", *args])
+    return rc, buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str]:
+    out = tmp_path_factory.mktemp("demo")
+    rc, stdout = _run_demo(out, "--quick", "--steps", "12")
+    return out, rc, stdout
+
+
+def _table(stdout: str, targets: list[str]) -> tuple[list[str], dict[str, list[float]]]:
+    """The console table: its method columns and, per target plus average and worst, one value per method."""
+    lines = stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:1] == ["target"])
+    rows = {line.split()[0]: [float(v.rstrip("*")) for v in line.split()[1:]]
+            for line in lines[header + 2: header + 2 + len(targets) + 3] if line and not line.startswith("-")}
+    return lines[header].split()[1:], rows
 
 
 def _finite(x: float) -> bool:
@@ -42,15 +57,17 @@ def test_demo_writes_table_json_and_plots(demo_run: tuple[Path, int, str]) -> No
     out, rc, stdout = demo_run
     assert rc == 0, stdout
     targets = json.loads((CORPUS / "corpus.json").read_text())["roles"]["targets"]
+    assert list(demo_pool.TARGETS) == targets
     # the console table: one row per target plus average and worst, one column per method
-    lines = stdout.splitlines()
-    header = next(i for i, line in enumerate(lines) if line.split()[:1] == ["target"])
-    assert lines[header].split()[1:] == METHODS
-    rows = {line.split()[0]: line.split()[1:] for line in lines[header + 2: header + 2 + len(targets) + 3]
-            if line and not line.startswith("-")}
+    columns, rows = _table(stdout, targets)
+    assert columns == METHODS
     for name in [*targets, "average", "worst"]:
-        values = [float(v.rstrip("*")) for v in rows[name]]
-        assert len(values) == len(METHODS) and all(math.isfinite(v) and 0 < v < 6 for v in values), (name, values)
+        values = rows[name]
+        assert len(values) == len(METHODS) and all(math.isfinite(v) and 0 < v < 9 for v in values), (name, values)
+    assert "nats per token" in stdout
+    assert "value benchmark" not in stdout  # the reference figures only beside a run at the benchmark's settings
+    # the BPE was trained on the sources and the corpus converted with it
+    assert (out / "tokenizer.json").is_file() and len(list(out.glob("mds-*/manifest.json"))) == 1
 
     summary = json.loads((out / "summary.json").read_text())
     assert list(summary["methods"]) == METHODS
@@ -60,8 +77,8 @@ def test_demo_writes_table_json_and_plots(demo_run: tuple[Path, int, str]) -> No
         assert all(_finite(v) for v in s["final"].values())
         assert s["average"] == pytest.approx(sum(s["final"].values()) / len(targets))
         assert s["worst"] == max(s["final"].values())
-        # trained: every method ends well below the loss of a uniform byte guess (log 257 = 5.55)
-        assert s["average"] < 5.0
+        # trained: every method ends well below the loss of a uniform guess over the BPE (log 4096 = 8.32)
+        assert s["average"] < math.log(demo_pool.VOCAB) - 0.3
         curve = s["curve"]
         assert curve["step"][0] == 0 and curve["step"][-1] == 12
         for t in targets:
@@ -80,13 +97,58 @@ def test_grape_alpha_moves_and_uniform_stays(demo_run: tuple[Path, int, str]) ->
     summary = json.loads((out / "summary.json").read_text())
     uni, grape = summary["methods"]["uniform"], summary["methods"]["grape"]
     assert uni["alpha_moved_tv"] == 0.0
-    assert all(a == pytest.approx(1 / 6) for a in uni["alpha_final"].values())
+    assert list(uni["alpha_final"]) == list(demo_pool.SOURCES)
+    assert all(a == pytest.approx(1 / 13) for a in uni["alpha_final"].values())
     assert grape["alpha_moved_tv"] > 1e-3
     assert sum(grape["alpha_final"].values()) == pytest.approx(1.0)
     assert len(grape["trajectory"]) >= 3  # the initial weights plus at least two updates
     # GRAPE moves z too (the worst targets gain weight); uniform has none
     assert max(grape["z_final"].values()) > 1 / 7 + 1e-3
     assert uni["z_final"] is None
+
+
+def test_byte_setting_still_runs(tmp_path: Path) -> None:
+    rc, stdout = _run_demo(tmp_path, "--setting", "bytes", "--quick", "--steps", "4", "--methods", "doge")
+    assert rc == 0, stdout
+    targets = json.loads((CORPUS / "corpus.json").read_text())["roles"]["targets"]
+    columns, rows = _table(stdout, targets)
+    assert columns == ["doge"] and "nats per byte" in stdout
+    assert rows["average"][0] < math.log(257)  # below a uniform byte guess
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["setting"] == "bytes" and summary["seed"] == 17
+    assert list(summary["methods"]["doge"]["alpha_final"]) == json.loads(
+        (CORPUS / "corpus.json").read_text())["roles"]["sources"]
+
+
+def test_default_is_the_value_benchmarks_setting() -> None:
+    """One definition: bench/value.py runs exactly what `grape-stream demo` runs by default."""
+    import importlib.util
+
+    args, methods, settings = demo._parse([])
+    assert methods == ["uniform", "grape"] and args.setting == "pool" and args.seed == 0
+    assert settings == demo_pool.pool_settings(demo_pool.STEPS)
+    assert demo._parse(["--quick"])[2].steps == demo_pool.QUICK_STEPS
+    spec = importlib.util.spec_from_file_location("bench_value", REPO / "bench" / "value.py")
+    assert spec is not None and spec.loader is not None
+    value = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(value)
+    assert value.SOURCES is demo_pool.SOURCES and value.MODEL is demo_pool.MODEL and value.DATA is demo_pool.DATA
+    assert value.settings(400) == settings
+
+
+def test_reference_lines_read_the_benchmark_json(tmp_path: Path) -> None:
+    doc = json.loads(demo_pool.reference_path().read_text())
+    lines = demo_pool.reference_lines(["uniform", "grape", "nosuch"], seed=0)
+    for name, key in (("uniform", "uniform"), ("grape", "grape"), ("best static", "oracle")):
+        st = doc["methods"][key]
+        mean = sum(st["avg_values"]) / len(st["avg_values"])  # recomputed, not the JSON's summary
+        line = next(x for x in lines if x.startswith(f"  {name} "))
+        assert f"average {mean:.4f} +- " in line and f"worst {st['worst'][0]:.4f}" in line, line
+    assert f"seed 0: average {doc['methods']['grape']['avg_values'][0]:.4f}" in "\n".join(lines)
+    assert not any("nosuch" in x for x in lines)
+    assert demo_pool.reference_lines(["uniform"], path=tmp_path / "absent.json") == []
+    (tmp_path / "v.json").write_text(json.dumps({"methods": {}}))
+    assert demo_pool.reference_lines(["uniform"], path=tmp_path / "v.json") == []
 
 
 def test_conversion_is_reused_and_redone_when_the_corpus_changes(tmp_path: Path) -> None:

@@ -1,9 +1,12 @@
-"""`grape-stream demo`: uniform vs DoGE vs GRAPE on real multilingual text, on a laptop CPU.
+"""`grape-stream demo`: uniform vs GRAPE (and any registry method) on real multilingual text, on a laptop CPU.
 
-The paper's wiki40b experiment in miniature: six source languages (en fr de es ru it) are the domains
-whose mixture is learned, seven low-resource languages (tr da ca pl nl uk pt) are the targets whose
-held-out text we want to model well. Every method trains the same byte-level decoder from the same
-initialisation on the same token budget; only the domain weights differ.
+The default setting is the value benchmark's (:mod:`.demo_pool`, ``bench/value.py``): a pool of 13 languages
+(six high-resource ones plus the small training splits of seven low-resource ones) whose mixture is learned,
+and the seven low-resource languages as targets whose held-out text we want to model well. Every method
+trains the same small GPT (a 4,096-id BPE trained on the pool) from the same initialisation on the same token
+budget; only the domain weights differ. At the benchmark's exact settings the demo prints the benchmark's
+seed means and its best static mixture's loss beside the run's own table. ``--setting bytes`` is the earlier
+demo: six high-resource sources only, a byte-level model (there the methods tie, docs/results.md).
 
 Everything runs on the product path: the bundled corpus (``data/demo``) is converted with
 :func:`grape_stream.convert.pipeline.convert` into per-language MDS shards (:mod:`.demo_corpus`), and each
@@ -14,8 +17,9 @@ Composer Trainer with ``GrapeAlgorithm``, with a few overrides (:func:`.demo_run
 progress bar, and a test-loss curve on a fixed strided subset of each target's test split (the
 headline numbers come from the recipe's own evaluators, on the whole test split, at the end).
 
-Outputs under ``--out`` (default ``runs/demo``): ``mds/`` (the converted corpus, reused while the
-corpus and settings are unchanged), ``<method>/`` (metrics.jsonl, grape_trajectory.jsonl/.png,
+Outputs under ``--out`` (default ``runs/demo``, ``runs/demo_bytes`` for ``--setting bytes``):
+``tokenizer.json`` and ``mds-<its sha>/`` (``mds/`` for bytes; the converted corpus, reused while the corpus
+and settings are unchanged), ``<method>/`` (metrics.jsonl, grape_trajectory.jsonl/.png,
 result.json), ``summary.json``, ``test_loss.png`` and ``weights.png``.
 
 The same runner (:func:`.demo_run.run_method`) drives ``bench/mixture_quality.py``. The method choices are
@@ -35,6 +39,15 @@ from typing import Any, Mapping, Sequence
 from grape_stream.apps.demo_callbacks import strided_indices
 from grape_stream.apps.demo_corpus import CONVERT_SETTINGS_FILE, ensure_converted, find_corpus
 from grape_stream.apps.demo_plots import plot_test_loss, plot_weights
+from grape_stream.apps.demo_pool import (
+    QUICK_STEPS,
+    STEPS,
+    overrides,
+    pool_settings,
+    prepare,
+    quick_settings,
+    reference_lines,
+)
 from grape_stream.apps.demo_run import RECIPE, recipe_overrides, run_method
 from grape_stream.apps.demo_settings import DEMO, QUICK, DemoSettings
 from grape_stream.grape.reweighting import REWEIGHTERS, available_methods, build_reweighter
@@ -106,11 +119,21 @@ def format_table(results: Mapping[str, Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _unit(setting: str) -> str:
+    return "byte" if setting == "bytes" else "token"
+
+
+def _seq_len(setting: str) -> int:
+    return 256 if setting == "bytes" else 128
+
+
 def _summary(results: Mapping[str, Mapping[str, Any]], settings: DemoSettings, seed: int, corpus: Path,
-             mds: Path) -> dict[str, Any]:
+             mds: Path, setting: str) -> dict[str, Any]:
     out: dict[str, Any] = {
-        "what": "test log-perplexity (nats per byte) per target language after the same token budget",
+        "what": f"test log-perplexity (nats per {_unit(setting)}) per target language after the same token budget",
+        "setting": setting,
         "recipe": RECIPE,
+        "overrides": [] if setting == "bytes" else overrides(),
         "settings": dataclasses.asdict(settings),
         "seed": seed,
         "corpus": str(corpus),
@@ -132,22 +155,35 @@ def _summary(results: Mapping[str, Mapping[str, Any]], settings: DemoSettings, s
     return out
 
 
-def _header(corpus_meta: Mapping[str, Any], settings: DemoSettings, methods: Sequence[str], quick: bool) -> str:
+def _header(corpus_meta: Mapping[str, Any], settings: DemoSettings, methods: Sequence[str], quick: bool,
+            setting: str) -> str:
     roles = corpus_meta.get("roles", {})
-    tokens = settings.steps * settings.global_batch * 256
+    seq = _seq_len(setting)
+    tokens = settings.steps * settings.global_batch * seq
+    targets = roles.get("targets", [])
+    if setting == "bytes":
+        sources = roles.get("sources", [])
+        what = (f"the demo-cpu recipe's byte-level GPT; {settings.steps} steps x {settings.global_batch} x {seq} bytes"
+                f" = {tokens / 1e6:.1f}M training bytes per method")
+    else:
+        sources = [*roles.get("sources", []), *targets]
+        what = (f"a 4-layer GPT (d=128) over a 4,096-id BPE trained on the sources; {settings.steps} steps x "
+                f"{settings.global_batch} x {seq} tokens = {tokens / 1e6:.2f}M training tokens per method")
     lines = [
         "",
         "grape-stream demo" + (" (quick)" if quick else "") + ": which source languages should a small model read",
-        "to be good at seven other languages? Uniform mixing vs DoGE vs GRAPE, on real text, on this CPU.",
+        "to be good at seven low-resource languages? Uniform mixing vs adaptive mixing, on real text, on this CPU.",
         "",
-        f"  sources (the mixture alpha is learned over): {' '.join(roles.get('sources', []))}",
-        f"  targets (held-out text we care about):       {' '.join(roles.get('targets', []))}",
-        f"  model: the demo-cpu recipe's byte-level GPT; {settings.steps} steps x {settings.global_batch} x 256 bytes"
-        f" = {tokens / 1e6:.1f}M training bytes per method",
-        f"  every {settings.update_every} steps DoGE/GRAPE probe {settings.probe_domain_batch} samples per source and"
-        f" {settings.probe_task_batch} per target (probe split) and update alpha",
+        f"  sources (the mixture alpha is learned over): {' '.join(sources)}",
+        f"  targets (held-out test text we care about): {' '.join(targets)}",
+        f"  model: {what}",
+        f"  every {settings.update_every} steps the adaptive methods probe {settings.probe_domain_batch} samples per"
+        f" source and {settings.probe_task_batch} per target (probe split) and update alpha",
         "  methods:",
     ]
+    if setting != "bytes":
+        lines.insert(6, "  (the targets' small training splits are sources too: a little very relevant text in a pool "
+                        "of mostly irrelevant text)")
     lines += [f"    {m:<12}{REWEIGHTERS[m].description}" for m in methods]
     return "\n".join(lines)
 
@@ -159,19 +195,29 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str], D
     choices = demo_methods()
     p = argparse.ArgumentParser(
         prog="grape-stream demo",
-        description="Train a small byte-level decoder on the bundled multilingual corpus with uniform, DoGE and "
-                    "GRAPE mixtures for the same token budget, and compare target-language test log-perplexity.",
+        description="Train a small GPT on a pool of 13 languages of the bundled corpus with uniform and GRAPE "
+                    "mixtures for the same token budget, and compare the test loss of 7 low-resource languages.",
     )
     p.add_argument("--quick", action="store_true",
-                   help="a ~1.3 minute run (48 steps per method) instead of ~7 minutes (400 steps), on 2 idle cores")
-    p.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
+                   help=f"a smoke run ({QUICK_STEPS} steps per method, ~2 minutes) instead of {STEPS} steps")
+    p.add_argument("--setting", choices=("pool", "bytes"), default="pool",
+                   help="pool: the value benchmark's setting (default); bytes: the earlier byte-level demo "
+                        "(6 sources, where the methods tie)")
+    p.add_argument("--out", default=None, help="output directory (default: runs/demo, bytes: runs/demo_bytes)")
     p.add_argument("--data", default=None, help="the bundled corpus directory (default: data/demo)")
-    p.add_argument("--methods", default="uniform,doge,grape",
-                   help=f"comma-separated methods (default: uniform,doge,grape; any of {', '.join(choices)})")
-    p.add_argument("--seed", type=int, default=17, help="seed of model init, data order and probes (default: 17)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps per method (default: 400, --quick 48)")
+    p.add_argument("--methods", default=None,
+                   help=f"comma-separated methods (default: uniform,grape, bytes: uniform,doge,grape; any of "
+                        f"{', '.join(choices)})")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of model init, data order and probes (default: 0, the benchmark's first; bytes: 17)")
+    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps per method (default: {STEPS}, "
+                                                           f"--quick {QUICK_STEPS})")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    bytes_ = args.setting == "bytes"
+    args.methods = args.methods or ("uniform,doge,grape" if bytes_ else "uniform,grape")
+    args.seed = args.seed if args.seed is not None else (17 if bytes_ else 0)
+    args.out = args.out or ("runs/demo_bytes" if bytes_ else "runs/demo")
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in choices]
@@ -179,10 +225,13 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str], D
         p.error(f"unknown method(s) {bad}; choose from {', '.join(choices)}")
     if len(set(methods)) != len(methods):
         p.error(f"--methods repeats a method: {args.methods}")
+    if args.steps is not None and args.steps < 1:
+        p.error("--steps must be >= 1")
+    if not bytes_:
+        steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
+        return args, methods, quick_settings(steps) if args.quick else pool_settings(steps)
     settings = QUICK if args.quick else DEMO
     if args.steps is not None:
-        if args.steps < 1:
-            p.error("--steps must be >= 1")
         settings = settings.replace(steps=args.steps, warmup=min(settings.warmup, max(args.steps // 5, 1)),
                                     update_every=min(settings.update_every, max(args.steps // 4, 1)),
                                     curve_every=min(settings.curve_every, max(args.steps // 3, 1)))
@@ -190,13 +239,14 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str], D
 
 
 def _print_results(results: Mapping[str, Mapping[str, Any]], settings: DemoSettings, out: Path,
-                   pngs: Sequence[str]) -> None:
-    budget = settings.steps * settings.global_batch * 256
+                   pngs: Sequence[str], setting: str, seed: int) -> None:
+    unit = _unit(setting)
+    budget = settings.steps * settings.global_batch * _seq_len(setting)
     print("")
-    print("Test log-perplexity per target language (nats per byte, lower is better; * = best),")
+    print(f"Test log-perplexity per target language (nats per {unit}, lower is better; * = best),")
     where = ("the whole test split of each target" if settings.final_eval
-             else f"a strided subset of {settings.final_samples} test samples per target")
-    print(f"after {budget / 1e6:.2f}M training bytes each, on {where}:")
+             else f"a strided subset of {settings.final_samples} test sequences per target")
+    print(f"after {budget / 1e6:.2f}M training {unit}s each, on {where}:")
     print("")
     print(format_table(results))
     print("")
@@ -212,6 +262,11 @@ def _print_results(results: Mapping[str, Mapping[str, Any]], settings: DemoSetti
             if m != "uniform":
                 print(f"  {m:<12} average {r['final_avg'] - u:+.4f} vs uniform, worst "
                       f"{r['final_worst'] - results['uniform']['final_worst']:+.4f}")
+    if setting == "pool" and settings == pool_settings(STEPS):
+        ref = reference_lines(list(results), seed)
+        if ref:
+            print("")
+            print("\n".join(ref))
     print("")
     print(f"Plots:   {pngs[0]}  (test loss of every target during training)")
     print(f"         {pngs[1]}  (source weights alpha and target weights z over training)")
@@ -222,35 +277,47 @@ def _print_results(results: Mapping[str, Mapping[str, Any]], settings: DemoSetti
     print(f"Summary: {out / 'summary.json'}")
 
 
+def _convert(setting: str, corpus: Path, out: Path) -> tuple[Path, str]:
+    """The converted corpus for ``setting`` (BPE training first for the pool) and what was done."""
+    if setting == "bytes":
+        mds = out / "mds"
+        _, converted = ensure_converted(corpus, mds, progress=False)
+        return mds, "converted" if converted else "already converted (same corpus and settings): reused"
+    mds, did = prepare(out, corpus)
+    return mds, ("BPE trained and corpus converted" if did
+                 else "already converted (same corpus, tokenizer and settings): reused")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, methods, settings = _parse(argv)
     corpus = find_corpus(args.data)  # CorpusNotFoundError: one line under grape-stream (errors.run_cli)
     corpus_meta = json.loads((corpus / "corpus.json").read_text())
     out = Path(args.out)
-    mds = out / "mds"
     progress = not args.no_progress
-    print(_header(corpus_meta, settings, methods, args.quick), flush=True)
+    print(_header(corpus_meta, settings, methods, args.quick, args.setting), flush=True)
     print("", flush=True)
 
     n_steps = len(methods) + 1
     t0 = time.perf_counter()
-    print(f"[1/{n_steps}] corpus {corpus} -> MDS shards in {mds}", flush=True)
-    _, converted = ensure_converted(corpus, mds, progress=False)
-    print(f"      {'converted' if converted else 'already converted (same corpus and settings): reused'}"
-          f" ({time.perf_counter() - t0:.0f}s)", flush=True)
+    what = "corpus" if args.setting == "bytes" else "BPE on the sources' training text, corpus"
+    print(f"[1/{n_steps}] {what} {corpus} -> MDS shards under {out}", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    mds, done = _convert(args.setting, corpus, out)
+    print(f"      {done} ({time.perf_counter() - t0:.0f}s)", flush=True)
 
+    extra = [] if args.setting == "bytes" else overrides()
     results: dict[str, dict[str, Any]] = {}
     for i, m in enumerate(methods, start=2):
         if not progress:
             print(f"[{i}/{n_steps}] training {m} ...", flush=True)
         results[m] = run_method(m, mds=mds, out_dir=out / m, settings=settings, seed=args.seed, progress=progress,
-                                position=f"[{i}/{n_steps}]")
-    summary = _summary(results, settings, args.seed, corpus, mds)
-    out.mkdir(parents=True, exist_ok=True)
+                                position=f"[{i}/{n_steps}]", extra_overrides=extra)
+    summary = _summary(results, settings, args.seed, corpus, mds, args.setting)
     with open(out / "summary.json", "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=1)
-    pngs = [plot_test_loss(results, out / "test_loss.png"), plot_weights(results, out / "weights.png")]
-    _print_results(results, settings, out, pngs)
+    unit = _unit(args.setting)
+    pngs = [plot_test_loss(results, out / "test_loss.png", unit=unit), plot_weights(results, out / "weights.png")]
+    _print_results(results, settings, out, pngs, args.setting, args.seed)
     print(f"Done in {(time.perf_counter() - t0) / 60:.1f} min. Try `grape-stream train {RECIPE} --print-config` to see "
           f"the recipe each run used.")
     return 0

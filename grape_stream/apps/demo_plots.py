@@ -31,8 +31,10 @@ def _plt() -> Any:
     return plt
 
 
-def plot_test_loss(results: Mapping[str, Mapping[str, Any]], path: str | os.PathLike[str], dpi: int = 90) -> str:
-    """One panel per target plus the average and the worst: test loss vs training tokens, one line per method."""
+def plot_test_loss(results: Mapping[str, Mapping[str, Any]], path: str | os.PathLike[str], dpi: int = 90,
+                   unit: str = "byte") -> str:
+    """One panel per target plus the average and the worst: test loss vs training tokens, one line per method
+    (``unit``: what a token is, "byte" or "token", for the axis labels)."""
     plt = _plt()
     first = next(iter(results.values()))
     targets = list(first["targets"])
@@ -45,16 +47,16 @@ def plot_test_loss(results: Mapping[str, Mapping[str, Any]], path: str | os.Path
             c = r["curve"]
             x = [t / 1e6 for t in c["tokens"]]
             y = c["avg"] if name == "average" else c["worst"] if name == "worst" else c["loss"][name]
-            # skip the initial point (log 257) so the interesting range is visible
+            # skip the initial point (log vocab) so the interesting range is visible
             ax.plot(x[1:], y[1:], label=m, color=METHOD_COLORS.get(m), lw=1.5)
         ax.set_title(name if name in ("average", "worst") else f"target {name}", fontsize=10)
         ax.grid(alpha=0.3)
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
     for ax in axes[-1]:
-        ax.set_xlabel("training tokens (M bytes)")
+        ax.set_xlabel(f"training tokens (M {unit}s)")
     for ax in axes[:, 0]:
-        ax.set_ylabel("test nats/byte")
+        ax.set_ylabel(f"test nats/{unit}")
     axes.flat[0].legend(fontsize=8)
     fig.suptitle("test log-perplexity during training (strided subset of each target's test split)", fontsize=11)
     fig.tight_layout()
