@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -48,7 +49,7 @@ from grape_stream.apps.demo_pool import (
     quick_settings,
     reference_lines,
 )
-from grape_stream.apps.demo_run import RECIPE, recipe_overrides, run_method
+from grape_stream.apps.demo_run import RECIPE, recipe_overrides, run_method, run_methods
 from grape_stream.apps.demo_settings import DEMO, QUICK, DemoSettings
 from grape_stream.grape.reweighting import REWEIGHTERS, available_methods, build_reweighter
 
@@ -213,6 +214,9 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str], D
     p.add_argument("--steps", type=int, default=None, help=f"optimizer steps per method (default: {STEPS}, "
                                                            f"--quick {QUICK_STEPS})")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="runs trained at the same time, each in its own process with its share of the cores "
+                        "(default: one per core, at most one per method)")
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     bytes_ = args.setting == "bytes"
     args.methods = args.methods or ("uniform,doge,grape" if bytes_ else "uniform,grape")
@@ -227,6 +231,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str], D
         p.error(f"--methods repeats a method: {args.methods}")
     if args.steps is not None and args.steps < 1:
         p.error("--steps must be >= 1")
+    if args.jobs is not None and args.jobs < 1:
+        p.error("--jobs must be >= 1")
     if not bytes_:
         steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
         return args, methods, quick_settings(steps) if args.quick else pool_settings(steps)
@@ -306,12 +312,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"      {done} ({time.perf_counter() - t0:.0f}s)", flush=True)
 
     extra = [] if args.setting == "bytes" else overrides()
-    results: dict[str, dict[str, Any]] = {}
-    for i, m in enumerate(methods, start=2):
-        if not progress:
-            print(f"[{i}/{n_steps}] training {m} ...", flush=True)
-        results[m] = run_method(m, mds=mds, out_dir=out / m, settings=settings, seed=args.seed, progress=progress,
-                                position=f"[{i}/{n_steps}]", extra_overrides=extra)
+    jobs = min(len(methods), args.jobs or os.cpu_count() or 1)
+    labels = [f"[{i}/{n_steps}]" for i in range(2, n_steps + 1)]
+    if not progress:
+        print(f"{labels[0]}-{labels[-1]} training {', '.join(methods)}"
+              + (f", {jobs} at a time in their own processes" if jobs > 1 else "") + " ...", flush=True)
+    results = run_methods(methods, jobs=jobs, out=out, labels=labels, mds=mds, settings=settings, seed=args.seed,
+                          progress=progress, extra_overrides=extra)
     summary = _summary(results, settings, args.seed, corpus, mds, args.setting)
     with open(out / "summary.json", "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=1)

@@ -115,8 +115,10 @@ class TestCurve(Callback):
 class Progress(Callback):
     """One tqdm bar per run: train loss, the current test average and the heaviest source weight."""
 
-    def __init__(self, curve: TestCurve, method: str, *, progress: bool, position: str) -> None:
+    def __init__(self, curve: TestCurve, method: str, *, progress: bool, position: str,
+                 line: int | None = None) -> None:
         self.curve = curve
+        self.line = line  # the bar's terminal line when runs share the terminal (None: tqdm's own choice)
         self.method = method
         self.progress = progress
         self.position = position
@@ -126,7 +128,7 @@ class Progress(Callback):
     def fit_start(self, state: State, logger: Logger) -> None:
         if self.progress:
             self.bar = tqdm(total=self.curve.settings.steps, desc=f"{self.position} {self.method:<11}", unit="step",
-                            leave=True, dynamic_ncols=True, file=sys.stderr)
+                            leave=True, dynamic_ncols=True, file=sys.stderr, position=self.line)
 
     def batch_end(self, state: State, logger: Logger) -> None:
         step = int(state.timestamp.batch)
