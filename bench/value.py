@@ -500,7 +500,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.add:
         runs = kept_runs(Path(args.results), args.steps, exclude=methods)
     for reuse, source in (({"grape_replay", "grape_final_static"}, "grape"), ({"doremi_final_static"}, "doremi")):
-        if reuse & set(methods) and source not in methods:  # reuse the source runs already on disk
+        # reuse the source runs already on disk (--collect: even when listed, the filter below plans them first)
+        if reuse & set(methods) and (source not in methods or args.collect):
             for path in sorted(out.glob(f"{source}-seed*/result.json")):
                 runs.setdefault(source, {})[int(path.parent.name.rsplit("seed", 1)[1])] = json.loads(path.read_text())
     order = [(m, s) for m in methods for s in seeds]  # method-major: reuse methods need their source runs
