@@ -118,17 +118,20 @@ def test_every_loss_driven_method_trains_from_a_recipe(data_dir, reference, tmp_
     assert all(sum(r["domain_samples"]) == 16 for r in updates)  # 2 steps x 8 samples
 
 
-def test_sigkill_mid_interval_then_autoresume_continues_the_same_trajectory(data_dir, reference, tmp_path) -> None:
+@pytest.mark.parametrize("method", LOSS_METHODS)
+def test_sigkill_mid_interval_then_autoresume_continues_the_same_trajectory(data_dir, reference, tmp_path,
+                                                                           method) -> None:
+    every = SHORT_RUN.get(method, {}).get("alpha_every", 4)
     trainer = {"max_duration": "12ba", "save_interval": "6ba", "autoresume": True, "eval_interval": "100ba",
                "save_folder": str(tmp_path / "{run_name}" / "ckpt")}
     base = tiny_recipe(data_dir, str(tmp_path), trainer=trainer,
-                       algorithm={"method": "doremi", "alpha_every": 4, "options": {"reference": reference}})
+                       algorithm={"method": method, "alpha_every": every, "options": _options(method, reference)})
     straight, resumed = dict(base, run_name="straight"), dict(base, run_name="resumed")
     _run(straight, str(tmp_path / "straight.json"))
     killed = _run(resumed, str(tmp_path / "resumed.json"), "--kill-at", "7", check=False)
     assert killed.returncode == -9, killed.stderr[-2000:]
-    _run(resumed, str(tmp_path / "resumed.json"))  # from the step-6 checkpoint: two steps of 5..8 in its sums
+    _run(resumed, str(tmp_path / "resumed.json"))  # from the step-6 checkpoint: mid-interval (every 4) or at its start
     ta = _trajectory(str(tmp_path / "straight" / "grape_trajectory.jsonl"))
     tb = _trajectory(str(tmp_path / "resumed" / "grape_trajectory.jsonl"))
-    assert [r[0] for r in ta] == [0, 4, 8, 12] and ta == tb
+    assert [r[0] for r in ta] == list(range(0, 13, every)) and ta == tb
     assert ta[-1][1] != ta[0][1]
