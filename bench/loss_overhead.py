@@ -44,7 +44,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
 }
 
 
-def run(method: str, root: str, reference: str, model_cfg: Any, batches: list[Any],
+def run(method: str, root: str, reference: str, model_cfg: Any, batches: list[Any], batch_size: int,
         lr: float = 1e-3) -> tuple[float, float]:
     """(seconds of the whole loop, seconds inside the controller) over ``batches``."""
     import torch
@@ -52,7 +52,7 @@ def run(method: str, root: str, reference: str, model_cfg: Any, batches: list[An
     from grape_stream import GrapeController
     from grape_stream.models import GPT, per_sample_lm_loss
 
-    mixer = _mixer(root)
+    mixer = _mixer(root, batch_size)
     torch.manual_seed(0)
     model = GPT(model_cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -80,14 +80,11 @@ def run(method: str, root: str, reference: str, model_cfg: Any, batches: list[An
     return total, inside
 
 
-def _mixer(root: str) -> Any:
+def _mixer(root: str, batch_size: int) -> Any:
     from grape_stream import DomainStream, WeightedStreamingMixer
 
     return WeightedStreamingMixer([DomainStream(f"d{k}", local=os.path.join(root, f"d{k}")) for k in range(K)],
-                                  batch_size=_RUN["batch"], seed=0)
-
-
-_RUN: dict[str, Any] = {}
+                                  batch_size=batch_size, seed=0)
 
 
 def _write_domains(root: str, tokens: int, vocab: int, samples: int = 2000) -> None:
@@ -121,21 +118,21 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     shape = (dict(vocab_size=512, seq_len=64, n_layer=2, n_head=2, d_model=64, d_ff=128), 8) if args.small else \
         (dict(vocab_size=4096, seq_len=128, n_layer=4, n_head=4, d_model=128, d_ff=512), 32)
-    cfg, _RUN["batch"] = GPTConfig(**shape[0]), shape[1]
+    cfg, batch_size = GPTConfig(**shape[0]), shape[1]
     rows: dict[str, dict[str, list[float]]] = {m: {"step": [], "inside": []} for m in OPTIONS}
     with tempfile.TemporaryDirectory() as tmp:
         _write_domains(tmp, cfg.seq_len + 1, cfg.vocab_size)
         reference = os.path.join(tmp, "reference.pt")
         torch.manual_seed(1)
         torch.save(GPT(cfg).state_dict(), reference)
-        mixer = _mixer(tmp)
+        mixer = _mixer(tmp, batch_size)
         it = iter(mixer.dataloader(num_workers=0))
         batches = [next(it) for _ in range(args.steps)]
         mixer.close()
-        run("uniform", tmp, reference, cfg, batches[:2])  # warm-up: allocator, first calls
+        run("uniform", tmp, reference, cfg, batches[:2], batch_size)  # warm-up: allocator, first calls
         for _ in range(args.repeats):
             for m in OPTIONS:
-                total, inside = run(m, tmp, reference, cfg, batches)
+                total, inside = run(m, tmp, reference, cfg, batches, batch_size)
                 rows[m]["step"].append(total / args.steps)
                 rows[m]["inside"].append(inside / args.steps)
     base = statistics.median(rows["uniform"]["step"])
