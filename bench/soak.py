@@ -147,7 +147,9 @@ def _run_job(cfg_path: Path, env: dict[str, str], on_progress: Any) -> subproces
             elif line.startswith("{"):
                 on_progress(proc, json.loads(line))
 
-    threading.Thread(target=read, daemon=True).start()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    proc.reader = reader  # type: ignore[attr-defined]  # joined after the job ends: every line it printed is seen
     return proc
 
 
@@ -294,9 +296,11 @@ def main(argv: list[str] | None = None) -> int:
             shm_before, tmp_before = _shm_names(), sorted(os.listdir(job_tmp))
             px.set_faults(error_rate=args.error_rate, reset_rate=args.reset_rate, error_status=500)
             events: dict[str, Any] = {"prefixes": set(), "killed_at": None, "resumed_from": None, "outages": [],
-                                      "runs": []}
+                                      "runs": [], "last_checkpoint": {}}
 
             def progress(proc: subprocess.Popen, what: Any) -> None:
+                if not isinstance(what, dict):
+                    events["last_checkpoint"][proc.pid] = what
                 if isinstance(what, dict):
                     events["prefixes"].update(what["prefixes"])
                     events["runs"].append(what)
@@ -316,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
 
             first = _run_job(cfg_path, env, progress)
             first.wait(timeout=7200)
+            first.reader.join(timeout=60)  # type: ignore[attr-defined]
+            # The checkpoint the killed job last wrote: it may have written another while the kill was on its way
+            # (the harness sleeps past the one it saw first), so it is read from all that the job printed.
+            events["killed_at"] = events["last_checkpoint"].get(first.pid, events["killed_at"])
             print(f"killed (SIGKILL of its process group) after checkpoint {events['killed_at']}", flush=True)
             second = _run_job(cfg_path, env, progress)
             if second.wait(timeout=7200) != 0:
