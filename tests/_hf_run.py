@@ -8,8 +8,9 @@ the end of that optimizer step (after GRAPE's update): nothing is flushed or clo
 preempted node. ``--resume`` resumes from the newest ``checkpoint-N`` in OUT. Each rank writes its
 controller's (step, alpha) history to ``OUT/alphas-rank<r>.json`` at the end. Under ``torchrun
 --nproc_per_node 2`` it trains with DDP on CPU (gloo); rank r > 0 records its batches in
-``samples-rank<r>.jsonl``. ``--method`` other than grape: uniform or a loss-driven method updating every 4
+``samples-rank<r>.jsonl``. ``--method`` other than grape: uniform, rnb or a loss-driven method updating every 4
 steps (``--reference``: DoReMi's reference weights); the update records go to ``OUT/history-rank<r>.json``.
+``--alignments steps``: GRAPE's domain side from the training steps.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--method", default="grape")
     p.add_argument("--reference", default=None)
+    p.add_argument("--alignments", default="probe")
     a = p.parse_args(argv)
 
     import torch
@@ -82,7 +84,8 @@ def main(argv: list[str] | None = None) -> None:
                                               **({"reference": a.reference} if a.reference else {})})
     else:
         grape = GrapeTrainerCallback(method="grape", tasks=tasks, alpha_every=4, z_every=4, probe_domain_batch=4,
-                                     probe_task_batch=4, mu_alpha=3e-3, mu_z=3e-4, plots=False)
+                                     probe_task_batch=4, mu_alpha=3e-3, mu_z=3e-4, plots=False,
+                                     alignments=a.alignments)
     trainer = GrapeTrainer(model=model, args=args, mixer=mixer, batch_transform=recording_inputs,
                            callbacks=[grape, KillAt()])
     trainer.train(resume_from_checkpoint=True if a.resume else None)

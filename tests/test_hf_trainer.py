@@ -22,8 +22,11 @@ from _grape_data import write_dataset
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-#: (accumulate, steps, save every, kill at, the last checkpoint before the kill)
-CASES = [(1, 24, 6, 15, 12), (2, 12, 4, 10, 8)]
+#: (accumulate, steps, save every, kill at, the last checkpoint before the kill, more arguments): GRAPE with
+#: probes; GRAPE with alignments from the training steps and R&B, both killed and resumed in the middle of a round
+#: whose observed steps are partly in the checkpoint
+CASES = [(1, 24, 6, 15, 12, ()), (2, 12, 4, 10, 8, ()), (2, 12, 2, 11, 10, ("--alignments", "steps")),
+         (2, 12, 2, 11, 10, ("--method", "rnb"))]
 BATCHES = 24
 
 
@@ -81,19 +84,21 @@ def data(tmp_path_factory) -> str:
     return root
 
 
-@pytest.mark.parametrize("case", CASES, ids=["no-accumulation", "accumulate-2"])
+@pytest.mark.parametrize("case", CASES, ids=["no-accumulation", "accumulate-2", "alignments-steps", "rnb"])
 def test_hf_trainer_sigkill_then_resume_replays_the_straight_run(data, tmp_path, case):
-    accumulate, steps, save_every, kill_at, last = case
+    accumulate, steps, save_every, kill_at, last, extra = case
     straight, broken = str(tmp_path / "straight"), str(tmp_path / "killed")
-    _ok(_run(data, straight, case))
-    killed = _run(data, broken, case, "--kill-at", str(kill_at))
+    _ok(_run(data, straight, case, *extra))
+    killed = _run(data, broken, case, "--kill-at", str(kill_at), *extra)
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert max(int(d.split("-")[1]) for d in os.listdir(broken) if d.startswith("checkpoint-")) == last
     state = torch.load(os.path.join(broken, f"checkpoint-{last}", "grape_stream.pt"), weights_only=True)
     # the mixer's position counts global batches (one per optimizer step: accumulate micro-batches each)
     assert state["step"] == last and state["mixer"]["batch"] == last
     assert state["mixer"]["written_by"]["micro_batches"] == accumulate
-    _ok(_run(data, broken, case, "--resume"))
+    _ok(_run(data, broken, case, "--resume", *extra))
+    if extra:  # the checkpoint holds the observed steps of the round so far
+        assert state["controller"]["instep"]["observed_steps"] == last % 4
 
     a, b = _samples(straight), _samples(broken)
     assert sorted(a) == list(range(BATCHES)) and a == b  # the same samples, batch by batch
@@ -134,13 +139,16 @@ def test_resuming_from_a_checkpoint_without_grape_state_is_one_clear_error(data,
         trainer([grape]).train(resume_from_checkpoint=True)
 
 
-def test_hf_trainer_ddp_two_ranks_agree_on_alpha_and_read_disjoint_samples(data, tmp_path):
-    """DDP on CPU (gloo, torchrun, 2 ranks): one mixture for both ranks, different samples, one checkpoint."""
+@pytest.mark.parametrize("extra", [(), ("--method", "rnb")], ids=["grape", "rnb"])
+def test_hf_trainer_ddp_two_ranks_agree_on_alpha_and_read_disjoint_samples(data, tmp_path, extra):
+    """DDP on CPU (gloo, torchrun, 2 ranks): one mixture for both ranks, different samples, one checkpoint; R&B's
+    Gram is summed over the ranks' training steps (both ranks hold the same)."""
     out = str(tmp_path / "ddp")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     port = str(29900 + os.getpid() % 500)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           port, os.path.join(HERE, "_hf_run.py"), data, out, "--steps", "8", "--save-every", "4"],
+                           port, os.path.join(HERE, "_hf_run.py"), data, out, "--steps", "8", "--save-every", "4",
+                           *extra],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r0, r1 = (json.load(open(os.path.join(out, f"alphas-rank{r}.json"), encoding="utf-8")) for r in (0, 1))
@@ -154,3 +162,8 @@ def test_hf_trainer_ddp_two_ranks_agree_on_alpha_and_read_disjoint_samples(data,
     state = torch.load(os.path.join(out, "checkpoint-8", "grape_stream.pt"), weights_only=True)
     assert state["step"] == 8 and state["mixer"]["batch"] == 8 and state["mixer"]["written_by"]["world_size"] == 2
     assert [t[1] for t in _trajectory(out)] == [a for _, a in r0]
+    if extra:
+        h0, h1 = (json.load(open(os.path.join(out, f"history-rank{r}.json"), encoding="utf-8")) for r in (0, 1))
+        grams = [[r["domain_gram"] for r in h if not r.get("initial")] for h in (h0, h1)]
+        assert grams[0] == grams[1] and len(grams[0]) == 2
+        assert all(sum(r["instep"]["samples"]) == 4 * 16 for r in h0 if not r.get("initial"))

@@ -25,11 +25,11 @@ def data(tmp_path_factory) -> str:
     return root
 
 
-def _mixer(data: str, batch_size: int = 8):
+def _mixer(data: str, batch_size: int = 8, accumulate: int = 1):
     from grape_stream import DomainStream, WeightedStreamingMixer
 
     return WeightedStreamingMixer([DomainStream(d, local=f"{data}/{d}", split="train") for d in ("d0", "d1", "d2")],
-                                  batch_size=batch_size, seed=0)
+                                  batch_size=batch_size, seed=0, global_batch_size=batch_size * accumulate)
 
 
 def _tasks(data: str) -> list:
@@ -123,13 +123,109 @@ def test_grape_trainer_refuses_what_cannot_work(data, tmp_path):
         mixer.close()
 
 
-@pytest.mark.parametrize("method, options", [("grape", {"alignments": "steps"}), ("rnb", {})], ids=["steps", "rnb"])
-def test_grape_trainer_refuses_in_step_alignments_in_one_line(data, tmp_path, method, options):
-    """The HF Trainer computes its loss inside the model (no watchable per-sample losses): in-step alignments and
-    R&B (which reads the training steps' Gram) are refused at train()."""
+@pytest.mark.parametrize("accumulate", [1, 2], ids=["one-batch", "accumulate-2"])
+def test_an_observed_step_s_loss_is_the_models_own_loss(data, tmp_path, accumulate):
+    """On a step R&B (or alignments: steps) observes, GrapeTrainer builds the loss from each sample's loss; it must be
+    the number the model's own loss gives (padding masked out; with and without HF's num_items_in_batch), so the
+    training objective does not change."""
+    from transformers import Trainer, TrainingArguments
+
+    from grape_stream.integrations.hf import GrapeTrainer, GrapeTrainerCallback
+    from grape_stream.integrations.hf.trainer import GRAPE_BATCH
+
+    mixer = _mixer(data, batch_size=4, accumulate=accumulate)
+    try:
+        grape = GrapeTrainerCallback(method="rnb", alpha_every=2, trajectory=False, plots=False)
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, report_to=[], use_cpu=True,
+                                 gradient_accumulation_steps=accumulate)
+        model = _llama()
+        trainer = GrapeTrainer(model=model, args=args, mixer=mixer, callbacks=[grape])
+        grape.loop.attach(mixer)  # as at train begin
+        batch = next(iter(trainer.get_train_dataloader()))
+        gb = batch[GRAPE_BATCH]
+        mask = torch.ones_like(gb["tokens"], dtype=torch.uint8)
+        mask[0, 5:] = 0  # a padded sample, and a sample with few targets
+        mask[2, :20] = 0
+        gb["loss_mask"] = mask
+        inputs = causal_lm_inputs(gb)
+        trainer._observed_batch = gb
+        for items in (None, torch.tensor(int(mask[:, 1:].sum()) * accumulate)):
+            own = trainer.compute_loss(model, dict(inputs), num_items_in_batch=items)
+            trainer._observed_batch = None
+            want = Trainer.compute_loss(trainer, model, dict(inputs), num_items_in_batch=items)
+            trainer._observed_batch = gb
+            assert own.requires_grad
+            torch.testing.assert_close(own, want, rtol=2e-6, atol=0)  # float32: a wrong weighting is off by %
+    finally:
+        mixer.close()
+
+
+def _float64_llama():
+    """The tiny Llama in float64 throughout: HF's LlamaRMSNorm normalises in float32 whatever the model's dtype,
+    which the engine's float64 form of the norm's weight gradient would differ from by ~1e-7; torch's RMSNorm
+    (the same function) keeps float64."""
+    model = _llama().double()
+    for name, mod in list(model.named_modules()):
+        if type(mod).__name__ == "LlamaRMSNorm":
+            norm = torch.nn.RMSNorm(mod.weight.shape[0], eps=mod.variance_epsilon, dtype=torch.float64)
+            norm.weight.data.copy_(mod.weight.data)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, norm)
+    return model
+
+
+def test_rnb_gram_in_the_hf_trainer_is_the_gram_of_explicit_per_domain_gradients(data, tmp_path):
+    """R&B through GrapeTrainer (float64, 2 micro-batches a step, 2 rounds of 2 observed steps, lr 0 so every
+    gradient is taken at the same parameters): each update's G is the Gram of the domains' mean gradients over
+    the round's batches, computed here with one autograd call per domain."""
+    import numpy as np
     from transformers import TrainingArguments
 
     from grape_stream.integrations.hf import GrapeTrainer, GrapeTrainerCallback
+
+    mixer = _mixer(data, batch_size=4, accumulate=2)
+    seen: list[dict] = []
+
+    def recording(batch):
+        seen.append({k: torch.as_tensor(batch[k]).clone() for k in ("tokens", "domain")})
+        return causal_lm_inputs(batch)
+
+    try:
+        grape = GrapeTrainerCallback(method="rnb", alpha_every=2, alignment_steps=2, trajectory=False, plots=False)
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, learning_rate=0.0, report_to=[], use_cpu=True,
+                                 gradient_accumulation_steps=2, save_strategy="no", disable_tqdm=True)
+        model = _float64_llama()
+        GrapeTrainer(model=model, args=args, mixer=mixer, batch_transform=recording, callbacks=[grape]).train()
+    finally:
+        mixer.close()
+    updates = [r for r in grape.controller.history if not r.get("initial")]
+    assert [r["step"] for r in updates] == [2, 4] and len(seen) == 8
+    params = [p for p in model.parameters() if p.requires_grad]
+    for u, r in enumerate(updates):
+        batches = seen[4 * u: 4 * u + 4]
+        means = []
+        for k in range(3):
+            total, count = None, 0
+            for b in batches:
+                rows = b["domain"] == k
+                if rows.any():
+                    part = {"tokens": b["tokens"][rows]}
+                    grads = torch.autograd.grad(logits_per_sample_loss(model, part).sum(), params)
+                    flat = torch.cat([g.reshape(-1) for g in grads])
+                    total, count = (flat if total is None else total + flat), count + int(rows.sum())
+            means.append(None if total is None else total / count)
+        want = np.array([[np.nan if a is None or b is None else float(a @ b) for b in means] for a in means])
+        np.testing.assert_allclose(np.asarray(r["domain_gram"], dtype=np.float64), want, rtol=1e-9)
+
+
+@pytest.mark.parametrize("method, options", [("grape", {"alignments": "steps"}), ("rnb", {})], ids=["steps", "rnb"])
+def test_a_plain_trainer_refuses_in_step_alignments_in_one_line(data, tmp_path, method, options):
+    """In-step alignments and R&B need each sample's loss in the step's graph, which only GrapeTrainer computes:
+    the callback in a plain Trainer is refused at train()."""
+    from transformers import Trainer, TrainingArguments
+
+    from grape_stream.integrations.common import MixerTrainLoader
+    from grape_stream.integrations.hf import GrapeTrainerCallback
 
     mixer = _mixer(data)
     try:
@@ -137,8 +233,13 @@ def test_grape_trainer_refuses_in_step_alignments_in_one_line(data, tmp_path, me
                                      alignment_steps=1, trajectory=False, **options)
         args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, report_to=[],
                                  use_cpu=True)
-        trainer = GrapeTrainer(model=_llama(), args=args, mixer=mixer, callbacks=[grape])
-        with pytest.raises(ConfigError, match="not available with the Hugging Face Trainer") as err:
+
+        class PlainTrainer(Trainer):
+            def get_train_dataloader(self):
+                return MixerTrainLoader(mixer.dataloader())
+
+        trainer = PlainTrainer(model=_llama(), args=args, train_dataset=mixer, callbacks=[grape])
+        with pytest.raises(ConfigError, match="train with grape_stream.integrations.hf.GrapeTrainer") as err:
             trainer.train()
         assert "\n" not in str(err.value)
     finally:

@@ -104,6 +104,17 @@ class GrapeLoop:
         method = self.config.method
         return method != REPLAY_METHOD and REWEIGHTERS[canonical_method(method)].needs_training_losses
 
+    @property
+    def observes_training_steps(self) -> bool:
+        """Whether the method reads the training steps' own backward (``alignments: steps``, R&B's Gram): the trainer
+        must run each observed (micro-)batch's forward + backward inside :meth:`observe` with each sample's loss in
+        that backward's graph (known before the controller is built)."""
+        method = self.config.method
+        if method == REPLAY_METHOD:
+            return False
+        cls = REWEIGHTERS[canonical_method(method)]
+        return bool(getattr(cls, "needs_step_gram", False)) or (self.config.alignments == "steps" and cls.needs_probe)
+
     def default_trajectory(self, folder: str | os.PathLike[str]) -> None:
         """Write the trajectory into ``folder`` (``TRAJECTORY_FILE``) unless the config says otherwise."""
         if self.trajectory is None and self.write_trajectory:

@@ -41,7 +41,7 @@ from grape_stream.grape.gram.instep_scope import check_model, hooked_modules, st
 from grape_stream.grape.gram.layout_probe import probe_layouts
 from grape_stream.loss_watch import watching_losses
 
-__all__ = ["INSTEP_STATE_FORMAT", "StepAlignments", "sort_by_domain"]
+__all__ = ["INSTEP_STATE_FORMAT", "StepAlignments", "domain_order", "reorder_rows", "sort_by_domain"]
 
 INSTEP_STATE_FORMAT = "grape_stream.instep/1"
 
@@ -52,9 +52,18 @@ def sort_by_domain(batch: Mapping[str, Any]) -> dict[str, Any]:
     """The batch with its samples in domain order (stable): every tensor with the batch's leading size is
     reordered. A training loss that is a mean over the batch is unchanged; the observed step's per-domain
     gradients then take views of contiguous rows instead of gathering them."""
-    domains = torch.as_tensor(batch["domain"])
-    order = torch.sort(domains, stable=True).indices
-    n = domains.shape[0]
+    return reorder_rows(batch, domain_order(batch))
+
+
+def domain_order(batch: Mapping[str, Any]) -> Tensor:
+    """The permutation that puts the batch's samples in domain order (stable)."""
+    return torch.sort(torch.as_tensor(batch["domain"]), stable=True).indices
+
+
+def reorder_rows(batch: Mapping[str, Any], order: Tensor) -> dict[str, Any]:
+    """``batch`` with every tensor whose leading size is the batch's (``len(order)``) taken in ``order``; the
+    model's inputs and the mixer batch beside them (the HF Trainer's case) stay aligned row for row."""
+    n = order.shape[0]
     return {k: (v.index_select(0, order.to(v.device)) if isinstance(v, Tensor) and v.dim() and v.shape[0] == n else v)
             for k, v in batch.items()}
 

@@ -78,13 +78,12 @@ class GrapeTrainerCallback(TrainerCallback):
         mixer = find_mixer(kwargs.get("train_dataloader"), who="GrapeTrainerCallback")
         unwrap_for_probe(kwargs["model"])  # sharded parameters (FSDP) fail here, before the first step
         self.loop.default_trajectory(_output_dir(args))
-        if self.loop.attach(mixer).instep is not None:
-            raise ConfigError("alignments: steps and method rnb (both read the training steps' own backward) are "
-                              "not available with the Hugging Face Trainer: the model computes its own loss (a token "
-                              "mean) and the batch reaches it without its 'domain' column, so no per-sample loss can "
-                              "be watched; use alignments: probe with a probing method (docs/alignment.md, 'In-step "
-                              "alignments')")
-        if self.loop.controller is not None and self.loop.controller.losses is not None and self._trainer is None:
+        ctl = self.loop.attach(mixer)
+        if ctl.instep is not None and self._trainer is None:
+            raise ConfigError("alignments: steps and method rnb read the training steps' own backward, with each "
+                              "sample's loss in its graph: train with grape_stream.integrations.hf.GrapeTrainer, "
+                              "which computes the step's loss that way (docs/hf.md)")
+        if ctl.losses is not None and self._trainer is None:
             raise ConfigError(f"method {self.loop.method!r} reads each sample's training loss: train with "
                               "grape_stream.integrations.hf.GrapeTrainer, which shows it (docs/hf.md)")
         folder = self.resume_from

@@ -14,6 +14,13 @@ these:
   computes its own loss (the training objective is unchanged); the per-sample losses the method reads are
   recomputed from the output's logits (detached, no gradient) with the mixer batch, which the loader
   carries beside the model's inputs (``grape_batch``: the model never sees it).
+* ``training_step``, for a method that reads the training steps' own backward (``alignments: steps``, R&B)
+  and only on its observed steps: the batch is put in domain order, the forward + backward run inside the
+  controller's observation, and the loss is computed here: each sample's loss from the callback's
+  ``per_sample_loss`` (the probe's, default the causal LM loss of ``model(input_ids=tokens[:, :-1])``)
+  weighted by its counted tokens over the Trainer's own denominator -- the same number as the causal LM's
+  token-mean loss (``num_items_in_batch`` and gradient accumulation included), now with each sample's loss in
+  the graph, where the in-step engine reads its weight. Other steps are the Trainer's, untouched.
 """
 
 from __future__ import annotations
@@ -26,10 +33,11 @@ from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
 from grape_stream.errors import ConfigError
+from grape_stream.grape.gram.instep import domain_order, reorder_rows
 from grape_stream.integrations.common import BatchTransform, MixerTrainLoader, causal_lm_inputs
 from grape_stream.integrations.hf.callback import GrapeTrainerCallback
 from grape_stream.mixing.mixer import WeightedStreamingMixer
-from grape_stream.models import per_sample_lm_loss_from_logits
+from grape_stream.models import lm_targets, per_sample_lm_loss_from_logits
 
 __all__ = ["GRAPE_BATCH", "GrapeTrainer"]
 
@@ -86,6 +94,8 @@ class GrapeTrainer(Trainer):
             self.args.ignore_data_skip = True
         self.mixer = mixer
         self.batch_transform = batch_transform
+        #: the mixer batch of the (micro-)batch whose step the in-step engine observes now (None: none)
+        self._observed_batch: dict[str, Any] | None = None
 
     def grape_callbacks(self) -> list[GrapeTrainerCallback]:
         return [cb for cb in self.callback_handler.callbacks if isinstance(cb, GrapeTrainerCallback)]
@@ -94,7 +104,7 @@ class GrapeTrainer(Trainer):
         loader = self.mixer.dataloader(num_workers=self.args.dataloader_num_workers,
                                        pin_memory=self.args.dataloader_pin_memory)
         transform = self.batch_transform
-        if transform is not None and self._loss_callbacks():
+        if transform is not None and (self._loss_callbacks() or self._step_callbacks()):
             inner = transform
 
             def transform(batch: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -104,10 +114,41 @@ class GrapeTrainer(Trainer):
     def _loss_callbacks(self) -> list[GrapeTrainerCallback]:
         return [cb for cb in self.grape_callbacks() if cb.loop.needs_training_losses]
 
+    def _step_callbacks(self) -> list[GrapeTrainerCallback]:
+        return [cb for cb in self.grape_callbacks() if cb.loop.observes_training_steps]
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+                      ) -> torch.Tensor:
+        """The Trainer's step; on a step that ``alignments: steps`` or R&B observes, its forward + backward inside
+        the controller's observation, the batch in domain order (the loss, a mean, is unchanged)."""
+        callbacks = self._step_callbacks()
+        batch = inputs.get(GRAPE_BATCH) if isinstance(inputs, dict) and callbacks else None
+        step = self.state.global_step + 1
+        ctl = callbacks[0].controller if callbacks else None
+        if batch is None or ctl is None or ctl.instep is None or not ctl.instep.observed(step):
+            return super().training_step(model, inputs, num_items_in_batch)
+        if self.label_smoother is not None or self.compute_loss_func is not None:
+            raise ConfigError(f"method {ctl.method!r} with alignments from the training steps computes the step's "
+                              "loss itself (the causal LM's token mean): GrapeTrainer cannot combine it with "
+                              "label_smoothing_factor or compute_loss_func; use alignments: probe (docs/hf.md)")
+        order = domain_order(batch)
+        inputs = reorder_rows({k: v for k, v in inputs.items() if k != GRAPE_BATCH}, order)
+        self._observed_batch = reorder_rows(batch, order)
+        batch = self._observed_batch
+        try:
+            with callbacks[0].loop.observe(model, step, batch, optimizer=self.optimizer,
+                                           autocast=self.autocast_smart_context_manager):
+                return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self._observed_batch = None
+
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
-        """The Trainer's loss; for a loss-driven method also each sample's loss, shown to it (grape.loss_mode)."""
+        """The Trainer's loss; for a loss-driven method also each sample's loss, shown to it (grape.loss_mode);
+        on a step the in-step engine observes, the token-mean loss built from each sample's (see the module)."""
         batch = inputs.pop(GRAPE_BATCH, None) if isinstance(inputs, dict) else None
+        if self._observed_batch is not None:
+            return self._observed_step_loss(model, inputs, return_outputs, num_items_in_batch)
         callbacks = self._loss_callbacks() if batch is not None else []
         if not callbacks:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
@@ -116,16 +157,30 @@ class GrapeTrainer(Trainer):
         with loop.observe(model, self.state.global_step + 1, batch, autocast=self.autocast_smart_context_manager):
             loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
                                                  num_items_in_batch=num_items_in_batch)
-            logits = getattr(outputs, "logits", None)
-            if logits is None and isinstance(outputs, Mapping):
-                logits = outputs.get("logits")
-            if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
-                raise ConfigError(f"method {loop.method!r} reads each sample's training loss, which GrapeTrainer "
-                                  "recomputes from the model output's .logits (B, T, V): this model returns none; "
-                                  "use a causal LM or pass per-sample losses in your own loop (docs/hf.md)")
+            logits = _logits(outputs, loop.method)
             with torch.no_grad():
                 per_sample_lm_loss_from_logits(logits[:, :-1].detach(), batch)
         return (loss, outputs) if return_outputs else loss
+
+    def _observed_step_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool,
+                            num_items_in_batch: Any) -> Any:
+        """The causal LM's loss (sum of counted token losses / the Trainer's denominator), as each sample's mean
+        token loss times its counted tokens. Each sample's loss is the callback's ``per_sample_loss`` (the
+        probe's: the in-step engine learns the model's layout from that call), watched by the engine."""
+        batch = self._observed_batch
+        assert batch is not None
+        per_sample = self._step_callbacks()[0].controller.per_sample_loss(model, batch)
+        targets, mask = lm_targets(batch)
+        counted = (mask.to(per_sample.dtype).sum(dim=1) if mask is not None
+                   else torch.full_like(per_sample, float(targets.shape[1])))
+        total = (per_sample * counted.to(per_sample.device)).sum()
+        if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+            loss = total / torch.as_tensor(num_items_in_batch, device=total.device).to(total.dtype)
+            if self.args.average_tokens_across_devices:
+                loss = loss * (self.accelerator.num_processes if self.args.n_gpu <= 1 else self.args.n_gpu)
+        else:
+            loss = total / counted.sum().clamp_min(1.0).to(total.device)
+        return (loss, None) if return_outputs else loss
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; a resume (a folder, or True: the newest ``checkpoint-N`` in ``output_dir``) also
@@ -139,3 +194,15 @@ class GrapeTrainer(Trainer):
             cb.bind(self)
             cb.resume_from = folder
         return super().train(folder, *args, **kwargs)
+
+
+def _logits(outputs: Any, method: str) -> torch.Tensor:
+    """The (B, T, V) logits of an HF model's output, or one line saying the model gives none."""
+    logits = getattr(outputs, "logits", None)
+    if logits is None and isinstance(outputs, Mapping):
+        logits = outputs.get("logits")
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+        raise ConfigError(f"method {method!r} reads each sample's training loss, which GrapeTrainer "
+                          "recomputes from the model output's .logits (B, T, V): this model returns none; "
+                          "use a causal LM or pass per-sample losses in your own loop (docs/hf.md)")
+    return logits
