@@ -32,10 +32,11 @@ try:
 except Exception:  # pragma: no cover
     _DTENSOR_TYPES = ()
 
-__all__ = ["collate_domain_samples", "draw_probe_groups", "module_device", "pad_groups", "unwrap_for_probe"]
+__all__ = ["collate_domain_samples", "draw_probe_groups", "module_device", "pad_groups", "sharded_parameter",
+           "unwrap_for_probe"]
 
 
-def _sharded_parameter(model: nn.Module) -> str | None:
+def sharded_parameter(model: nn.Module) -> str | None:
     """Why `model` holds sharded parameters (FSDP1 module, FlatParameter, FSDP2 DTensor), or None."""
     if _FSDP_TYPES:
         for name, m in model.named_modules():
@@ -67,7 +68,7 @@ def unwrap_for_probe(model: nn.Module) -> nn.Module:
             model = inner
         else:
             break
-    why = _sharded_parameter(model)
+    why = sharded_parameter(model)
     if why is not None:
         raise NotImplementedError(
             f"GRAPE probes do not support sharded parameters yet ({why}): under FSDP each rank holds only a "

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from grape_stream.errors import ConfigError
-from grape_stream.grape.probes import unwrap_for_probe
+from grape_stream.grape.probes import sharded_parameter, unwrap_for_probe
 from grape_stream.loss_watch import watching_losses
 
 __all__ = ["ReferenceModel", "reference_state_dict"]
@@ -108,6 +108,11 @@ class ReferenceModel:
         self.model: Optional[nn.Module] = None
 
     def _build(self, model: nn.Module) -> nn.Module:
+        why = sharded_parameter(model)
+        if why is not None:
+            raise ConfigError(f"DoReMi's reference model is a full copy of the training model, which is sharded here "
+                              f"({why}): not supported; train the DoReMi proxy with DDP or on one device (the "
+                              "paper's proxy is a small model)")
         inner = unwrap_for_probe(model)
         ref = copy.deepcopy(inner)
         for p in ref.parameters():
