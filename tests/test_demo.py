@@ -22,21 +22,44 @@ CORPUS = REPO / "data" / "demo"
 METHODS = ["uniform", "grape"]  # the default
 
 
-def _run_demo(out: Path, *args: str) -> tuple[int, str]:
+def _run_demo(out: Path, *args: str, stderr: Path | None = None) -> tuple[int, str]:
+    """The demo's exit status and stdout; ``stderr``: also keep file descriptor 2 there (the runs' own processes
+    write to it too)."""
     import contextlib
     import io
+    import os
+    import sys
 
     buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        rc = cli_main(["demo", "--out", str(out), "--data", str(CORPUS), "--no-progress", *args])
+    saved = None
+    if stderr is not None:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        with open(stderr, "wb") as f:
+            os.dup2(f.fileno(), 2)
+    try:
+        with contextlib.redirect_stdout(buf):
+            rc = cli_main(["demo", "--out", str(out), "--data", str(CORPUS), "--no-progress", *args])
+    finally:
+        if saved is not None:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
     return rc, buf.getvalue()
 
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str]:
     out = tmp_path_factory.mktemp("demo")
-    rc, stdout = _run_demo(out, "--quick", "--steps", "12")
+    rc, stdout = _run_demo(out, "--quick", "--steps", "12", stderr=out.with_name(out.name + "_stderr.txt"))
     return out, rc, stdout
+
+
+def test_no_progress_keeps_grape_s_update_lines_quiet_too(demo_run: tuple[Path, int, str]) -> None:
+    out, rc, stdout = demo_run
+    err = out.with_name(out.name + "_stderr.txt").read_text(errors="replace")
+    assert rc == 0 and "GRAPE update" not in err + stdout
+    assert len(json.loads((out / "summary.json").read_text())["methods"]["grape"]["trajectory"]) >= 3  # it updated
 
 
 def _table(stdout: str, targets: list[str]) -> tuple[list[str], dict[str, list[float]]]:
