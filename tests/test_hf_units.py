@@ -218,6 +218,26 @@ def test_rnb_gram_in_the_hf_trainer_is_the_gram_of_explicit_per_domain_gradients
         np.testing.assert_allclose(np.asarray(r["domain_gram"], dtype=np.float64), want, rtol=1e-9)
 
 
+def test_grape_trainer_refuses_label_smoothing_with_in_step_alignments_in_one_line(data, tmp_path):
+    """The observed steps' loss is built by GrapeTrainer (the plain token mean): a smoothed or custom loss would
+    differ between observed and other steps, so it is refused before the first step."""
+    from transformers import TrainingArguments
+
+    from grape_stream.integrations.hf import GrapeTrainer, GrapeTrainerCallback
+
+    mixer = _mixer(data)
+    try:
+        grape = GrapeTrainerCallback(method="rnb", alpha_every=2, trajectory=False, plots=False)
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, report_to=[], use_cpu=True,
+                                 label_smoothing_factor=0.1)
+        trainer = GrapeTrainer(model=_llama(), args=args, mixer=mixer, callbacks=[grape])
+        with pytest.raises(ConfigError, match="cannot honour label_smoothing_factor") as err:
+            trainer.train()
+        assert "\n" not in str(err.value) and trainer.state.global_step == 0
+    finally:
+        mixer.close()
+
+
 @pytest.mark.parametrize("method, options", [("grape", {"alignments": "steps"}), ("rnb", {})], ids=["steps", "rnb"])
 def test_a_plain_trainer_refuses_in_step_alignments_in_one_line(data, tmp_path, method, options):
     """In-step alignments and R&B need each sample's loss in the step's graph, which only GrapeTrainer computes:

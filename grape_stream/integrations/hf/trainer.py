@@ -26,7 +26,7 @@ these:
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 import torch
 from transformers import Trainer
@@ -127,14 +127,10 @@ class GrapeTrainer(Trainer):
         ctl = callbacks[0].controller if callbacks else None
         if batch is None or ctl is None or ctl.instep is None or not ctl.instep.observed(step):
             return super().training_step(model, inputs, num_items_in_batch)
-        if self.label_smoother is not None or self.compute_loss_func is not None:
-            raise ConfigError(f"method {ctl.method!r} with alignments from the training steps computes the step's "
-                              "loss itself (the causal LM's token mean): GrapeTrainer cannot combine it with "
-                              "label_smoothing_factor or compute_loss_func; use alignments: probe (docs/hf.md)")
         order = domain_order(batch)
         inputs = reorder_rows({k: v for k, v in inputs.items() if k != GRAPE_BATCH}, order)
-        self._observed_batch = reorder_rows(batch, order)
-        batch = self._observed_batch
+        # on the training device, as the Trainer puts the model's inputs (it never sees this one)
+        self._observed_batch = batch = cast(dict[str, Any], self._prepare_input(reorder_rows(batch, order)))
         try:
             with callbacks[0].loop.observe(model, step, batch, optimizer=self.optimizer,
                                            autocast=self.autocast_smart_context_manager):
@@ -190,6 +186,12 @@ class GrapeTrainer(Trainer):
             if resume_from_checkpoint is None:
                 raise ConfigError(f"resume_from_checkpoint=True but {self.args.output_dir} has no checkpoint-N folder")
         folder = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
+        steps = self._step_callbacks()
+        if steps and (self.label_smoother is not None or self.compute_loss_func is not None):
+            raise ConfigError(f"method {steps[0].loop.method!r} with alignments from the training steps has "
+                              "GrapeTrainer compute the observed steps' loss itself (the causal LM's token mean), "
+                              "which cannot honour label_smoothing_factor or compute_loss_func; use alignments: "
+                              "probe (docs/hf.md)")
         for cb in self.grape_callbacks():
             cb.bind(self)
             cb.resume_from = folder
