@@ -214,6 +214,23 @@ def per_sample_lm_loss_from_logits(
     return watch_losses((ce * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0), ce, m)  # (in-step alignments read it)
 
 
+def per_sample_lm_loss_from_full_logits(logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """:func:`per_sample_lm_loss_from_logits` for logits of every position, (B, T, V) of ``tokens`` (what an HF
+    causal LM returns for ``input_ids=tokens``): the last position's target is ignored rather than its logits
+    sliced off, so the (B, T, V) array is never copied -- the way HF's own causal-LM loss pads its labels."""
+    tokens = batch["tokens"].long()
+    targets = torch.cat([tokens[:, 1:], tokens.new_full((tokens.shape[0], 1), -100)], dim=1).to(logits.device)
+    if logits.dtype in (torch.float16, torch.bfloat16):  # half-precision logits: softmax in float32
+        logits = logits.float()
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100,
+                         reduction="none").view(targets.shape)[:, :-1]
+    _, mask = lm_targets(batch)
+    if mask is None:
+        return watch_losses(ce.mean(dim=1), ce)
+    m = mask.to(ce.dtype)
+    return watch_losses((ce * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0), ce, m)
+
+
 def per_sample_lm_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Mean next-token cross-entropy of each sample: Tensor[B] (see per_sample_lm_loss_from_logits).
 

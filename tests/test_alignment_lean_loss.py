@@ -13,6 +13,7 @@ from grape_stream.models import (
     GPTConfig,
     no_inplace_loss_grad,
     per_sample_lm_loss,
+    per_sample_lm_loss_from_full_logits,
     per_sample_lm_loss_from_logits,
 )
 
@@ -90,3 +91,42 @@ def test_exact_fallback_beside_the_in_place_loss_gradient(micro) -> None:
         per_sample_lm_loss_from_logits(kept, groups[0], inplace_grad=True).sum().backward(retain_graph=True)
     assert torch.equal(kept.detach(), logits.detach())  # kept still holds the logits ...
     assert not torch.equal(owned.detach(), logits.detach())  # ... owned holds their gradient
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_full_logits_give_the_sliced_logits_loss_and_token_losses(masked: bool) -> None:
+    """An HF causal LM's logits of every position (the last one's target ignored) score what the logits of
+    tokens[:, :-1] score: per-sample losses, their gradients, and the per-token losses a watcher (DoReMi) sees."""
+    from grape_stream.loss_watch import watching_losses
+
+    batch = lm_groups([3], seed=5, seq=12)[0]
+    if not masked:
+        batch = {k: v for k, v in batch.items() if k != "loss_mask"}
+    base = torch.randn(3, 12, 300, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) * 3
+    weights = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
+
+    class Tokens:
+        def __init__(self) -> None:
+            self.seen: list = []
+
+        def watch_tokens(self, token_losses, mask) -> None:
+            self.seen.append((token_losses.detach().clone(), None if mask is None else mask.clone()))
+
+        def watch(self, losses) -> None:
+            pass
+
+    runs = []
+    for full in (False, True):
+        x = base.clone().requires_grad_(True)
+        watcher = Tokens()
+        with watching_losses(watcher):
+            got = (per_sample_lm_loss_from_full_logits(x, batch) if full
+                   else per_sample_lm_loss_from_logits(x[:, :-1], batch))
+        (got * weights).sum().backward()
+        runs.append((got.detach(), x.grad, watcher.seen[0]))
+    (want, want_grad, (want_tok, want_mask)), (got, got_grad, (got_tok, got_mask)) = runs
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-12, atol=1e-15)
+    assert not got_grad[:, -1].any()  # the last position predicts nothing
+    torch.testing.assert_close(got_tok, want_tok, rtol=1e-12, atol=0)
+    assert (got_mask is None) == (want_mask is None) == (not masked)

@@ -26,7 +26,7 @@ REPO = os.path.dirname(HERE)
 #: probes; GRAPE with alignments from the training steps and R&B, both killed and resumed in the middle of a round
 #: whose observed steps are partly in the checkpoint
 CASES = [(1, 24, 6, 15, 12, ()), (2, 12, 4, 10, 8, ()), (2, 12, 2, 11, 10, ("--alignments", "steps")),
-         (2, 12, 2, 11, 10, ("--method", "rnb"))]
+         (2, 12, 2, 11, 10, ("--method", "rnb")), (2, 12, 2, 11, 10, ("--method", "odm"))]
 BATCHES = 24
 
 
@@ -84,7 +84,7 @@ def data(tmp_path_factory) -> str:
     return root
 
 
-@pytest.mark.parametrize("case", CASES, ids=["no-accumulation", "accumulate-2", "alignments-steps", "rnb"])
+@pytest.mark.parametrize("case", CASES, ids=["no-accumulation", "accumulate-2", "alignments-steps", "rnb", "odm"])
 def test_hf_trainer_sigkill_then_resume_replays_the_straight_run(data, tmp_path, case):
     accumulate, steps, save_every, kill_at, last, extra = case
     straight, broken = str(tmp_path / "straight"), str(tmp_path / "killed")
@@ -97,7 +97,9 @@ def test_hf_trainer_sigkill_then_resume_replays_the_straight_run(data, tmp_path,
     assert state["step"] == last and state["mixer"]["batch"] == last
     assert state["mixer"]["written_by"]["micro_batches"] == accumulate
     _ok(_run(data, broken, case, "--resume", *extra))
-    if extra:  # the checkpoint holds the observed steps of the round so far
+    if "odm" in extra:  # the checkpoint holds the losses of the interval so far (2 of its 4 steps)
+        assert state["controller"]["training_losses"]["steps"] == last % 4
+    elif extra:  # the checkpoint holds the observed steps of the round so far
         assert state["controller"]["instep"]["observed_steps"] == last % 4
 
     a, b = _samples(straight), _samples(broken)

@@ -123,11 +123,13 @@ def test_grape_trainer_refuses_what_cannot_work(data, tmp_path):
         mixer.close()
 
 
+@pytest.mark.parametrize("method", ["rnb", "odm"])
 @pytest.mark.parametrize("accumulate", [1, 2], ids=["one-batch", "accumulate-2"])
-def test_an_observed_step_s_loss_is_the_models_own_loss(data, tmp_path, accumulate):
-    """On a step R&B (or alignments: steps) observes, GrapeTrainer builds the loss from each sample's loss; it must be
-    the number the model's own loss gives (padding masked out; with and without HF's num_items_in_batch), so the
-    training objective does not change."""
+def test_a_loss_built_from_each_sample_s_is_the_models_own_loss(data, tmp_path, accumulate, method):
+    """On a step R&B (or alignments: steps) observes, and on every step of a loss-driven method, GrapeTrainer builds
+    the loss from each sample's loss; it must be the number the model's own loss gives (padding masked out; with and
+    without HF's num_items_in_batch), so the training objective does not change; a loss-driven method reads those
+    per-sample losses, summed per domain."""
     from transformers import Trainer, TrainingArguments
 
     from grape_stream.integrations.hf import GrapeTrainer, GrapeTrainerCallback
@@ -135,12 +137,12 @@ def test_an_observed_step_s_loss_is_the_models_own_loss(data, tmp_path, accumula
 
     mixer = _mixer(data, batch_size=4, accumulate=accumulate)
     try:
-        grape = GrapeTrainerCallback(method="rnb", alpha_every=2, trajectory=False, plots=False)
+        grape = GrapeTrainerCallback(method=method, alpha_every=2, trajectory=False, plots=False)
         args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, report_to=[], use_cpu=True,
                                  gradient_accumulation_steps=accumulate)
         model = _llama()
         trainer = GrapeTrainer(model=model, args=args, mixer=mixer, callbacks=[grape])
-        grape.loop.attach(mixer)  # as at train begin
+        ctl = grape.loop.attach(mixer)  # as at train begin
         batch = next(iter(trainer.get_train_dataloader()))
         gb = batch[GRAPE_BATCH]
         mask = torch.ones_like(gb["tokens"], dtype=torch.uint8)
@@ -148,12 +150,21 @@ def test_an_observed_step_s_loss_is_the_models_own_loss(data, tmp_path, accumula
         mask[2, :20] = 0
         gb["loss_mask"] = mask
         inputs = causal_lm_inputs(gb)
-        trainer._observed_batch = gb
         for items in (None, torch.tensor(int(mask[:, 1:].sum()) * accumulate)):
-            own = trainer.compute_loss(model, dict(inputs), num_items_in_batch=items)
-            trainer._observed_batch = None
+            if method == "rnb":  # as GrapeTrainer.training_step sets it on an observed step
+                trainer._observed_batch = gb
+                own = trainer.compute_loss(model, dict(inputs), num_items_in_batch=items)
+                trainer._observed_batch = None
+            else:  # the loader's batch: the model's inputs and the mixer batch beside them
+                own = trainer.compute_loss(model, {**inputs, GRAPE_BATCH: gb}, num_items_in_batch=items)
+                sums = ctl.losses._step_sums.clone()
+                ctl.losses._step_sums = None
+                with torch.no_grad():
+                    each = logits_per_sample_loss(model, gb).double()
+                want_sums = torch.zeros(3, dtype=torch.float64).index_add_(0, gb["domain"], each)
+                torch.testing.assert_close(sums[0], want_sums, rtol=1e-5, atol=0)
+                assert sums[1].tolist() == torch.bincount(gb["domain"], minlength=3).tolist()
             want = Trainer.compute_loss(trainer, model, dict(inputs), num_items_in_batch=items)
-            trainer._observed_batch = gb
             assert own.requires_grad
             torch.testing.assert_close(own, want, rtol=2e-6, atol=0)  # float32: a wrong weighting is off by %
     finally:

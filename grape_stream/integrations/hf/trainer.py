@@ -10,10 +10,13 @@ these:
 * ``ignore_data_skip`` is forced on: on resume the Trainer would otherwise re-read (and throw away) every
   batch since the start through a new loader; the mixer restores its position itself.
 * ``train`` tells the GrapeTrainerCallback which checkpoint folder it resumes from.
-* ``compute_loss``, for a loss-driven method (DoReMi, ODM, ADO: grape/loss_mode.py) only: the model still
-  computes its own loss (the training objective is unchanged); the per-sample losses the method reads are
-  recomputed from the output's logits (detached, no gradient) with the mixer batch, which the loader
-  carries beside the model's inputs (``grape_batch``: the model never sees it).
+* ``compute_loss``, for a loss-driven method (DoReMi, ODM, ADO: grape/loss_mode.py) only: the model is called
+  without labels and the loss is built from each sample's loss on its logits, as the observed steps' below
+  (the same number as the model's own loss, one cross-entropy instead of two); the method reads those
+  per-sample losses with the mixer batch, which the loader carries beside the model's inputs (``grape_batch``:
+  the model never sees it). Where the Trainer's loss is not the plain token mean (label smoothing,
+  ``compute_loss_func``, an MoE router loss) the model keeps computing its own and each sample's loss is
+  recomputed from the logits under no_grad.
 * ``training_step``, for a method that reads the training steps' own backward (``alignments: steps``, R&B)
   and only on its observed steps: the batch is put in domain order, the forward + backward run inside the
   controller's observation, and the loss is computed here: each sample's loss from the callback's
@@ -37,7 +40,7 @@ from grape_stream.grape.gram.instep import domain_order, reorder_rows
 from grape_stream.integrations.common import BatchTransform, MixerTrainLoader, causal_lm_inputs
 from grape_stream.integrations.hf.callback import GrapeTrainerCallback
 from grape_stream.mixing.mixer import WeightedStreamingMixer
-from grape_stream.models import lm_targets, per_sample_lm_loss_from_logits
+from grape_stream.models import lm_targets, per_sample_lm_loss_from_full_logits
 
 __all__ = ["GRAPE_BATCH", "GrapeTrainer"]
 
@@ -151,21 +154,38 @@ class GrapeTrainer(Trainer):
                                         num_items_in_batch=num_items_in_batch)
         loop = callbacks[0].loop
         with loop.observe(model, self.state.global_step + 1, batch, autocast=self.autocast_smart_context_manager):
-            loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
-                                                 num_items_in_batch=num_items_in_batch)
-            logits = _logits(outputs, loop.method)
-            with torch.no_grad():
-                per_sample_lm_loss_from_logits(logits[:, :-1].detach(), batch)
+            if self._own_loss_is_the_token_mean(model):  # one cross-entropy: the loss from each sample's
+                outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
+                per_sample = per_sample_lm_loss_from_full_logits(_logits(outputs, loop.method), batch)
+                loss = self._token_mean_loss(per_sample, batch, num_items_in_batch)
+            else:  # the model's own loss (smoothed, custom, or with an auxiliary term); samples' scored again
+                loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
+                                                     num_items_in_batch=num_items_in_batch)
+                with torch.no_grad():
+                    per_sample_lm_loss_from_full_logits(_logits(outputs, loop.method).detach(), batch)
         return (loss, outputs) if return_outputs else loss
+
+    def _own_loss_is_the_token_mean(self, model: Any) -> bool:
+        """Whether the Trainer's loss is the plain causal-LM token mean, which :meth:`_token_mean_loss` rebuilds
+        from each sample's: no label smoothing, no ``compute_loss_func``, no MoE router loss added by the model."""
+        config = getattr(self.accelerator.unwrap_model(model), "config", None)
+        return (self.label_smoother is None and self.compute_loss_func is None
+                and not getattr(config, "output_router_logits", False))
 
     def _observed_step_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool,
                             num_items_in_batch: Any) -> Any:
-        """The causal LM's loss (sum of counted token losses / the Trainer's denominator), as each sample's mean
-        token loss times its counted tokens. Each sample's loss is the callback's ``per_sample_loss`` (the
-        probe's: the in-step engine learns the model's layout from that call), watched by the engine."""
+        """The observed step's loss from each sample's: the callback's ``per_sample_loss`` (the probe's call, from
+        which the in-step engine learns the model's layout), watched by the engine."""
         batch = self._observed_batch
         assert batch is not None
         per_sample = self._step_callbacks()[0].controller.per_sample_loss(model, batch)
+        loss = self._token_mean_loss(per_sample, batch, num_items_in_batch)
+        return (loss, None) if return_outputs else loss
+
+    def _token_mean_loss(self, per_sample: torch.Tensor, batch: Mapping[str, Any], num_items_in_batch: Any
+                         ) -> torch.Tensor:
+        """The causal LM's loss (sum of counted token losses / the Trainer's denominator) from each sample's mean
+        token loss times its counted tokens, so that each sample's loss is in the graph."""
         targets, mask = lm_targets(batch)
         counted = (mask.to(per_sample.dtype).sum(dim=1) if mask is not None
                    else torch.full_like(per_sample, float(targets.shape[1])))
@@ -176,7 +196,7 @@ class GrapeTrainer(Trainer):
                 loss = loss * (self.accelerator.num_processes if self.args.n_gpu <= 1 else self.args.n_gpu)
         else:
             loss = total / counted.sum().clamp_min(1.0).to(total.device)
-        return (loss, None) if return_outputs else loss
+        return loss
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; a resume (a folder, or True: the newest ``checkpoint-N`` in ``output_dir``) also
@@ -187,11 +207,11 @@ class GrapeTrainer(Trainer):
                 raise ConfigError(f"resume_from_checkpoint=True but {self.args.output_dir} has no checkpoint-N folder")
         folder = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
         steps = self._step_callbacks()
-        if steps and (self.label_smoother is not None or self.compute_loss_func is not None):
+        if steps and not self._own_loss_is_the_token_mean(self.model):
             raise ConfigError(f"method {steps[0].loop.method!r} with alignments from the training steps has "
                               "GrapeTrainer compute the observed steps' loss itself (the causal LM's token mean), "
-                              "which cannot honour label_smoothing_factor or compute_loss_func; use alignments: "
-                              "probe (docs/hf.md)")
+                              "which cannot honour label_smoothing_factor, compute_loss_func or an MoE router loss "
+                              "(output_router_logits); use alignments: probe (docs/hf.md)")
         for cb in self.grape_callbacks():
             cb.bind(self)
             cb.resume_from = folder
