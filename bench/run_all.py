@@ -37,6 +37,7 @@ BENCHES = (
     Bench("huge_document", ("--mb", "5"), "--out"),
     Bench("overhead", ("--quick",), "--out"),
     Bench("loss_overhead", ("--quick", "--small"), "--out"),
+    Bench("hf_loss_overhead", ("--quick",), "--out"),
     Bench("install_extras", ("--quick",), "--out"),  # needs the package registry (network)
     Bench("mixture_quality", ("--seeds", "0", "--methods", "uniform,grape", "--steps", "20", "--fresh"),
           "--results"),
