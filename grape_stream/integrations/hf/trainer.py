@@ -37,7 +37,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from grape_stream.errors import ConfigError
 from grape_stream.grape.gram.instep import domain_order, reorder_rows
-from grape_stream.integrations.common import BatchTransform, MixerTrainLoader, causal_lm_inputs
+from grape_stream.integrations.common import IGNORE_INDEX, BatchTransform, MixerTrainLoader, causal_lm_inputs
 from grape_stream.integrations.hf.callback import GrapeTrainerCallback
 from grape_stream.mixing.mixer import WeightedStreamingMixer
 from grape_stream.models import lm_targets, per_sample_lm_loss_from_full_logits
@@ -156,8 +156,9 @@ class GrapeTrainer(Trainer):
         with loop.observe(model, self.state.global_step + 1, batch, autocast=self.autocast_smart_context_manager):
             if self._own_loss_is_the_token_mean(model):  # one cross-entropy: the loss from each sample's
                 outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
-                per_sample = per_sample_lm_loss_from_full_logits(_logits(outputs, loop.method), batch)
-                loss = self._token_mean_loss(per_sample, batch, num_items_in_batch)
+                scored = _labels_as_batch(inputs.get("labels"), batch)
+                per_sample = per_sample_lm_loss_from_full_logits(_logits(outputs, loop.method), scored)
+                loss = self._token_mean_loss(per_sample, scored, num_items_in_batch)
             else:  # the model's own loss (smoothed, custom, or with an auxiliary term); samples' scored again
                 loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
                                                      num_items_in_batch=num_items_in_batch)
@@ -228,3 +229,12 @@ def _logits(outputs: Any, method: str) -> torch.Tensor:
                           "recomputes from the model output's .logits (B, T, V): this model returns none; "
                           "use a causal LM or pass per-sample losses in your own loop (docs/hf.md)")
     return logits
+
+
+def _labels_as_batch(labels: Any, batch: Mapping[str, Any]) -> Mapping[str, Any]:
+    """What the loss scores: the model's ``labels`` (HF's convention, ``IGNORE_INDEX`` where nothing counts) as
+    ``tokens`` / ``loss_mask``, so that a ``batch_transform`` masking other positions than ``loss_mask`` keeps its
+    objective; the mixer batch when the inputs carry no labels."""
+    if not isinstance(labels, torch.Tensor):
+        return batch
+    return {**batch, "tokens": labels.clamp_min(0), "loss_mask": labels != IGNORE_INDEX}
