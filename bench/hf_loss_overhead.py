@@ -21,9 +21,7 @@ once in 20 steps (what the per-step update and its logged metrics cost is the di
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -34,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from loss_overhead import K, _mixer, _write_domains  # noqa: E402 (bench/ is not a package)
+from loss_overhead import _mixer, _write_domains, write_results  # noqa: E402 (bench/ is not a package)
 
 METHODS: dict[str, dict[str, Any]] = {
     "uniform": {"method": "uniform", "alpha_every": 1},
@@ -98,13 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     for m, r in table.items():
         print(f"{m:<8} {r['step_ms']:>9.1f} {r['extra_pct']:>9.2f}   {r['repeats_ms']}")
     if not args.quick:
-        doc = {"bench": "hf_loss_overhead", "command": "python bench/hf_loss_overhead.py " + " ".join(sys.argv[1:]),
-               "model": SHAPE, "batch": BATCH, "K": K, "steps": args.steps, "repeats": args.repeats,
-               "machine": platform.processor() or platform.machine(), "threads": 1, "methods": table}
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
-        print(f"wrote {args.out}")
+        write_results(args.out, "hf_loss_overhead", model=SHAPE, batch=BATCH, steps=args.steps, repeats=args.repeats,
+                      methods=table)
     return 0
 
 

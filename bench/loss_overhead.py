@@ -145,14 +145,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{m:<8} {r['step_ms']:>9.1f} {r['controller_ms']:>14.3f} {r['overhead_pct']:>11.3f} "
               f"{r['extra_pct']:>9.3f}")
     if not args.quick:
-        doc = {"bench": "loss_overhead", "command": "python bench/loss_overhead.py " + " ".join(sys.argv[1:]),
-               "model": shape[0], "batch": shape[1], "K": K, "steps": args.steps, "repeats": args.repeats,
-               "machine": platform.processor() or platform.machine(), "threads": 1, "methods": table}
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
-        print(f"wrote {args.out}")
+        write_results(args.out, "loss_overhead", model=shape[0], batch=shape[1], steps=args.steps,
+                      repeats=args.repeats, methods=table)
     return 0
+
+
+def write_results(path: str, bench: str, **fields: Any) -> None:
+    """The bench's JSON (its command line, K, the machine, one thread) with ``fields``; shared with
+    bench/hf_loss_overhead.py."""
+    doc = {"bench": bench, "command": f"python bench/{bench}.py " + " ".join(sys.argv[1:]), "K": K, **fields,
+           "machine": platform.processor() or platform.machine(), "threads": 1}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
