@@ -299,14 +299,13 @@ def main(argv: list[str] | None = None) -> int:
                                       "runs": [], "last_checkpoint": {}}
 
             def progress(proc: subprocess.Popen, what: Any) -> None:
-                if not isinstance(what, dict):
-                    events["last_checkpoint"][proc.pid] = what
                 if isinstance(what, dict):
                     events["prefixes"].update(what["prefixes"])
                     events["runs"].append(what)
                     if what["start"]:
                         events["resumed_from"] = what["start"]
                     return
+                events["last_checkpoint"][proc.pid] = what
                 if not events["outages"] and what >= n // 4:
                     events["outages"].append(what)
                     px.outage(args.outage)

@@ -208,10 +208,16 @@ def per_sample_lm_loss_from_logits(
     flat = logits.reshape(-1, logits.shape[-1])
     inplace = owned and flat.is_contiguous() and _INPLACE_GRAD_OK.get()
     ce = _LeanCrossEntropy.apply(flat, targets.reshape(-1), inplace).view(targets.shape)
+    return _watched_sample_means(ce, mask)
+
+
+def _watched_sample_means(ce: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Each sample's mean over its counted token losses (0 with none), shown to the loss watcher with the token
+    losses behind it (in-step alignments and the loss-driven methods read them)."""
     if mask is None:
         return watch_losses(ce.mean(dim=1), ce)
     m = mask.to(ce.dtype)
-    return watch_losses((ce * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0), ce, m)  # (in-step alignments read it)
+    return watch_losses((ce * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0), ce, m)
 
 
 def per_sample_lm_loss_from_full_logits(logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -224,11 +230,7 @@ def per_sample_lm_loss_from_full_logits(logits: torch.Tensor, batch: Mapping[str
         logits = logits.float()
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100,
                          reduction="none").view(targets.shape)[:, :-1]
-    _, mask = lm_targets(batch)
-    if mask is None:
-        return watch_losses(ce.mean(dim=1), ce)
-    m = mask.to(ce.dtype)
-    return watch_losses((ce * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0), ce, m)
+    return _watched_sample_means(ce, lm_targets(batch)[1])
 
 
 def per_sample_lm_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:

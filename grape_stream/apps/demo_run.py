@@ -124,10 +124,7 @@ def run_method(method: str, *, mds: str | os.PathLike[str], out_dir: str | os.Pa
     with _quiet():
         curve = TestCurve(settings)
         bar = Progress(curve, method, progress=progress, position=position, line=bar_line)
-        built = build(cfg, extra_callbacks=[curve, bar, *extra_callbacks])
-        loop = getattr(built.algorithm, "loop", None)
-        if not progress and loop is not None:  # --no-progress: no per-update lines either
-            loop.progress.enabled = False
+        built = build(cfg, extra_callbacks=[curve, bar, *extra_callbacks], progress=progress)
         try:
             curve.prepare(built.tasks)
             built.trainer.fit()

@@ -142,6 +142,19 @@ def check_algorithm(config: AlgorithmConfig, *, prefix: str = "") -> None:
                           "training losses, not alignments; leave alignments at 'probe'")
 
 
+def step_observation(config: AlgorithmConfig) -> str | None:
+    """What the training steps' own backward is read for: ``"alignments"`` (``alignments: steps`` with a probing
+    method, grape.instep_mode), ``"gram"`` (a method that reads the per-domain Gram, R&B: grape.instep_gram), or
+    None. One rule for the controller, which builds the mode, and the trainer integrations, which must arrange
+    the observed steps before the controller exists."""
+    if config.method == REPLAY_METHOD:
+        return None
+    cls = REWEIGHTERS[canonical_method(config.method)]
+    if config.alignments == "steps" and cls.needs_probe:
+        return "alignments"
+    return "gram" if getattr(cls, "needs_step_gram", False) else None
+
+
 def check_reweighter_options(config: AlgorithmConfig, num_domains: int, num_tasks: int) -> None:
     """The values of the options ``config.method``'s reweighter gets, checked by its options dataclass now
     (before any model or data is opened), each failure one ConfigError naming the method."""

@@ -40,6 +40,7 @@ from grape_stream.grape.algorithm_config import (
     controller_methods,
     filter_reweighter_options,
     reweighter_options,
+    step_observation,
 )
 from grape_stream.grape.checkpoint import STATE_FORMAT, check_state_format, from_plain, history_tail, to_plain
 from grape_stream.grape.collectives import agree_with_rank_zero
@@ -119,9 +120,10 @@ class GrapeController:
             raise ConfigError(f"method {self.method!r} needs at least one target task")
         #: ``alignments: steps``: the domain side from the training steps (grape.instep_mode); None: probes
         #: a method that reads the training steps' per-domain Gram (R&B) keeps it there too (grape.instep_gram)
+        observation = step_observation(self.config)
         self.instep: InstepMode | None = (
-            InstepMode(self, self.config) if self.config.alignments == "steps" and self.needs_probe
-            else StepGramMode(self, self.config) if getattr(self.reweighter, "needs_step_gram", False) else None)
+            InstepMode(self, self.config) if observation == "alignments"
+            else StepGramMode(self, self.config) if observation == "gram" else None)
         #: loss-driven methods (DoReMi, ODM, ADO): per-domain training losses of every step (grape.loss_mode)
         self.losses = (LossMode(self, self.config)
                        if self.reweighter is not None and self.reweighter.needs_training_losses else None)

@@ -26,7 +26,7 @@ from torch import nn
 
 from grape_stream.config import AlgorithmConfig
 from grape_stream.errors import DataError
-from grape_stream.grape.algorithm_config import algorithm_config, reweighter_options
+from grape_stream.grape.algorithm_config import algorithm_config, reweighter_options, step_observation
 from grape_stream.grape.controller import REPLAY_METHOD, GrapeController
 from grape_stream.grape.reweighting import REWEIGHTERS
 from grape_stream.grape.reweighting.registry import canonical_method
@@ -109,11 +109,7 @@ class GrapeLoop:
         """Whether the method reads the training steps' own backward (``alignments: steps``, R&B's Gram): the trainer
         must run each observed (micro-)batch's forward + backward inside :meth:`observe` with each sample's loss in
         that backward's graph (known before the controller is built)."""
-        method = self.config.method
-        if method == REPLAY_METHOD:
-            return False
-        cls = REWEIGHTERS[canonical_method(method)]
-        return bool(getattr(cls, "needs_step_gram", False)) or (self.config.alignments == "steps" and cls.needs_probe)
+        return step_observation(self.config) is not None
 
     def default_trajectory(self, folder: str | os.PathLike[str]) -> None:
         """Write the trajectory into ``folder`` (``TRAJECTORY_FILE``) unless the config says otherwise."""

@@ -22,21 +22,21 @@ import copy
 import torch
 from torch import nn
 
+from grape_stream.grape.probes import sharded_parameter
+
 __all__ = ["is_sharded", "probe_skeleton", "unsharded_replica"]
 
 
 def is_sharded(model: nn.Module) -> bool:
-    """True for a model holding FSDP1 or FSDP2 modules (or DTensor parameters)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
+    """True for a model holding FSDP1 modules, FlatParameters or DTensor parameters (grape.probes'
+    :func:`~grape_stream.grape.probes.sharded_parameter`), or FSDP2 modules."""
+    if sharded_parameter(model) is not None:
+        return True
     try:
         from torch.distributed.fsdp import FSDPModule
-        types: tuple[type, ...] = (FullyShardedDataParallel, FSDPModule)
     except ImportError:  # pragma: no cover - torch without FSDP2
-        types = (FullyShardedDataParallel,)
-    if any(isinstance(m, types) for m in model.modules()):
-        return True
-    return any(type(p).__name__ == "DTensor" for p in model.parameters())
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def probe_skeleton(model: nn.Module) -> nn.Module:

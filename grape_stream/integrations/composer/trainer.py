@@ -131,9 +131,10 @@ PerSampleLoss = Callable[[torch.nn.Module, Mapping[str, torch.Tensor]], torch.Te
 
 
 def build_algorithm(cfg: RecipeConfig | Mapping[str, Any], tasks: list[Any],
-                    per_sample_loss: Optional[PerSampleLoss] = None) -> GrapeAlgorithm:
-    """GrapeAlgorithm with the recipe's ``algorithm`` section (an AlgorithmConfig, handed over as it is)."""
-    return GrapeAlgorithm(as_recipe(cfg).algorithm, tasks=tasks, per_sample_loss=per_sample_loss)
+                    per_sample_loss: Optional[PerSampleLoss] = None, progress: bool = True) -> GrapeAlgorithm:
+    """GrapeAlgorithm with the recipe's ``algorithm`` section (an AlgorithmConfig, handed over as it is);
+    ``progress``: its per-update lines (``--quiet`` and the demo's ``--no-progress`` turn them off)."""
+    return GrapeAlgorithm(as_recipe(cfg).algorithm, tasks=tasks, per_sample_loss=per_sample_loss, progress=progress)
 
 
 def check_names(cfg: RecipeConfig) -> None:
@@ -186,13 +187,14 @@ def build_optimizer(cfg: RecipeConfig | Mapping[str, Any], model: torch.nn.Modul
 
 def build(cfg: RecipeConfig | Mapping[str, Any], *, dry_run: bool = False, extra_callbacks: Sequence[Any] = (),
           extra_loggers: Sequence[Any] = (), model: Optional[torch.nn.Module] = None,
-          per_sample_loss: Optional[PerSampleLoss] = None) -> Built:
+          per_sample_loss: Optional[PerSampleLoss] = None, progress: bool = True) -> Built:
     """Build a recipe. ``dry_run``: the model on the meta device and no data opened, no Trainer.
 
     ``model``: a decoder the recipe cannot name (llm-foundry's MPT, a custom class), used instead of the
     recipe's ``model`` section (see :func:`composer_model`; its vocabulary must cover the data's).
     ``per_sample_loss(model, batch) -> Tensor[B]``: what GRAPE probes, when the model's own
-    ``per_sample_loss`` (ComposerGPT's) or the default for ComposerModels does not fit.
+    ``per_sample_loss`` (ComposerGPT's) or the default for ComposerModels does not fit. ``progress``: GRAPE's
+    per-update lines (stderr, global rank 0).
     """
     cfg = copy.deepcopy(as_recipe(cfg))
     world = process_world().size
@@ -220,7 +222,7 @@ def build(cfg: RecipeConfig | Mapping[str, Any], *, dry_run: bool = False, extra
         model = ComposerGPT(build_model(cfg, vocab_size=vocab, seq_len=seq, device="meta" if dry_run else None))
     else:
         model = composer_model(model)
-    algorithm = build_algorithm(cfg, tasks, per_sample_loss)
+    algorithm = build_algorithm(cfg, tasks, per_sample_loss, progress=progress)
     built = Built(cfg=cfg, model=model, algorithm=algorithm, tasks=tasks, domains=domains,
                   optimizer=build_optimizer(cfg, model), scheduler=build_scheduler(cfg), per_rank_batch_size=per_rank,
                   model_kind=kind)
@@ -324,9 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_config:  # print and stop: a user asking to see the recipe did not ask to train
         print(yaml.safe_dump(recipe_dict(cfg), sort_keys=False))
         return 0
-    built = build(cfg, dry_run=args.dry_run)
-    if is_quiet():
-        built.algorithm.loop.progress.enabled = False
+    built = build(cfg, dry_run=args.dry_run, progress=not is_quiet())
     print(json.dumps(built.describe(), indent=2))
     if args.dry_run:
         return 0

@@ -154,16 +154,16 @@ class GrapeTrainer(Trainer):
                                         num_items_in_batch=num_items_in_batch)
         loop = callbacks[0].loop
         with loop.observe(model, self.state.global_step + 1, batch, autocast=self.autocast_smart_context_manager):
+            scored = _labels_as_batch(inputs.get("labels"), batch)
             if self._own_loss_is_the_token_mean(model):  # one cross-entropy: the loss from each sample's
                 outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
-                scored = _labels_as_batch(inputs.get("labels"), batch)
                 per_sample = per_sample_lm_loss_from_full_logits(_logits(outputs, loop.method), scored)
                 loss = self._token_mean_loss(per_sample, scored, num_items_in_batch)
             else:  # the model's own loss (smoothed, custom, or with an auxiliary term); samples' scored again
                 loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
                                                      num_items_in_batch=num_items_in_batch)
                 with torch.no_grad():
-                    per_sample_lm_loss_from_full_logits(_logits(outputs, loop.method).detach(), batch)
+                    per_sample_lm_loss_from_full_logits(_logits(outputs, loop.method).detach(), scored)
         return (loss, outputs) if return_outputs else loss
 
     def _own_loss_is_the_token_mean(self, model: Any) -> bool:
