@@ -16,7 +16,6 @@ from grape_stream.recipe.data import (
     resolved_sizes,
     train_dataloader,
 )
-from grape_stream.recipe.grape import algorithm_kwargs, recipe_algorithm
 from grape_stream.recipe.load import bundled_recipes, load_config, load_recipe, resolve_recipe_path
 from grape_stream.recipe.model import build_model
 from grape_stream.recipe.overrides import apply_overrides
@@ -24,7 +23,6 @@ from grape_stream.recipe.schema import as_recipe, base_config, recipe_dict
 from grape_stream.recipe.validate import validate
 
 __all__ = [
-    "algorithm_kwargs",
     "apply_overrides",
     "as_recipe",
     "base_config",
@@ -35,7 +33,6 @@ __all__ = [
     "load_config",
     "load_recipe",
     "read_manifest",
-    "recipe_algorithm",
     "recipe_dict",
     "recipe_streams",
     "resolve_recipe_path",
