@@ -33,6 +33,7 @@ import torch.distributed as dist
 from grape_stream.atomic import atomic_open, atomic_write_json
 from grape_stream.errors import StorageError
 from grape_stream.retry import CredentialsError, RetryError, default_policy, endpoint_note, storage_call
+from grape_stream.streaming_compat.index_check import UnsafeIndexError, check_index, inside
 from grape_stream.streaming_compat.s3_session import install_shared_s3_session, refresh_credentials, shared_session
 from grape_stream.streaming_compat.shm import (  # noqa: F401 - re-exported: grape.tasks / apps.demo import them from here
     cleanup_stale_streaming_shm,
@@ -53,6 +54,7 @@ __all__ = [
     "MARKER_NAME",
     "RemoteMismatchError",
     "DomainUnavailableError",
+    "UnsafeIndexError",
 ]
 
 #: Written next to a cached ``index.json``: which remote it came from and the index's digest.
@@ -175,6 +177,7 @@ def sync_local_index(domain: str, remote: str | None, local: str, split: str | N
                 f"domain {domain!r}: no MDS index at {index}{hint}; convert the data first "
                 "(grape-stream convert) or pass remote=..."
             )
+        check_index(domain, index, local_dir)
         return index
     os.makedirs(local_dir, exist_ok=True)
     marker_path = os.path.join(local_dir, MARKER_NAME)
@@ -182,6 +185,7 @@ def sync_local_index(domain: str, remote: str | None, local: str, split: str | N
     tmp = os.path.join(local_dir, f"index.json.remote.{os.getpid()}.tmp")
     _download_index(domain, remote, split, tmp, download_timeout, retry_deadline)
     try:
+        check_index(domain, tmp, local_dir, sizes=False)  # before anything is deleted or installed by it
         new_digest = _sha256(tmp)
         marker: dict[str, Any] = {}
         if os.path.isfile(marker_path):
@@ -208,32 +212,33 @@ def sync_local_index(domain: str, remote: str | None, local: str, split: str | N
                             "(dataset re-converted?); discarding the stale local shards",
                             stacklevel=3,
                         )
-                    _remove_cached_shards(local_dir, index)
+                    _remove_cached_shards(domain, local_dir, index)
         if not os.path.isfile(index):
             with atomic_open(index, "wb") as f, open(tmp, "rb") as src:
                 shutil.copyfileobj(src, f)
         atomic_write_json(marker_path, {"remote": source, "index_sha256": new_digest})
+        check_index(domain, index, local_dir)  # the sizes too, against the shards already cached
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return index
 
 
-def _remove_cached_shards(local_dir: str, index: str) -> None:
+def _remove_cached_shards(domain: str, local_dir: str, index: str) -> None:
+    """Delete the shard files an outdated cached index names, every one checked to lie inside the cache
+    (the whole index is refused before anything is deleted if one does not)."""
     try:
-        obj = json.loads(Path(index).read_text())
-        names = []
-        for shard in obj.get("shards", []):
-            for key in ("raw_data", "zip_data", "raw_meta", "zip_meta"):
-                info = shard.get(key)
-                if info and info.get("basename"):
-                    names.append(info["basename"])
+        json.loads(Path(index).read_text())
     except (OSError, ValueError):
-        names = []
-    for name in names:
-        path = os.path.join(local_dir, name)
-        if os.path.isfile(path):
-            os.unlink(path)
+        obj: dict[str, Any] = {"shards": []}  # unreadable: it names nothing; the index itself goes below
+    else:
+        obj = check_index(domain, index, local_dir, sizes=False)
+    for shard in obj["shards"]:
+        for key in ("raw_data", "zip_data", "raw_meta", "zip_meta"):
+            info = shard.get(key)
+            path = inside(local_dir, info.get("basename")) if info else None
+            if path is not None and os.path.isfile(path) and not os.path.islink(path):
+                os.unlink(path)
     if os.path.isfile(index):
         os.unlink(index)
 
