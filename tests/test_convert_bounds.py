@@ -71,6 +71,8 @@ def test_max_record_size_is_a_setting_and_a_flag(tmp_path):
                 domain="web", progress=False, max_record_size="2kb")
     assert r.report["files"]["a.jsonl"]["bad"] == {"record_too_large": 1}
     assert r.report["files"]["a.jsonl"]["documents"] == 2
+    manifest = (tmp_path / "out" / "manifest.json").read_text()  # no path of the converting machine in it
+    assert "input_root" not in r.manifest and str(tmp_path) not in manifest
     args = build_parser().parse_args(["jsonl", "-i", str(tmp_path), "--out", str(tmp_path / "o2"),
                                       "--max-record-size", "1kb"])
     assert config_from_args(args).max_record_size == "1kb"

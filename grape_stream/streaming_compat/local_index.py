@@ -32,7 +32,7 @@ from typing import Any, Iterable, Sequence
 import torch.distributed as dist
 
 from grape_stream.atomic import atomic_open, atomic_write_json
-from grape_stream.errors import ConfigError, StorageError
+from grape_stream.errors import ConfigError, StorageError, redact_url
 from grape_stream.retry import CredentialsError, RetryError, default_policy, endpoint_note, storage_call
 from grape_stream.streaming_compat.index_check import UnsafeIndexError, check_index, inside
 from grape_stream.streaming_compat.s3_session import install_shared_s3_session, refresh_credentials, shared_session
@@ -187,7 +187,7 @@ def sync_local_index(domain: str, remote: str | None, local: str, split: str | N
         return index
     os.makedirs(local_dir, exist_ok=True)
     marker_path = os.path.join(local_dir, MARKER_NAME)
-    source = _remote_join(remote, split)
+    source = redact_url(_remote_join(remote, split))  # shown in messages and kept in the marker: no password
     tmp = os.path.join(local_dir, f"index.json.remote.{os.getpid()}.tmp")
     _download_index(domain, remote, split, tmp, download_timeout, retry_deadline)
     try:
