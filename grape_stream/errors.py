@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import sys
 from typing import Callable, Iterable, Sequence
 
@@ -36,10 +37,24 @@ SUGGEST_CUTOFF = 0.75
 DEBUG_ENV = "GRAPE_STREAM_DEBUG"
 
 
+_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^/\s@?#]*@")
+
+
+def redact_url(text: str) -> str:
+    """``text`` with the user-info of every URL in it (``sftp://user:password@host`` -> ``sftp://***@host``):
+    the one rule for every message and file that shows a remote, so a password in a URL is never repeated
+    into logs, error lines or cache markers."""
+    return _USERINFO.sub(r"\1***@", text)
+
+
 class UserFacingError(Exception):
-    """A failure the user can act on; its message names the key / path / endpoint and the fix."""
+    """A failure the user can act on; its message names the key / path / endpoint and the fix (any URL in it
+    shown without its user-info)."""
 
     exit_code = 2
+
+    def __str__(self) -> str:
+        return redact_url(super().__str__())
 
 
 class ConfigError(UserFacingError, ValueError):
@@ -50,7 +65,7 @@ class ConfigKeyError(ConfigError, KeyError):
     """An unknown key (still a KeyError for callers that catch one); printed without KeyError's quotes."""
 
     def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
+        return redact_url(str(self.args[0])) if self.args else ""
 
 
 class UnknownOptionError(ConfigKeyError, TypeError):

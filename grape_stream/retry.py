@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, TypeVar
 
 from grape_stream.config import RETRY_DEADLINE_S
-from grape_stream.errors import StorageError
+from grape_stream.errors import StorageError, redact_url
 
 __all__ = ["RetryPolicy", "RetryError", "CredentialsError", "DEFAULT_RETRY", "DEADLINE_ENV", "call_with_retry",
            "classify", "credentials_message", "default_policy", "error_codes", "is_credential_error", "is_transient",
@@ -332,7 +332,7 @@ def note_throttled(url: str, exc: BaseException) -> None:
         codes, _ = error_codes(exc)
         code = next(iter(sorted(codes & THROTTLE_CODES)), None) or "503 SlowDown"
         log.warning("%s%s is throttling requests (%s): retrying them with backoff, so reads and writes slow down "
-                    "but nothing is lost (said once)", url, endpoint_note(url), code)
+                    "but nothing is lost (said once)", redact_url(url), endpoint_note(url), code)
 
 
 def endpoint_note(url: str) -> str:

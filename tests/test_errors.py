@@ -333,3 +333,29 @@ def test_domain_stream_types_are_checked_naming_the_field(tmp_path):
         DomainStream("en", local=str(tmp_path), split=1)
     d = DomainStream("en", local=tmp_path)  # a path object is accepted (as its str)
     assert d.local == str(tmp_path)
+
+
+def test_a_password_in_a_url_is_never_repeated(tmp_path, capsys):
+    from grape_stream.errors import DataError, redact_url, run_cli
+    from grape_stream.streaming_compat.local_index import DomainUnavailableError, sync_local_index
+
+    assert redact_url("sftp://alice:s3cret@host:22/p and s3://b/k@v, https://tok@h/x") == (
+        "sftp://***@host:22/p and s3://b/k@v, https://***@h/x")
+    assert str(DataError("cannot read sftp://alice:s3cret@h/x")) == "cannot read sftp://***@h/x"
+    with pytest.raises(DomainUnavailableError) as info:  # a real sftp attempt to a closed port
+        sync_local_index("d", "sftp://alice:s3cret@127.0.0.1:9/data", str(tmp_path / "c"), download_timeout=2,
+                         retry_deadline=1)
+    msg = str(info.value)
+    assert "s3cret" not in msg and "alice" not in msg and "sftp://***@127.0.0.1:9" in msg
+
+    def fails(argv):
+        raise DataError("cannot read sftp://alice:s3cret@h/x")
+    assert run_cli("grape-stream", fails, []) == 2
+    assert "sftp://***@h/x" in capsys.readouterr().err
+
+
+def test_a_domain_name_with_a_trailing_newline_is_refused():
+    from grape_stream.convert.inputs import check_domain_name
+
+    assert check_domain_name("web") is None
+    assert check_domain_name("web\n") and check_domain_name("web\nx")

@@ -108,3 +108,11 @@ def test_callbacks_section_builds_composer_callbacks():
         build_callbacks({"lr_monitr": {}})
     with pytest.raises(ConfigError, match=r"^recipe key 'callbacks\.speed_monitor': .*'windw'"):
         build_callbacks({"speed_monitor": {"windw": 3}})
+
+
+def test_a_callback_name_that_is_not_a_composer_callback_is_refused_before_it_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("os:system", "builtins:print", "collections:OrderedDict"):
+        with pytest.raises(ConfigError, match=rf"^recipe key 'callbacks\.{name}': .*not a Composer Callback"):
+            build_callbacks({name: {"command": "touch ran"}})
+    assert not (tmp_path / "ran").exists()

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from grape_stream.convert.text_policy import clean_text, split_for_tokenizer
+from grape_stream.convert.text_policy import MAX_PIECE_CHARS, clean_text, split_for_tokenizer
 from grape_stream.convert.tokenization import load_tokenizer
 
 
@@ -47,10 +47,13 @@ def test_pieces_tokenize_exactly_like_the_whole_text(tokenizer):
         assert np.array_equal(np.concatenate(tok.encode_batch(pieces)), whole)
 
 
-def test_a_text_without_a_safe_cut_stays_whole():
-    text = "y" * 5000
-    assert split_for_tokenizer(text, 1000) == [text]
+def test_a_text_without_spaces_is_cut_too():
+    text = "日本語のテキスト" * 375_000  # 3M characters, no space: the memory bound holds for it too
+    pieces = split_for_tokenizer(text)
+    assert "".join(pieces) == text and max(map(len, pieces)) <= MAX_PIECE_CHARS and len(pieces) == 3
+    assert split_for_tokenizer("y" * 5000, 1000) == ["y" * 1000] * 5
     assert split_for_tokenizer("short", 1000) == ["short"]
+    assert split_for_tokenizer("y" * 1000 + " " + "z" * 10, 1000) == ["y" * 1000, " " + "z" * 10]  # a space just after
 
 
 def _jsonl_with_broken_records(path) -> None:

@@ -44,6 +44,7 @@ class ConvertConfig:
     keep_local: bool = False  # keep the staged shards after uploading them
     strict: bool = False  # stop at the first bad input, naming file and line
     text_policy: str = "repair"  # text with lone surrogates or control characters: repair | skip
+    max_record_size: Any = "64mb"  # a larger record (JSON line, text) is skipped, counted as record_too_large
     overwrite: bool = False  # discard a previous conversion in out and start over
     max_examples: int = 5  # examples per bad-input kind and file in report.json
     progress: bool = True  # progress bars

@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     _option(w, "--text-errors", "text_policy", "text with lone surrogates or control characters: repair it "
             "(U+FFFD / dropped characters; the document is kept) or skip the document; both are counted in "
             "report.json", choices=("repair", "skip"))
+    _option(w, "--max-record-size", "max_record_size", "skip (and count as record_too_large) a JSON line or text "
+            "larger than this, e.g. 64mb (the default), so one huge record cannot exhaust a worker's memory")
     _option(w, "--overwrite", "overwrite", "discard a previous conversion in --out and start over",
             action="store_true")
     _option(w, "--max-examples", "max_examples", "examples per bad-input kind and file in report.json", type=int)

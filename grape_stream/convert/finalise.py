@@ -149,7 +149,8 @@ def build_report(plan: dict[str, Any], units: Units, done: dict[str, dict[str, A
 
 
 _PLAN_KEYS = ("source", "reader", "seq_len", "dtype", "columns", "eos", "remainder", "per_example", "split",
-              "split_seed", "split_by", "compression", "shard_size", "hashes", "files_per_unit", "input_root")
+              "split_seed", "split_by", "compression", "shard_size", "hashes", "files_per_unit")
+# (not "input_root": the converting machine's absolute path is no business of the readers; "sources" are relative)
 
 
 def _domain_entry(dom: str, splits: dict[str | None, dict[str, Any]], agg: PackStats) -> dict[str, Any]:

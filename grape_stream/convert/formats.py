@@ -7,58 +7,107 @@ pyarrow is imported on first use: `grape-stream convert --help` and the JSON-lin
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import zlib
+from dataclasses import dataclass
 from typing import IO, Any, Callable, Iterator, Sequence
 
 import zstandard
 
 from grape_stream.convert.records import BadInput
 
-__all__ = ["raw_lines", "iter_jsonl", "iter_parquet_batches", "iter_parquet_rows"]
+__all__ = ["DEFAULT_MAX_RECORD_BYTES", "LineTooLong", "iter_jsonl", "iter_parquet_batches", "iter_parquet_rows",
+           "raw_lines", "record_limit"]
 
 _CHUNK = 1 << 16
+#: The largest record (a JSON line, a text) converted by default: larger ones are skipped and counted.
+DEFAULT_MAX_RECORD_BYTES = 64 << 20
+_MAX_RECORD: contextvars.ContextVar[int] = contextvars.ContextVar("max_record_bytes", default=DEFAULT_MAX_RECORD_BYTES)
+
+
+@contextlib.contextmanager
+def record_limit(max_bytes: int) -> Iterator[None]:
+    """Records over ``max_bytes`` read inside the block are skipped (``record_too_large``): set by the unit
+    that converts (from the plan), read by every reader's file iterator without passing it through each."""
+    token = _MAX_RECORD.set(int(max_bytes))
+    try:
+        yield
+    finally:
+        _MAX_RECORD.reset(token)
+
+
+def max_record_bytes() -> int:
+    return _MAX_RECORD.get()
 
 
 # ----------------------------------------------------------------------------- compressed streams
+#: Compressed bytes handed to one zstd decompress() call: zstd expands at most ~32768x (an RLE block), so
+#: one call yields at most ~16 MiB, whatever the file (an 8 KB frame can hold 256 MiB of one byte).
+_ZSTD_SLICE = 512
+#: The most bytes one gzip decompress() call may return (zlib stops there and keeps the rest of its input).
+_GZIP_OUT = 1 << 20
+
 
 def _frame_chunks(
-    f: IO[bytes], new_decoder: Callable[[], Any], errors: tuple[type[BaseException], ...], what: str
+    f: IO[bytes], new_decoder: Callable[[], Any], errors: tuple[type[BaseException], ...], what: str,
+    step: Callable[[Any, memoryview], tuple[bytes, int, bool]],
 ) -> Iterator[bytes]:
-    """Decompressed bytes of a multi-frame (zstd) or multi-member (gzip) stream: yields what decodes, then
-    raises ValueError on a corrupt or truncated frame (zstandard's stream reader, for one, silently returns
-    a truncated file's prefix)."""
+    """Decompressed bytes of a multi-frame (zstd) or multi-member (gzip) stream, each decode call bounded
+    (``step`` decodes a bounded part: its output, the input bytes it consumed, whether it holds more output
+    for the same input): yields what decodes in pieces of about 64 KiB, then raises ValueError on a corrupt
+    or truncated frame (zstandard's stream reader, for one, silently returns a truncated file's prefix)."""
     obj = new_decoder()
     fed = False
+    out: list[bytes] = []
+    held = 0
     while True:
         chunk = f.read(_CHUNK)
         if not chunk:
             break
-        while chunk:
+        view, pos, more = memoryview(chunk), 0, False
+        while pos < len(view) or more:
             try:
-                out = obj.decompress(chunk)
+                piece, used, more = step(obj, view[pos:])
             except errors as e:
                 raise ValueError(f"{what} does not decode: {e}") from e
+            pos += used
             fed = True
-            if out:
-                yield out
+            if piece:
+                out.append(piece)
+                held += len(piece)
+                if held >= _CHUNK:
+                    yield b"".join(out)
+                    out, held = [], 0
             if obj.eof:
-                chunk = obj.unused_data
-                obj = new_decoder()
-                fed = False
-            else:
-                chunk = b""
+                obj, fed, more = new_decoder(), False, False
+    if out:
+        yield b"".join(out)
     if fed:
         raise ValueError(f"file ends inside a {what} (truncated download?)")
 
 
+def _zstd_step(obj: Any, data: memoryview) -> tuple[bytes, int, bool]:
+    part = data[:_ZSTD_SLICE]
+    out = obj.decompress(part)
+    return out, len(part) - len(obj.unused_data) if obj.eof else len(part), False
+
+
+def _gzip_step(obj: Any, data: memoryview) -> tuple[bytes, int, bool]:
+    out = obj.decompress(data, _GZIP_OUT)
+    if obj.eof:
+        return out, len(data) - len(obj.unused_data), False
+    return out, len(data) - len(obj.unconsumed_tail), len(out) == _GZIP_OUT
+
+
 def _zstd_chunks(f: IO[bytes]) -> Iterator[bytes]:
     dctx = zstandard.ZstdDecompressor()
-    return _frame_chunks(f, dctx.decompressobj, (zstandard.ZstdError,), "zstd frame")
+    return _frame_chunks(f, dctx.decompressobj, (zstandard.ZstdError,), "zstd frame", _zstd_step)
 
 
 def _gzip_chunks(f: IO[bytes]) -> Iterator[bytes]:
-    return _frame_chunks(f, lambda: zlib.decompressobj(wbits=31), (zlib.error,), "gzip member")
+    return _frame_chunks(f, lambda: zlib.decompressobj(wbits=31), (zlib.error,), "gzip member", _gzip_step)
 
 
 def _plain_chunks(f: IO[bytes]) -> Iterator[bytes]:
@@ -69,9 +118,18 @@ def _plain_chunks(f: IO[bytes]) -> Iterator[bytes]:
         yield chunk
 
 
-def raw_lines(path: str) -> Iterator[bytes]:
+@dataclass(frozen=True, slots=True)
+class LineTooLong:
+    """A line over the record size limit, skipped without being held in memory (its length in bytes)."""
+
+    nbytes: int
+
+
+def raw_lines(path: str, max_bytes: int | None = None) -> Iterator[bytes | LineTooLong]:
     """Lines (without the newline) of a .jsonl / .jsonl.zst / .jsonl.gz file; ValueError mid-way on a
-    corrupt compressed stream."""
+    corrupt compressed stream. A line longer than ``max_bytes`` comes as a :class:`LineTooLong`: its bytes
+    are dropped as they arrive, so memory stays bounded by the limit. Linear in the file's size: a long
+    line is kept as the list of its pieces until its newline arrives (joined once)."""
     with open(path, "rb") as f:
         if path.endswith(".zst"):
             chunks = _zstd_chunks(f)
@@ -79,14 +137,33 @@ def raw_lines(path: str) -> Iterator[bytes]:
             chunks = _gzip_chunks(f)
         else:
             chunks = _plain_chunks(f)
-        pending = b""
+        limit = max_bytes if max_bytes is not None else float("inf")
+        pending: list[bytes] = []
+        size = 0  # bytes of the line so far (dropped ones too, once over the limit)
         for chunk in chunks:
-            buf = pending + chunk if pending else chunk
-            lines = buf.split(b"\n")
-            pending = lines.pop()
-            yield from lines
-        if pending:
-            yield pending
+            lines = chunk.split(b"\n")
+            last = lines.pop()
+            if lines:
+                first = lines[0]
+                size += len(first)
+                if size > limit:
+                    yield LineTooLong(size)
+                else:
+                    yield b"".join((*pending, first)) if pending else first
+                if len(chunk) > limit:
+                    yield from (LineTooLong(len(x)) if len(x) > limit else x for x in lines[1:])
+                else:
+                    yield from lines[1:]
+                pending, size = [], 0
+            size += len(last)
+            if size > limit:
+                pending = []
+            elif last:
+                pending.append(last)
+        if size > limit:
+            yield LineTooLong(size)
+        elif pending:
+            yield b"".join(pending)
 
 
 def _decode_line(raw: bytes, lineno: int) -> dict | BadInput:
@@ -111,9 +188,14 @@ def iter_jsonl(path: str) -> Iterator[tuple[int, dict] | BadInput]:
     """
     kind = "corrupt_zstd" if path.endswith(".zst") else "corrupt_gzip" if path.endswith(".gz") else "unreadable_file"
     lineno = 0
+    limit = _MAX_RECORD.get()
     try:
-        for raw in raw_lines(path):
+        for raw in raw_lines(path, limit):
             lineno += 1
+            if isinstance(raw, LineTooLong):
+                yield BadInput("record_too_large", lineno, "line", f"{raw.nbytes} bytes, over the record size limit "
+                               f"of {limit} bytes (--max-record-size): skipped")
+                continue
             if not raw.strip():
                 continue
             obj = _decode_line(raw, lineno)

@@ -22,7 +22,7 @@ __all__ = [
 
 SPLIT_WORDS = ("train", "validation", "valid", "val", "dev", "test", "holdout")
 
-_DOMAIN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,127}$")
+_DOMAIN_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._=+-]{0,127}\Z")  # \Z: "$" accepts a trailing newline
 
 
 def natural_key(s: str) -> list[Any]:

@@ -32,6 +32,7 @@ from grape_stream.atomic import atomic_write_json
 from grape_stream.config import ConvertConfig
 from grape_stream.convert.errors import ConvertInputError, ConvertStateError
 from grape_stream.convert.finalise import Finaliser, build_manifest, build_report
+from grape_stream.convert.formats import DEFAULT_MAX_RECORD_BYTES
 from grape_stream.convert.inputs import expand_patterns
 from grape_stream.convert.layout import CONVERTER_VERSION, STATE_DIR
 from grape_stream.convert.plan import (
@@ -43,6 +44,7 @@ from grape_stream.convert.plan import (
     load_markers,
     parse_split,
     prepare_out,
+    size_bytes,
     split_units,
     tokenizer_facts,
 )
@@ -106,6 +108,11 @@ def convert(source: str | ConvertConfig, inputs: str | Sequence[str] | None = No
         raise ValueError(f"text_policy must be one of {TEXT_POLICIES}, got {config.text_policy!r}")
     if config.text_policy != "repair":  # part of the plan (a resume must not mix policies); absent = the default,
         plan["text_policy"] = config.text_policy  # so conversions started before the option existed still resume
+    max_record = size_bytes(config.max_record_size)
+    if max_record < 1:
+        raise ValueError(f"max_record_size must be positive, got {config.max_record_size!r}")
+    if max_record != DEFAULT_MAX_RECORD_BYTES:  # the same rule as text_policy
+        plan["max_record_bytes"] = max_record
     state = os.path.join(local_root, STATE_DIR)
     prepare_out(local_root, state, plan, config.overwrite)
     units = split_units(files, rels, config.files_per_unit)

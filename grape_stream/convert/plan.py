@@ -19,7 +19,7 @@ from grape_stream.convert.inputs import check_domain_name
 from grape_stream.convert.layout import CONVERTER_VERSION, STATE_DIR
 from grape_stream.convert.packing import EOS_MODES, REMAINDER_MODES
 from grape_stream.convert.tokenization import GPT2_EOS_ID, GPT2_VOCAB_SIZE, load_tokenizer, token_dtype
-from grape_stream.errors import UnknownOptionError, did_you_mean
+from grape_stream.errors import UnknownOptionError, did_you_mean, redact_url
 
 __all__ = [
     "convert_config",
@@ -184,7 +184,7 @@ def build_plan(config: ConvertConfig, *, reader: Any, tok: tuple[str, int, int],
         "files_per_unit": int(c.files_per_unit),
         "input_root": root,
         "inputs": [[rel, os.path.getsize(f)] for f, rel in zip(files, rels)],
-        "remote": remote,
+        "remote": redact_url(remote) if remote else remote,  # plan.json: no password from the URL
     }
 
 

@@ -32,6 +32,7 @@ BAD_KINDS = (
     "empty_document",     # no text / no tokens after cleaning
     "repaired_text",      # lone surrogates / control characters fixed (text policy "repair"); the document is KEPT
     "unencodable_text",   # the same, dropped (text policy "skip")
+    "record_too_large",   # a JSON line / text over --max-record-size: skipped without being held in memory
     "truncated_parquet",  # parquet footer/row group unreadable; the unreadable part is lost
     "unreadable_file",    # the file cannot be opened at all
 )

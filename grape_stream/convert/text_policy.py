@@ -12,7 +12,10 @@ Huge documents (a 50 MB log line, a whole book in one record) are tokenized in p
 ``MAX_PIECE_CHARS`` characters, cut only at a single space between two non-space characters: GPT-2-style
 byte-level BPE never merges across such a space (its pre-tokenizer starts a new word there), and the byte
 tokenizer is position-free, so the token ids are exactly those of the whole text, while the tokenizer's
-peak memory stays bounded by one piece.
+peak memory stays bounded by one piece. Text with no such space over a whole piece and a little more (CJK
+without spaces, base64, a minified blob) is cut at the piece size anyway: the memory bound holds for every
+text, and only the one 'word' cut there may tokenize differently from the whole text (the byte tokenizer's
+ids stay exact).
 """
 
 from __future__ import annotations
@@ -62,10 +65,10 @@ def clean_text(text: str, policy: str = "repair") -> CleanedText:
 
 
 def split_for_tokenizer(text: str, max_chars: int = MAX_PIECE_CHARS) -> list[str]:
-    """Pieces of at most ~`max_chars` whose tokenizations concatenate to the whole text's (see module doc).
+    """Pieces of at most ~`max_chars` (1/16 more at most) whose tokenizations concatenate to the whole text's.
 
-    A stretch with no safe cut point (one 'word' longer than `max_chars`) stays whole: correctness wins
-    over the memory bound there.
+    A window with no safe cut point and none in the next ``max_chars // 16`` characters (one 'word' that
+    long: CJK, base64) is cut at `max_chars`: the memory bound wins over exact ids there (module doc).
     """
     if len(text) <= max_chars:
         return [text]
@@ -83,11 +86,9 @@ def split_for_tokenizer(text: str, max_chars: int = MAX_PIECE_CHARS) -> list[str
             if lo == start + 1:
                 break
             lo = max(start + 1, lo - (window_end - lo))
-        if cut is None:  # no cut in the window: take the next one after it
-            after = _CUT.search(text, window_end)
-            if after is None:
-                break
-            cut = after.start()
+        if cut is None:  # no cut in the window: the next one just after it, else cut the 'word' itself
+            after = _CUT.search(text, window_end, window_end + max(1, max_chars // 16))
+            cut = after.start() if after is not None else window_end
         pieces.append(text[start:cut])
         start = cut
     pieces.append(text[start:])

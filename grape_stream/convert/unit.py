@@ -22,6 +22,7 @@ import numpy as np
 
 from grape_stream.atomic import atomic_write_json
 from grape_stream.convert.errors import ConvertInputError
+from grape_stream.convert.formats import DEFAULT_MAX_RECORD_BYTES, record_limit
 from grape_stream.convert.layout import STATE_DIR, dataset_dir, remote_dir
 from grape_stream.convert.packing import ExamplePadder, SequencePacker
 from grape_stream.convert.records import BadInput, Record
@@ -225,24 +226,25 @@ def run_unit(job: UnitJob, progress: Progress | None = None) -> dict[str, Any]:
 
     batcher = _Batcher(job, tok, progress)
     reports: dict[str, _FileReport] = {}
-    for path, rel in job.files:
-        rep = reports[rel] = _FileReport()
-        for item in job.reader.read(path):
-            rec = _usable(item, rep, rel, job)
-            if rec is None:
-                continue
-            payload: Any
-            if rec.text is not None:
-                payload, nbytes = rec.text, len(rec.text)
-            else:
-                assert rec.tokens is not None  # _usable dropped records with neither
-                payload, nbytes = rec.tokens, 4 * rec.tokens.size
-            split = rec.split
-            if split is None and split_fracs:
-                split = assign_split(split_fracs, plan["split_seed"], rel, rec.index)
-            rep.documents += 1
-            batcher.add((rec.domain, split), payload, nbytes)
-        batcher.flush()
+    with record_limit(plan.get("max_record_bytes", DEFAULT_MAX_RECORD_BYTES)):  # read by the file iterators
+        for path, rel in job.files:
+            rep = reports[rel] = _FileReport()
+            for item in job.reader.read(path):
+                rec = _usable(item, rep, rel, job)
+                if rec is None:
+                    continue
+                payload: Any
+                if rec.text is not None:
+                    payload, nbytes = rec.text, len(rec.text)
+                else:
+                    assert rec.tokens is not None  # _usable dropped records with neither
+                    payload, nbytes = rec.tokens, 4 * rec.tokens.size
+                split = rec.split
+                if split is None and split_fracs:
+                    split = assign_split(split_fracs, plan["split_seed"], rel, rec.index)
+                rep.documents += 1
+                batcher.add((rec.domain, split), payload, nbytes)
+            batcher.flush()
 
     marker = {
         "unit": job.unit,
@@ -261,6 +263,11 @@ def _usable(item: Record | BadInput, rep: _FileReport, rel: str, job: UnitJob) -
         if item.keep is None:
             return None
         item = item.keep
+    limit = job.plan.get("max_record_bytes", DEFAULT_MAX_RECORD_BYTES)
+    if item.text is not None and len(item.text) > limit:  # a parquet cell, a field of a record (chars <= bytes)
+        _report_bad(rep, rel, BadInput("record_too_large", item.index, item.unit, f"a text of {len(item.text)} "
+                                       f"characters, over the record size limit of {limit} bytes: skipped"), job)
+        return None
     if item.text is not None:
         cleaned = clean_text(item.text, job.plan.get("text_policy", "repair"))
         if cleaned.kind is not None:

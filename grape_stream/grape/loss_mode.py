@@ -97,7 +97,8 @@ class LossMode:
                                   "model's weights (a Composer checkpoint or a state_dict file)")
             if not os.path.exists(str(path)):
                 raise ConfigError(f"algorithm.options.reference: no reference model file at {path!r}")
-            self.reference = ReferenceModel(str(path), controller.per_sample_loss)
+            self.reference = ReferenceModel(str(path), controller.per_sample_loss,
+                                            trusted=bool(reweighter.options.get("reference_trusted")))
         #: the interval's sums (rows: loss, samples, excess, tokens), summed over ranks
         self.totals = torch.zeros(_ROWS, self.num_domains, dtype=torch.float64)
         #: optimizer steps folded into ``totals``

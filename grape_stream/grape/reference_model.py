@@ -8,12 +8,20 @@ only by a wrapper (``model.`` of ComposerGPT, ``module.`` of DDP) are matched; a
 that says how many keys are missing / unexpected. It runs in eval mode with no gradient, and its per-token
 losses are read from the same loss function the controller probes with (``per_sample_loss``), through the
 per-token losses that function shows to :func:`~grape_stream.loss_watch.watch_losses`.
+
+A checkpoint is code: full pickle runs whatever the file names. So the file is read with
+``torch.load(weights_only=True)``, allowing only the few plain types a Composer 0.32 checkpoint holds beside
+its tensors (its RNG state's numpy arrays, a TorchVersion, a timedelta; a Lightning ``.ckpt`` and an HF
+``pytorch_model.bin`` need none; ``tests/test_reference_trust.py`` makes real ones). Anything else is one
+error naming ``reference_trusted``: set it (the user's explicit choice for a file they trust) to load with
+full pickle.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import datetime
 import logging
 import os
 import pickle
@@ -33,29 +41,54 @@ log = logging.getLogger(__name__)
 _PREFIXES = ("model.", "module.", "_orig_mod.")
 
 
-def _load_file(path: str) -> Any:
+def checkpoint_safe_globals() -> list[Any]:
+    """The types beside tensors that a Composer 0.32 checkpoint holds (``state["rng"]``'s numpy arrays and
+    dtypes, ``metadata``'s TorchVersion, a timedelta): plain data, no constructor that runs code."""
+    import numpy as np
+    from torch.torch_version import TorchVersion
+
+    core = getattr(np, "_core", None) or np.core  # numpy 2 / numpy 1
+    dtypes = {type(np.dtype(c)) for c in "?bBhHiIlLqQefdgFDG"}
+    return [TorchVersion, core.multiarray._reconstruct, np.ndarray, np.dtype, datetime.timedelta, *dtypes]
+
+
+def _load_file(path: str, trusted: bool = False) -> Any:
     if os.path.isdir(path):  # a Hugging Face checkpoint folder
         for name in ("model.safetensors", "pytorch_model.bin"):
             if os.path.isfile(os.path.join(path, name)):
-                return _load_file(os.path.join(path, name))
+                return _load_file(os.path.join(path, name), trusted)
         raise ConfigError(f"algorithm.options.reference: {path} is a folder without model.safetensors")
     if path.endswith(".safetensors"):
         from safetensors.torch import load_file
 
         return load_file(path)
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError):
-        # a Composer checkpoint holds more than tensors (its RNG and timestamp objects): the user named this file
-        log.info("loading the reference checkpoint %s with weights_only=False (it holds more than tensors)", path)
+    if trusted:
+        log.info("loading the reference checkpoint %s with full pickle (reference_trusted: true)", path)
         return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        with torch.serialization.safe_globals(checkpoint_safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = _first_line_naming_the_type(str(exc))
+        raise ConfigError(f"algorithm.options.reference: {path} holds more than weights ({found}); a checkpoint is "
+                          "code (full pickle runs what it names): set algorithm.options.reference_trusted: true "
+                          "only if you trust who wrote it") from None
 
 
-def reference_state_dict(path: str, want: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The reference weights in ``path``, keyed as ``want`` (the copy's own state_dict) is."""
+def _first_line_naming_the_type(message: str) -> str:
+    for line in message.splitlines():
+        if "GLOBAL" in line or "got <" in line or "Unsupported" in line:
+            return line.strip().rstrip(".")[:200]
+    return "objects torch's weights_only loader refuses"
+
+
+def reference_state_dict(path: str, want: Mapping[str, torch.Tensor], *,
+                         trusted: bool = False) -> dict[str, torch.Tensor]:
+    """The reference weights in ``path``, keyed as ``want`` (the copy's own state_dict) is; a pickle is loaded
+    with ``weights_only=True`` unless ``trusted``."""
     if not os.path.exists(path):
         raise ConfigError(f"algorithm.options.reference: no reference model file at {path!r}")
-    obj = _load_file(path)
+    obj = _load_file(path, trusted)
     if isinstance(obj, Mapping) and isinstance(obj.get("state"), Mapping) and "model" in obj["state"]:
         obj = obj["state"]["model"]  # a Composer checkpoint
     elif isinstance(obj, Mapping) and isinstance(obj.get("model"), Mapping):
@@ -102,8 +135,10 @@ class _TokenCapture:
 class ReferenceModel:
     """The frozen reference: built from the training model on first use, then its per-token losses."""
 
-    def __init__(self, path: str, per_sample_loss: Callable[[nn.Module, Any], torch.Tensor]) -> None:
+    def __init__(self, path: str, per_sample_loss: Callable[[nn.Module, Any], torch.Tensor], *,
+                 trusted: bool = False) -> None:
         self.path = path
+        self.trusted = trusted
         self.per_sample_loss = per_sample_loss
         self.model: Optional[nn.Module] = None
 
@@ -118,7 +153,7 @@ class ReferenceModel:
         for p in ref.parameters():
             p.requires_grad_(False)
             p.grad = None
-        ref.load_state_dict(reference_state_dict(self.path, ref.state_dict()))
+        ref.load_state_dict(reference_state_dict(self.path, ref.state_dict(), trusted=self.trusted))
         return ref.eval()
 
     def token_losses(self, model: nn.Module, batch: Any,

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from grape_stream.retry import default_policy
+from grape_stream.streaming_compat.index_check import check_index
 from grape_stream.streaming_compat.local_index import check_s3_credentials, default_local_for, sync_local_index
 from grape_stream.streaming_compat.registration import create_registered
 from grape_stream.streaming_compat.s3_session import install_shared_s3_session
@@ -151,6 +152,8 @@ class TaskStream:
                 f"task {self.name!r}: no MDS index at {index} (split={split!r}); convert the task with "
                 "`grape-stream convert task ...` or fix `local`/`split`"
             )
+        if self.remote is None:
+            check_index(f"task {self.name}", index)  # names inside the folder, counts that fit the shards
         if self.remote is not None:
             install_shared_s3_session()
             # The mixer's guards against streaming's traps apply to task data too: fail early without S3

@@ -24,6 +24,7 @@ from grape_stream.mixing.counter_rng import hash64
 from grape_stream.streaming_compat.local_index import (
     DomainUnavailableError,
     RemoteMismatchError,
+    UnsafeIndexError,
     check_s3_credentials,
     check_same_locals_across_ranks,
     default_local_for,
@@ -271,7 +272,7 @@ def _sync_local_indexes(domains: Sequence[DomainStream], locals_: Sequence[str],
                 sync_local_index(d.name, d.remote, loc, d.split, download_retry=config.download_retry,
                                  download_timeout=config.download_timeout, overwrite_local=config.overwrite_local,
                                  retry_deadline=d.own_or("retry_deadline", config.retry_deadline))
-        except (DomainUnavailableError, RemoteMismatchError) as exc:
+        except (DomainUnavailableError, RemoteMismatchError, UnsafeIndexError) as exc:
             if not dist_active():
                 raise
             error, exc_type = str(exc), type(exc)
@@ -280,8 +281,8 @@ def _sync_local_indexes(domains: Sequence[DomainStream], locals_: Sequence[str],
         dist.all_gather_object(errors, (error, exc_type.__name__))
         for err, name in errors:
             if err is not None:
-                cls = RemoteMismatchError if name == "RemoteMismatchError" else DomainUnavailableError
-                raise cls(err)
+                kinds = {c.__name__: c for c in (RemoteMismatchError, UnsafeIndexError)}
+                raise kinds.get(name, DomainUnavailableError)(err)
     elif error is not None:  # pragma: no cover - single process raises above
         raise exc_type(error)
 

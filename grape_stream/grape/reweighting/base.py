@@ -41,7 +41,8 @@ __all__ = ["BOOKKEEPING_OPTIONS", "GRAM_ASYMMETRY_RTOL", "Reweighter"]
 
 #: Options that change what is remembered, not the weights: a strict load does not compare them (the
 #: controller keeps its own update records and asks its reweighter for the last one only).
-BOOKKEEPING_OPTIONS = ("history_limit",)
+#: Nor is how a file is loaded (``reference_trusted``: a resumed run may add it).
+BOOKKEEPING_OPTIONS = ("history_limit", "reference_trusted")
 
 
 class Reweighter(FromScores, FromLosses):

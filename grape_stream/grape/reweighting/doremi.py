@@ -41,6 +41,7 @@ class DoremiOptions(ReweighterOptions):
     reference: Optional[str] = None  # the reference model's weights: a Composer checkpoint .pt or a state_dict file
     eta: float = 1.0  # the step size of the multiplicative update (paper: 1.0)
     smoothing: float = 1e-3  # c: alpha = (1 - c) * softmax(...) + c * uniform (paper: 1e-3)
+    reference_trusted: bool = False  # load `reference` with full pickle (it runs code): only for a file you trust
 
     def resolve(self, num_domains: int, num_tasks: int) -> dict[str, Any]:
         out = super().resolve(num_domains, num_tasks)
@@ -52,7 +53,10 @@ class DoremiOptions(ReweighterOptions):
             raise ConfigError(f"eta must be a positive number (paper: 1.0), got {self.eta!r}")
         if not (0.0 <= c <= 1.0):
             raise ConfigError(f"smoothing must lie in [0, 1] (paper: 1e-3), got {self.smoothing!r}")
-        out.update(reference=None if self.reference is None else os.fspath(self.reference), eta=eta, smoothing=c)
+        if not isinstance(self.reference_trusted, bool):
+            raise ConfigError(f"reference_trusted must be true or false, got {self.reference_trusted!r}")
+        out.update(reference=None if self.reference is None else os.fspath(self.reference), eta=eta, smoothing=c,
+                   reference_trusted=self.reference_trusted)
         return out
 
 

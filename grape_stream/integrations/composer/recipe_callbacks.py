@@ -3,6 +3,9 @@
 ``callbacks: {lr_monitor: {}, speed_monitor: {window_size: 10}}`` builds Composer's own callbacks under
 llm-foundry's registry names; ``grape_trajectory`` / ``grape_eval_summary`` are ours; any other callback
 is ``"package.module:ClassName": {kwargs}``. An unknown name is one line with the closest name.
+
+A recipe is trusted code (it names classes to import and call), but a name must still be a Composer
+``Callback`` subclass: ``"os:system": {...}`` or any other callable is refused before it is called.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import importlib
 from typing import Any, Mapping
 
 from composer import callbacks as cc
+from composer.core import Callback
 
 from grape_stream.errors import ConfigError, did_you_mean
 from grape_stream.integrations.composer.callbacks import GrapeTrajectoryCallback, TaskEvalSummary
@@ -39,10 +43,13 @@ CALLBACKS: dict[str, type] = {
 def _import(name: str) -> type:
     module, _, attr = name.partition(":")
     try:
-        cls: type = getattr(importlib.import_module(module), attr)
-        return cls
+        cls = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"recipe key 'callbacks.{name}': cannot import it ({exc})") from None
+    if not (isinstance(cls, type) and issubclass(cls, Callback)):
+        raise ConfigError(f"recipe key 'callbacks.{name}': {name} is not a Composer Callback class "
+                          f"(got {type(cls).__name__}); a callback must subclass composer.core.Callback")
+    return cls
 
 
 def _callback_class(name: str) -> type:
