@@ -19,6 +19,11 @@ Sections (each reports its own error in one line instead of stopping the script)
   every 100 steps.
 * ``fsdp``: a one-rank NCCL process group, our GPT under FSDP2 ``fully_shard`` (float64 and bf16 mixed
   precision): ``group_gram`` of the sharded model against the unsharded one.
+* ``m125_fsdp2``: the 125M model under FSDP2 with bf16 parameters (one-rank NCCL): a step's time and peak, and
+  the probe's (K=7, N=6) at 4 and 8 samples a group through the sharded engine.
+
+Each section runs in a process of its own, so one section's memory (or a caught out-of-memory) never shows in
+another's peak.
 
 Prints a table and writes JSON (default bench/results/gpu_check.json).
 """
@@ -26,16 +31,19 @@ Prints a table and writes JSON (default bench/results/gpu_check.json).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -242,9 +250,9 @@ def section_m125(quick: bool) -> dict[str, Any]:
 
 
 def _probe_cost(model: torch.nn.Module, groups: list[dict], mbs: Any, t_step: float, peak_step: int,
-                samples: int, batch_size: int) -> dict[str, Any]:
+                samples: int, batch_size: int, autocast: bool = True) -> dict[str, Any]:
     def probe() -> Any:
-        with torch.autocast(DEV.type, dtype=torch.bfloat16):
+        with torch.autocast(DEV.type, dtype=torch.bfloat16, enabled=autocast):
             return group_gram(model, per_sample_lm_loss, groups, return_info=True, micro_batch_size=mbs)
 
     probe()  # layouts and caches, as the first update of a run
@@ -263,20 +271,30 @@ def _probe_cost(model: torch.nn.Module, groups: list[dict], mbs: Any, t_step: fl
     }
 
 
-def section_fsdp() -> dict[str, Any]:
+@contextlib.contextmanager
+def one_rank_group() -> Iterator[str]:
+    """A one-rank process group on the device's own backend (NCCL on CUDA)."""
     import torch.distributed as dist
 
-    out: dict[str, Any] = {"nccl_available": dist.is_nccl_available()}
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     backend = "nccl" if DEV.type == "cuda" else "gloo"
     dist.init_process_group(backend, rank=0, world_size=1, **({"device_id": DEV} if DEV.type == "cuda" else {}))
     try:
+        yield backend
+    finally:
+        dist.destroy_process_group()
+
+
+def section_fsdp() -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    out: dict[str, Any] = {"nccl_available": dist.is_nccl_available()}
+    with one_rank_group() as backend:
         t = torch.ones(4, device=DEV)
         dist.all_reduce(t)
-        out["nccl_all_reduce_ok"] = bool(t.sum().item() == 4)
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
+        out[f"{backend}_all_reduce_ok"] = bool(t.sum().item() == 4)
         groups = token_groups(5, 4, 32, 300, seed=3)
         for label, dtype, mp in (("float64", torch.float64, None),
                                  ("bf16_mixed", torch.float32,
@@ -293,8 +311,51 @@ def section_fsdp() -> dict[str, Any]:
                 out[f"fsdp2_{label}_vs_unsharded"] = rel_err(got, want)
             except Exception as e:  # noqa: BLE001 - reported, not fatal
                 out[f"fsdp2_{label}_error"] = one_line(e)
-    finally:
-        dist.destroy_process_group()
+    return out
+
+
+def section_m125_fsdp2() -> dict[str, Any]:
+    with one_rank_group():
+        return _m125_fsdp2()
+
+
+def _m125_fsdp2() -> dict[str, Any]:
+    """The 125M model under FSDP2 (each block a unit, bf16 parameters, float32 reductions) on the one-rank
+    NCCL group: a training step, then GRAPE's probe (K=7, N=6) through the sharded engine."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    seq, batch_size = 1024, 16
+    vocab = int(M125["vocab_size"])
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=seq, **M125)).to(DEV)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    train_batch = {"tokens": torch.randint(0, vocab, (batch_size, seq + 1), generator=gen).to(DEV)}
+
+    def step() -> None:
+        per_sample_lm_loss(model, train_batch).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    peak_reset()
+    t_step, _ = timed(step, 5)
+    peak_step = peak()
+    out: dict[str, Any] = {"seconds_per_step": t_step, "peak_step_gib": gib(peak_step)}
+    for per_group in (4, 8):
+        groups = token_groups(13, per_group, seq, vocab, seed=per_group)
+        try:
+            out[f"k7_n6_b{per_group}"] = _probe_cost(model, groups, None, t_step, peak_step, 13 * per_group,
+                                                     batch_size, autocast=False)
+        except torch.OutOfMemoryError as e:
+            out[f"k7_n6_b{per_group}"] = {"error": one_line(e)}
+        gc.collect()
+        torch.cuda.empty_cache() if DEV.type == "cuda" else None
     return out
 
 
@@ -306,8 +367,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a smaller m125 section (256 tokens, batch 8)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "gpu_check.json"), help="JSON output path")
-    ap.add_argument("--sections", default="exact,precision,instep,m125,fsdp",
-                    help="comma-separated sections to run (default: all)")
+    ap.add_argument("--sections", default="exact,precision,instep,m125,fsdp,m125_fsdp2",
+                    help="comma-separated sections to run (default: all), each in its own process")
+    ap.add_argument("--section-only", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if DEV.type == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device visible; this script is for a machine with a GPU")
@@ -320,15 +382,28 @@ def main() -> int:
     }
     runners: dict[str, Callable[[], dict[str, Any]]] = {
         "exact": section_exact, "precision": section_precision, "instep": section_instep,
-        "m125": lambda: section_m125(args.quick), "fsdp": section_fsdp,
+        "m125": lambda: section_m125(args.quick), "fsdp": section_fsdp, "m125_fsdp2": section_m125_fsdp2,
     }
-    for name in args.sections.split(","):
+    if args.section_only:  # the child: one section, its dict to --out
         t0 = time.perf_counter()
         try:
-            result["sections"][name] = runners[name]()
+            sec = runners[args.section_only]()
         except Exception as e:  # noqa: BLE001 - one section's failure is a result, the others still run
-            result["sections"][name] = {"error": one_line(e), "traceback": traceback.format_exc()[-2000:]}
-        result["sections"][name]["seconds"] = round(time.perf_counter() - t0, 2)
+            sec = {"error": one_line(e), "traceback": traceback.format_exc()[-2000:]}
+        sec["seconds"] = round(time.perf_counter() - t0, 2)
+        with open(args.out, "w") as f:
+            json.dump(sec, f, default=str)
+        return 0
+    for name in args.sections.split(","):
+        # Each section in a fresh process: no section's allocations (or a caught OOM's) colour another's peak.
+        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+            cmd = [sys.executable, os.path.abspath(__file__), "--section-only", name, "--out", tmp.name]
+            proc = subprocess.run(cmd + (["--quick"] if args.quick else []), capture_output=True, text=True)
+            try:
+                with open(tmp.name) as f:
+                    result["sections"][name] = json.load(f)
+            except (OSError, ValueError):
+                result["sections"][name] = {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-500:]}"}
         print(f"[{name}] {json.dumps(result['sections'][name], default=str)[:1500]}", flush=True)
     print(f"\ngpu_check on {result['device']} (torch {result['torch']}, CUDA {result['cuda']})")
     print(f"{'section':10} {'measure':48} value")
