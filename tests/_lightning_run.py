@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="steps: in-step alignments, 2 observed steps per update; rnb: method rnb on them")
     p.add_argument("--method", default="grape")
     p.add_argument("--reference", default=None)
+    p.add_argument("--strategy", default=None, help="fsdp (FSDPStrategy) or model_parallel (fully_shard)")
     a = p.parse_args(argv)
 
     import lightning.pytorch as pl
@@ -65,6 +66,15 @@ def main(argv: list[str] | None = None) -> None:
         def __init__(self) -> None:
             super().__init__()
             self.model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=2, n_head=2, d_model=32, d_ff=64))
+
+        def configure_model(self) -> None:  # ModelParallelStrategy: FSDP2 over its data-parallel mesh
+            if a.strategy == "model_parallel":
+                from torch.distributed.fsdp import fully_shard
+
+                mesh = self.device_mesh["data_parallel"]
+                for block in self.model.blocks:
+                    fully_shard(block, mesh=mesh)
+                fully_shard(self.model, mesh=mesh)
 
         def forward(self, tokens):  # the GRAPE probe calls module(tokens) -> logits
             return self.model(tokens)
@@ -107,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     module = LitGPT()
     trainer = pl.Trainer(max_steps=a.steps, accelerator="cpu", devices=a.devices, accumulate_grad_batches=a.accumulate,
-                         strategy="ddp" if a.devices > 1 else "auto",
+                         strategy=_strategy(a.strategy, a.devices),
                          callbacks=[grape, checkpoints, KillAt()], default_root_dir=a.out,
                          logger=CSVLogger(a.out, name="csv", version=0), log_every_n_steps=1,
                          enable_progress_bar=False, enable_model_summary=False)
@@ -121,6 +131,14 @@ def main(argv: list[str] | None = None) -> None:
     with open(os.path.join(a.out, f"history-rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump(grape.controller.history, f)
     mixer.close()
+
+
+def _strategy(name: str | None, devices: int):
+    if name == "model_parallel":  # FSDP2 (configure_model); Lightning's FSDPStrategy refuses accelerator="cpu"
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
+    return name or ("ddp" if devices > 1 else "auto")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from grape_stream.config import AlgorithmConfig
 from grape_stream.errors import DataError
 from grape_stream.grape.algorithm_config import algorithm_config, reweighter_options, step_observation
 from grape_stream.grape.controller import REPLAY_METHOD, GrapeController
+from grape_stream.grape.probes import unwrap_for_probe
 from grape_stream.grape.reweighting import REWEIGHTERS
 from grape_stream.grape.reweighting.registry import canonical_method
 from grape_stream.grape.trajectory import TRAJECTORY_FILE
@@ -132,6 +133,15 @@ class GrapeLoop:
             self.controller.load_state_dict(self._pending_state)
             self._pending_state = None
         return self.controller
+
+    def check_model(self, model: nn.Module) -> None:
+        """Refuse, before the first step, a model this method cannot differentiate (the probe's sharded-parameter
+        check, for a method that probes or observes the training steps' backward). The loss-driven methods
+        (DoReMi, ODM, ADO) read each sample's training loss and never differentiate the model, so they take any
+        model, sharded (FSDP1, FSDP2) or not."""
+        ctl = self._ctl()
+        if ctl.needs_probe or ctl.instep is not None:
+            unwrap_for_probe(model)
 
     def start(self) -> None:
         """Push the initial weights to the mixer before its first batch (a no-op after a resume)."""
