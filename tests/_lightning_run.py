@@ -11,7 +11,8 @@ rank writes its controller's (step, alpha) history to ``OUT/alphas-rank<r>.json`
 ``OUT/history-rank<r>.json`` at the end. ``--method`` other than grape: a loss-driven method (``--reference``: the
 reference weights DoReMi reads), updating every 4 steps.
 ``--devices 2`` under ``torchrun --nproc_per_node 2``: DDP on CPU (gloo); rank r > 0 records its batches
-in ``samples-rank<r>.jsonl``.
+in ``samples-rank<r>.jsonl``. ``--strategy model_parallel``: Lightning's ModelParallelStrategy, the GPT's blocks and
+root sharded with FSDP2 in ``configure_model`` (Lightning's FSDPStrategy refuses ``accelerator="cpu"``).
 """
 
 from __future__ import annotations
@@ -126,6 +127,10 @@ def main(argv: list[str] | None = None) -> None:
         steps = [int(m.group(1)) for f in os.listdir(ckpt_dir) if (m := re.fullmatch(r"step=(\d+)\.ckpt", f))]
         resume = os.path.join(ckpt_dir, f"step={max(steps)}.ckpt")
     trainer.fit(module, datamodule=MixerDataModule(mixer), ckpt_path=resume)
+    if a.strategy == "model_parallel":  # the run trained a sharded module
+        from grape_stream.integrations.sharded import is_sharded
+
+        assert is_sharded(module), "ModelParallelStrategy left the module unsharded"
     with open(os.path.join(a.out, f"alphas-rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump([[r["step"], r["alpha"]] for r in grape.controller.history], f)
     with open(os.path.join(a.out, f"history-rank{rank}.json"), "w", encoding="utf-8") as f:

@@ -3,7 +3,9 @@ sharded with FSDP2 (``fully_shard``) and with FSDP1 (``use_orig_params``), on th
 micro-batches a step. Each update's per-domain losses (and DoReMi's excess losses, its reference sharded like the
 training model: grape.sharded_reference) equal those of an unsharded single-process model holding the same
 weights, sample by sample (rtol 1e-10), and alpha equals a single-process reweighter fed those numbers. The
-reference swap leaves the training weights bit-identical. One process group runs every case."""
+reference swap leaves the training weights bit-identical. The HF Trainer's FSDP cannot run on CPU (accelerate 1.15
+turns FSDP on only for GPU-type distributed setups), so ODM also runs through GrapeTrainer.compute_loss and the
+GrapeTrainerCallback's events on an HF Llama sharded here with FSDP2. One process group runs every case."""
 
 from __future__ import annotations
 
@@ -18,8 +20,6 @@ import torch.multiprocessing as mp
 
 from _grape_data import SHORT_RUN, write_dataset
 from test_loss_mode import DOMAINS, _model
-
-pytestmark = pytest.mark.integration
 
 WORLD = 2
 METHODS = ("odm", "ado", "doremi")
@@ -104,6 +104,66 @@ def _run_case(kind: str, method: str, mixer, loader, reference: str, world: int)
     return {"truth": truth, "history": ctl.history, "swap_exact": swap_exact, "options": options}
 
 
+def _llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from _grape_data import SEQ, VOCAB
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1,
+                                        max_position_embeddings=SEQ)).double()
+
+
+def _hf_truth(model: torch.nn.Module, inputs: dict) -> list[list[float]]:
+    """(domain, mean loss over the counted labels, 0, counted) of each sample, from an unsharded Llama's logits."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    plain = _llama().eval()
+    plain.load_state_dict(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
+    with torch.no_grad():
+        lp = torch.log_softmax(plain(input_ids=inputs["input_ids"]).logits.double()[:, :-1], -1)
+    labels = inputs["labels"][:, 1:]
+    mask = labels != -100
+    token = -lp.gather(-1, labels.clamp_min(0)[..., None])[..., 0] * mask
+    domains = inputs["grape_batch"]["domain"]
+    return [[int(domains[i]), float(token[i].sum() / mask[i].sum()), 0.0, float(mask[i].sum())]
+            for i in range(labels.shape[0])]
+
+
+def _hf_case(mixer, out: str, world: int) -> dict:
+    """ODM through GrapeTrainer's loss and GrapeTrainerCallback's events, the Llama sharded with FSDP2."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import TrainerControl, TrainingArguments
+
+    from grape_stream.integrations.hf import GrapeTrainer, GrapeTrainerCallback
+
+    model = _llama()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    args = TrainingArguments(output_dir=f"{out}/hf", max_steps=STEPS, report_to=[], use_cpu=True, save_strategy="no")
+    callback = GrapeTrainerCallback(method="odm", alpha_every=EVERY, plots=False, trajectory=False, summary=False)
+    trainer = GrapeTrainer(model=model, args=args, mixer=mixer, callbacks=[callback])
+    callback.bind(trainer)
+    state, control = trainer.state, TrainerControl()
+    loader = trainer.get_train_dataloader()
+    callback.on_train_begin(args, state, control, model=model, train_dataloader=loader)  # refused FSDP before
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    batches, truth = iter(loader), []
+    for step in range(1, STEPS + 1):
+        inputs = next(batches)
+        truth.append([step, _hf_truth(model, inputs)])
+        trainer.compute_loss(model, dict(inputs)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        state.global_step = step
+        callback.on_step_end(args, state, control, model=model, optimizer=opt)
+    return {"truth": truth, "history": callback.controller.history, "swap_exact": True, "options": {}}
+
+
 def _worker(rank: int, cfg: dict) -> None:
     import torch.distributed as dist
 
@@ -125,6 +185,7 @@ def _worker(rank: int, cfg: dict) -> None:
         for kind in KINDS:
             for method in METHODS:
                 out["cases"][f"{kind}/{method}"] = _run_case(kind, method, mixer, loader, cfg["reference"], WORLD)
+        out["cases"]["hf/odm"] = _hf_case(mixer, cfg["out"], WORLD)
         mixer.close()
     except BaseException:
         out["error"] = traceback.format_exc()
@@ -166,7 +227,7 @@ def test_loss_driven_methods_on_fsdp_equal_the_unsharded_computation(tmp_path) -
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(WORLD)]
     for r in ranks:
         assert "error" not in r, r["error"]
-    for case in (f"{k}/{m}" for k in KINDS for m in METHODS):
+    for case in [f"{k}/{m}" for k in KINDS for m in METHODS] + ["hf/odm"]:
         method = case.split("/")[1]
         per_rank = [r["cases"][case] for r in ranks]
         history = [rec for rec in per_rank[0]["history"] if not rec.get("initial")]
