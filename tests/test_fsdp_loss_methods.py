@@ -3,9 +3,10 @@ sharded with FSDP2 (``fully_shard``) and with FSDP1 (``use_orig_params``), on th
 micro-batches a step. Each update's per-domain losses (and DoReMi's excess losses, its reference sharded like the
 training model: grape.sharded_reference) equal those of an unsharded single-process model holding the same
 weights, sample by sample (rtol 1e-10), and alpha equals a single-process reweighter fed those numbers. The
-reference swap leaves the training weights bit-identical. The HF Trainer's FSDP cannot run on CPU (accelerate 1.15
-turns FSDP on only for GPU-type distributed setups), so ODM also runs through GrapeTrainer.compute_loss and the
-GrapeTrainerCallback's events on an HF Llama sharded here with FSDP2. One process group runs every case."""
+reference swap leaves the training weights bit-identical. The HF Trainer's FSDP cannot run on CPU (accelerate
+1.15 turns FSDP on only for GPU-type distributed setups), so ODM also runs through GrapeTrainer.compute_loss and
+the GrapeTrainerCallback's events on an HF Llama sharded here with FSDP2. R&B (the in-step engine) on a sharded
+model is refused in one line. One process group runs every case."""
 
 from __future__ import annotations
 
@@ -164,6 +165,18 @@ def _hf_case(mixer, out: str, world: int) -> dict:
     return {"truth": truth, "history": callback.controller.history, "swap_exact": True, "options": {}}
 
 
+def _step_gram_refusal(mixer) -> str:
+    """R&B (the in-step engine) on a sharded model: one line, at the callbacks' train begin (GrapeLoop.check_model)."""
+    from grape_stream.errors import ConfigError
+    from grape_stream.integrations.grape_loop import GrapeLoop
+
+    loop = GrapeLoop(method="rnb", alpha_every=EVERY, trajectory=False)
+    loop.attach(mixer)
+    with pytest.raises(ConfigError) as err:
+        loop.check_model(shard(_model(0), "fsdp2", WORLD))
+    return str(err.value)
+
+
 def _worker(rank: int, cfg: dict) -> None:
     import torch.distributed as dist
 
@@ -186,6 +199,7 @@ def _worker(rank: int, cfg: dict) -> None:
             for method in METHODS:
                 out["cases"][f"{kind}/{method}"] = _run_case(kind, method, mixer, loader, cfg["reference"], WORLD)
         out["cases"]["hf/odm"] = _hf_case(mixer, cfg["out"], WORLD)
+        out["refusal"] = _step_gram_refusal(mixer)
         mixer.close()
     except BaseException:
         out["error"] = traceback.format_exc()
@@ -245,3 +259,5 @@ def test_loss_driven_methods_on_fsdp_equal_the_unsharded_computation(tmp_path) -
                                            err_msg=case)
             np.testing.assert_allclose(rec["alpha"], exp["alpha"], rtol=1e-10, err_msg=case)
         assert all(r["swap_exact"] for r in per_rank), case
+    msg = ranks[0]["refusal"]
+    assert "\n" not in msg and "R&B's step Gram do not run on sharded parameters" in msg and "DTensor" in msg, msg

@@ -28,6 +28,7 @@ from grape_stream.config import AlgorithmConfig
 from grape_stream.errors import DataError
 from grape_stream.grape.algorithm_config import algorithm_config, reweighter_options, step_observation
 from grape_stream.grape.controller import REPLAY_METHOD, GrapeController
+from grape_stream.grape.gram.instep_scope import refuse_sharded
 from grape_stream.grape.probes import unwrap_for_probe
 from grape_stream.grape.reweighting import REWEIGHTERS
 from grape_stream.grape.reweighting.registry import canonical_method
@@ -140,7 +141,9 @@ class GrapeLoop:
         (DoReMi, ODM, ADO) read each sample's training loss and never differentiate the model, so they take any
         model, sharded (FSDP1, FSDP2) or not."""
         ctl = self._ctl()
-        if ctl.needs_probe or ctl.instep is not None:
+        if ctl.instep is not None:
+            refuse_sharded(model)
+        elif ctl.needs_probe:
             unwrap_for_probe(model)
 
     def start(self) -> None:
