@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         resume = os.path.join(ckpt_dir, f"step={max(steps)}.ckpt")
     trainer.fit(module, datamodule=MixerDataModule(mixer), ckpt_path=resume)
     if a.strategy == "model_parallel":  # the run trained a sharded module
-        from grape_stream.integrations.sharded import is_sharded
+        from grape_stream.grape.gram.sharding import is_sharded
 
         assert is_sharded(module), "ModelParallelStrategy left the module unsharded"
     with open(os.path.join(a.out, f"alphas-rank{rank}.json"), "w", encoding="utf-8") as f:

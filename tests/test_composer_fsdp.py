@@ -1,7 +1,7 @@
-"""GRAPE under FSDP, for real: two gloo processes on CPU shard a GPT with torch's FSDP1 (use_orig_params, the
-wrapping Composer's ``fsdp_config`` applies) and FSDP2 (``fully_shard``), train a step, and probe the unsharded
-replica (grape_stream.integrations.sharded). The alignment Gram equals the single-process one on the same
-weights. (Composer's own FSDP wrapping needs CUDA: composer/distributed/dist_strategy.py passes
+"""GrapeAlgorithm under FSDP, for real: two gloo processes on CPU, the model wrapped by torch's FSDP1
+(use_orig_params, the wrapping Composer's ``fsdp_config`` applies) on a real Composer State; the probe runs on the
+sharded model unit by unit (grape/gram/sharding.py; the Gram's exactness against the unsharded computation is
+tests/test_fsdp_gram.py). (Composer's own FSDP wrapping needs CUDA: composer/distributed/dist_strategy.py passes
 ``device_id=torch.cuda.current_device()``; torch's FSDP runs on CPU with ``device_id=cpu``.)"""
 
 from __future__ import annotations
@@ -15,22 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from _alignment_helpers import gpt, lm_groups
-from grape_stream.grape.gram.group_gram import group_gram
-from grape_stream.integrations.sharded import is_sharded, probe_skeleton, unsharded_replica
+from grape_stream.grape.gram.sharding import is_sharded
 from grape_stream.models import per_sample_lm_loss
-
-GROUPS = [3, 2, 4, 2]  # e.g. two domains and two tasks
-
-
-def _train_step(model: torch.nn.Module) -> None:
-    """One SGD step on the same batch everywhere: every rank (and the single process) ends on equal weights."""
-    batch = lm_groups([4], seed=7)[0]
-    per_sample_lm_loss(model, batch).mean().backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                p -= 0.5 * p.grad
-                p.grad = None
 
 
 def _shard(model: torch.nn.Module, kind: str, world: int) -> torch.nn.Module:
@@ -51,44 +37,9 @@ def _shard(model: torch.nn.Module, kind: str, world: int) -> torch.nn.Module:
     return model
 
 
-def _worker(rank: int, world: int, tmp: str, kind: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous-{kind}", rank=rank, world_size=world)
-    try:
-        model = gpt(torch.float64, seed=0)
-        skeleton = probe_skeleton(model)  # before wrapping (Composer: Event.INIT)
-        sharded = _shard(model, kind, world)
-        _train_step(sharded)
-        assert is_sharded(sharded)
-        with pytest.raises(ValueError, match="before FSDP wraps it"):
-            probe_skeleton(sharded)
-        replica = unsharded_replica(sharded, skeleton)
-        assert not is_sharded(replica)
-        assert replica.head.weight is replica.tok_emb.weight  # tied weights stay one parameter
-        groups = lm_groups(GROUPS, seed=3)  # the same probe on both ranks (probe_mode="replicated")
-        local, _ = group_gram(replica, per_sample_lm_loss, groups, reduce=None)
-        mean, losses = group_gram(replica, per_sample_lm_loss, groups)  # all-reduced as under DDP
-        torch.save({"local": local, "mean": mean, "losses": losses}, os.path.join(tmp, f"{kind}-rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.parametrize("kind", ["fsdp1", "fsdp2"])
-def test_fsdp_probe_on_the_unsharded_replica_equals_single_process(tmp_path: Path, kind: str) -> None:
-    mp.spawn(_worker, args=(2, str(tmp_path), kind), nprocs=2, join=True)
-    model = gpt(torch.float64, seed=0)
-    _train_step(model)
-    want, want_losses = group_gram(model, per_sample_lm_loss, lm_groups(GROUPS, seed=3))
-    for rank in (0, 1):
-        got = torch.load(tmp_path / f"{kind}-rank{rank}.pt")
-        torch.testing.assert_close(got["local"], want, rtol=1e-10, atol=1e-14)
-        torch.testing.assert_close(got["mean"], want, rtol=1e-10, atol=1e-14)
-        torch.testing.assert_close(got["losses"], want_losses, rtol=1e-12, atol=0)
-
-
 def _algorithm_run(data: str, sharded: bool) -> dict:
-    """GrapeAlgorithm driven through Composer's events on a real State: INIT (skeleton), the model wrapped
-    by torch's FSDP1 as Composer wraps it, FIT_START, then one update at BATCH_END."""
+    """GrapeAlgorithm driven through Composer's events on a real State: the model wrapped by torch's FSDP1 as
+    Composer wraps it, FIT_START, then one update at BATCH_END (probing the sharded model: no replica)."""
     from composer.core import Event, State, Time
     from composer.devices import DeviceCPU
     from composer.loggers import Logger
@@ -109,12 +60,11 @@ def _algorithm_run(data: str, sharded: bool) -> dict:
     state = State(model=model, rank_zero_seed=0, run_name="fsdp", device=DeviceCPU(), max_duration="4ba",
                   train_dataloader=mixer.dataloader(), parallelism_config=parallel)
     logger = Logger(state, [])
-    algo.apply(Event.INIT, state, logger)
     if sharded:
         block = type(model.model.blocks[0])
         model.model = FullyShardedDataParallel(model.model, auto_wrap_policy=ModuleWrapPolicy({block}),
                                                use_orig_params=True, device_id=torch.device("cpu"))
-        assert state.fsdp_enabled
+        assert state.fsdp_enabled and is_sharded(state.model)
     algo.apply(Event.FIT_START, state, logger)
     state.timestamp = state.timestamp.copy(batch=Time(1, "ba"))
     algo.apply(Event.BATCH_END, state, logger)

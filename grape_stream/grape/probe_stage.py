@@ -25,9 +25,10 @@ from torch import nn
 from grape_stream.config import AlgorithmConfig
 from grape_stream.grape.geometry import adam_preconditioner
 from grape_stream.grape.gram.group_gram import fused_gram
+from grape_stream.grape.gram.sharding import common_length, is_sharded
 from grape_stream.grape.mixer_port import MixerPort
 from grape_stream.grape.probe_size import ProbeSizer, combine_halves, relative_standard_error, split_halves
-from grape_stream.grape.probes import draw_probe_groups, module_device, unwrap_for_probe
+from grape_stream.grape.probes import draw_probe_groups, module_device, pad_groups, unwrap_for_probe
 from grape_stream.grape.reweighting import Reweighter
 from grape_stream.grape.tasks import TaskStream
 from grape_stream.grape.trajectory import floats
@@ -83,9 +84,11 @@ class ProbeStage:
         ``reweighter`` previews the half-probes of the size rule; ``optimizer`` is read (never changed) by
         ``geometry="adam"``.
         """
-        probe_model = unwrap_for_probe(model)
+        probe_model = unwrap_for_probe(model, sharded_ok=True)  # FSDP: probed unit by unit (grape/gram/sharding.py)
         t = time.perf_counter()
         groups = self.groups(step, rank, world, module_device(probe_model))
+        if world > 1 and is_sharded(probe_model):  # every rank's forwards gather the units: one batch shape
+            groups = pad_groups(groups, common_length(groups, module_device(probe_model)))
         seconds["probe_data"] = time.perf_counter() - t
         t = time.perf_counter()
         pre = self._precondition(probe_model, optimizer, rec)

@@ -50,8 +50,9 @@ def sharded_parameter(model: nn.Module) -> str | None:
     return None
 
 
-def unwrap_for_probe(model: nn.Module) -> nn.Module:
-    """The module whose parameters the probe differentiates; sharded parameters are refused.
+def unwrap_for_probe(model: nn.Module, *, sharded_ok: bool = False) -> nn.Module:
+    """The module whose parameters the probe differentiates; sharded parameters are refused unless
+    ``sharded_ok`` (the fused Gram probes FSDP models unit by unit: grape/gram/sharding.py).
 
     DDP and DataParallel are unwrapped by type (``.module`` exists on many non-DDP wrappers, e.g.
     Composer's classifier): differentiating the inner module with ``torch.autograd.grad`` runs no DDP
@@ -68,7 +69,7 @@ def unwrap_for_probe(model: nn.Module) -> nn.Module:
             model = inner
         else:
             break
-    why = sharded_parameter(model)
+    why = None if sharded_ok else sharded_parameter(model)
     if why is not None:
         raise NotImplementedError(
             f"GRAPE probes do not support sharded parameters yet ({why}): under FSDP each rank holds only a "
@@ -98,13 +99,14 @@ def collate_domain_samples(samples: Sequence[Mapping[str, Any]]) -> dict[str, to
     return {"tokens": tokens, "loss_mask": torch.ones_like(tokens, dtype=torch.uint8)}
 
 
-def pad_groups(groups: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
-    """Give every probe group the same sequence length (the fused probe concatenates them).
+def pad_groups(groups: list[dict[str, torch.Tensor]], length: int | None = None) -> list[dict[str, torch.Tensor]]:
+    """Give every probe group the same sequence length (the fused probe concatenates them): the longest
+    group's, or ``length`` when longer (under FSDP every rank pads to the longest probe of all ranks).
 
     Shorter groups are right-padded with token 0 and loss_mask 0: in a causal model, tokens after a
     position never change its prediction, so the padded loss equals the unpadded one exactly.
     """
-    T = max(g["tokens"].shape[1] for g in groups)
+    T = max([g["tokens"].shape[1] for g in groups] + ([length] if length is not None else []))
     out = []
     for g in groups:
         t = g["tokens"].shape[1]

@@ -66,14 +66,19 @@ def _detached(obj: Any) -> Any:
 def unit_output(module: nn.Module, args: tuple, kwargs: dict) -> Tensor:
     """The module's own output with weight 1 and bias 0: n(x) of an element-wise affine call."""
     saved: dict[str, Any] = {k: p for k in _PARAM_NAMES if (p := module._parameters.get(k)) is not None}
+    # FSDP1 (use_orig_params) also holds the gathered tensor as a plain attribute, which attribute lookup reads first
+    shadows: dict[str, Any] = {k: t for k in saved if isinstance(t := module.__dict__.get(k), Tensor)}
     try:
         for k, p in saved.items():
             fill = torch.ones_like if k == "weight" else torch.zeros_like
             module._parameters[k] = fill(p.detach())  # type: ignore[assignment]  # plain tensor, no grad
+            if k in shadows:
+                module.__dict__[k] = module._parameters[k]
         with torch.no_grad():
             out = module.forward(*args, **kwargs)
     finally:
         module._parameters.update(saved)
+        module.__dict__.update(shadows)
     if not isinstance(out, Tensor):
         raise TypeError(f"{type(module).__name__} returned {type(out).__name__}, not a tensor")
     return out
@@ -153,11 +158,15 @@ _FORMS: tuple[tuple[str, Callable[[Tensor, Tensor, Optional[Tensor]], bool]], ..
 def _vjp(module: nn.Module, args: tuple, kwargs: dict, params: dict[str, nn.Parameter], v: Tensor) -> dict:
     """<v, y> differentiated through the module's own forward, for the in-scope parameters."""
     names = [k for k in _PARAM_NAMES if k in params and params[k].requires_grad]
+    # what the module computes with: the parameter, or under FSDP the unit's gathered tensor standing in for it
+    live = [t for k in names if isinstance(t := module._parameters.get(k), Tensor) and t.requires_grad]
+    if len(live) != len(names):
+        return {}
     with torch.enable_grad():
         out = module.forward(*_detached(args), **_detached(kwargs))
         if not isinstance(out, Tensor) or out.shape != v.shape or not out.requires_grad:
             return {}
-        grads = torch.autograd.grad((out * v).sum(), [params[k] for k in names], allow_unused=True)
+        grads = torch.autograd.grad((out * v).sum(), live, allow_unused=True)
     return {k: g for k, g in zip(names, grads) if g is not None}
 
 

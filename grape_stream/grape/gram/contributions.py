@@ -11,7 +11,7 @@ each function; ``hooks.FusedGramEngine`` feeds the results to the parameters' ac
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -37,6 +37,14 @@ class Use:
     node: Any = None  # grad_fn of the output (or the output itself when it is a leaf)
     fired: bool = False
     keep_ids: Optional[Tensor] = None  # embedding: rows it touches (for the tied-weight projection)
+    shapes: dict[str, torch.Size] = field(default_factory=dict)  # full parameter shapes (FSDP: not the shard's)
+
+
+def _shape(use: Use, pname: str) -> torch.Size:
+    """The parameter's full shape: as its module saw it in the forward (under FSDP1 the parameter object itself
+    holds a flat shard outside its unit's forward)."""
+    shape = use.shapes.get(pname)
+    return shape if shape is not None else use.params[pname].shape
 
 
 def _segments(mb: MicroBatch, rows: int) -> list[tuple[int, int]]:
@@ -92,12 +100,12 @@ def contributions(use: Use, grad: Tensor, mb: MicroBatch, *, compute_dtype: Call
         s = scale("weight")
         if s is not None:
             vecs = vecs * s[ids.long()].reshape(vecs.shape)
-        out["weight"] = SparseRowContribution(tok_groups, ids.long(), vecs, use.params["weight"].shape[0])
+        out["weight"] = SparseRowContribution(tok_groups, ids.long(), vecs, _shape(use, "weight")[0])
     elif use.kind in ("layernorm", "rmsnorm", "affine"):
         dtype = compute_dtype(grad.dtype)
         x = inp.to(dtype)
         if use.kind == "affine":  # inp is already the module's own n(x) (capabilities.unit_output)
-            ns = tuple(mod._parameters["weight"].shape)
+            ns = tuple(_shape(use, "weight"))
             xhat = x
         elif use.kind == "layernorm":
             ns = tuple(mod.normalized_shape)

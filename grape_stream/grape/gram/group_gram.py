@@ -36,6 +36,13 @@ from grape_stream.grape.gram.hooks import FusedGramEngine
 from grape_stream.grape.gram.layout_probe import probe_layouts
 from grape_stream.grape.gram.plan import GramInfo, check_batch_coupling, param_scope, plan_pass
 from grape_stream.grape.gram.precondition import Precondition, resolve_precondition
+from grape_stream.grape.gram.sharding import (
+    ShardedGramError,
+    agree_on_shape,
+    check_sharded,
+    holding_gradients,
+    refuse_stray,
+)
 from grape_stream.grape.probes import unwrap_for_probe
 from grape_stream.head_loss import HeadGradientMismatch, observing_lm_head
 from grape_stream.models import no_inplace_loss_grad
@@ -75,6 +82,8 @@ class _Pass:
     device: torch.device
     settings: GramConfig
     scales: dict[int, Tensor]  # id(parameter) -> sqrt of its preconditioner weight
+    sharded: bool = False  # an FSDP model (gram/sharding.py): no fallback, no chunked head, ranks in step
+    process_group: Any = None
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -135,8 +144,8 @@ def group_gram(
     """
     given = {"micro_batch_size": micro_batch_size, "chunk_elements": chunk_elements, "ghost": ghost}
     settings = with_overrides(None, GramConfig, {k: v for k, v in given.items() if v is not None}, where="group_gram")
-    gram, losses, info = fused_gram(unwrap_for_probe(model), per_sample_loss, groups, settings=settings,
-                                    params=params, reduce=reduce, process_group=process_group,
+    gram, losses, info = fused_gram(unwrap_for_probe(model, sharded_ok=True), per_sample_loss, groups,
+                                    settings=settings, params=params, reduce=reduce, process_group=process_group,
                                     precondition=precondition)
     return (gram, losses, info) if return_info else (gram, losses)
 
@@ -162,6 +171,13 @@ def fused_gram(
     if not isinstance(groups, Sequence) or isinstance(groups, (str, bytes)) or len(groups) == 0:
         raise ValueError("groups must be a non-empty list of batches (K domain probes, then N task probes)")
     check_batch_coupling(model)
+    sharded = check_sharded(model) is not None
+    if sharded and mbs is not None:
+        raise ShardedGramError("micro_batch_size is not available under FSDP: between micro-batches it holds every "
+                               "parameter's per-group gradient (groups x the whole model); probe in one pass")
+    if sharded and precondition is not None:
+        raise ShardedGramError("geometry='adam' (a preconditioned Gram) is not available under FSDP: the optimizer's "
+                               "second moments are sharded like the parameters; use geometry='sgd' (the paper)")
     sizes = [batch_size(b, f"groups[{i}]") for i, b in enumerate(groups)]
     scope = param_scope(model, params)
     device = scope[0].device
@@ -174,12 +190,14 @@ def fused_gram(
                                               torch.tensor(sizes, device=device)),
         spans=[(a, min(total, a + mb)) for a in range(0, total, mb)], scope=scope, device=device,
         settings=settings, scales=resolve_precondition(model, precondition, _compute_dtype),
+        sharded=sharded, process_group=process_group,
     )
     forced: dict[int, str] = {}
-    chunked_head = True
+    chunked_head = not sharded  # the chunked head calls the body directly, past FSDP's root hooks
     for _attempt in range(5):
         try:
-            gram, loss_sums, info = _run(run, forced, chunked_head)
+            with holding_gradients(model) if sharded else contextlib.nullcontext():
+                gram, loss_sums, info = _run(run, forced, chunked_head)
             break
         except _Retry as retry:
             forced.update(retry.reasons)
@@ -222,11 +240,15 @@ def _run(run: _Pass, forced: dict[int, str], chunked_head: bool) -> tuple[Tensor
     spans, settings = run.spans, run.settings
     num_groups = len(sizes)
     fast_modules, fb_params, info = plan_pass(model, run.scope, forced, sizes, len(spans))
+    if run.sharded and fb_params:
+        raise ShardedGramError("under FSDP every parameter must take the fused fast path (the per-group fallback "
+                               "is not available on sharded models); not: " + "; ".join(
+                                   f"{n} ({r})" for n, r in sorted(info.fallback_reasons.items())))
     fast_ids = {id(p) for _, _, _, ps in fast_modules for p in ps.values()}
     in_scope = {id(p) for p in run.scope}
     weights = 1.0 / torch.tensor(sizes, dtype=torch.float64, device=device)
     engine = FusedGramEngine(fast_modules, num_groups, device, _compute_dtype, budget=settings.chunk_elements,
-                             allow_ghost=settings.ghost, scales=run.scales)
+                             allow_ghost=settings.ghost, scales=run.scales, sharded=run.sharded)
     # our GPT's head + loss in sample chunks (head_loss.py); not with the fallback (it backpropagates per group)
     head = HeadChunks(engine, weights, enabled=chunked_head and not fb_params)
     fb_acc = [
@@ -244,6 +266,8 @@ def _run(run: _Pass, forced: dict[int, str], chunked_head: bool) -> tuple[Tensor
                 observing_lm_head(head):
             cache = _LAYOUT_CACHE.setdefault(model, {})
             ckey = (batch_signature(batch), frozenset(id(m) for _, m, _, _ in fast_modules))
+            if run.sharded:  # each forward gathers parameters collectively: every rank runs the same ones
+                agree_on_shape((ckey[0], len(spans), ckey in cache), run.process_group)
             if ckey not in cache:
                 cache[ckey] = probe_layouts(engine, model, per_sample_loss, batch, sum(sizes))
             engine.use_layouts(*cache[ckey])
@@ -257,6 +281,10 @@ def _run(run: _Pass, forced: dict[int, str], chunked_head: bool) -> tuple[Tensor
                 engine.end_forward()
                 timings["forward_s"] += time.perf_counter() - t0
                 _check_losses(losses, b - a)
+                if engine.layout_errors and run.sharded:
+                    raise ShardedGramError("under FSDP the fused Gram cannot attribute these calls to samples (the "
+                                           "per-group fallback is not available on sharded models): "
+                                           + "; ".join(sorted(set(engine.layout_errors.values()))))
                 if engine.layout_errors:
                     raise _Retry(engine.layout_errors)
                 loss_sums.index_add_(0, micro.sample_groups, losses.detach().to(torch.float64))
@@ -266,6 +294,8 @@ def _run(run: _Pass, forced: dict[int, str], chunked_head: bool) -> tuple[Tensor
                 w = weights[micro.sample_groups].to(losses.dtype)
                 total = (losses * w).sum()
                 reachable, leaves, _alive = scan_graph(total)
+                if run.sharded:
+                    refuse_stray(leaves, engine.roots)
                 stray = {id(v): "used outside its module's forward (functional use)"
                          for v in leaves if id(v) in fast_ids}
                 if stray:

@@ -51,8 +51,12 @@ class FusedGramEngine:
         budget: int = DEFAULT_BUDGET,
         allow_ghost: bool = True,
         scales: Optional[dict[int, Tensor]] = None,
+        sharded: bool = False,
     ) -> None:
         self.modules = modules
+        # FSDP (gram/sharding.py): a module computes with FSDP's gathered tensor, not the scope's parameter
+        self.sharded = sharded
+        self.shapes: dict[int, torch.Size] = {}  # id(scope parameter) -> its full shape, as its module saw it
         self.scales = scales or {}  # id(param) -> sqrt of its preconditioner weight (precondition.py)
         self.num_groups = num_groups
         self.device = device
@@ -63,7 +67,8 @@ class FusedGramEngine:
         self.acc: dict[int, RowAccumulator] = {}
         self.param_names: dict[int, str] = {}
         self.handles: list[Any] = []
-        self.originals: list[tuple[nn.Module, str, nn.Parameter]] = []
+        # (module, name, the tensor it held, where: "_parameters" or "__dict__") while a detached alias stands in
+        self.originals: list[tuple[nn.Module, str, Tensor, str]] = []
         self.micro: Optional[MicroBatch] = None
         self.uses: list[Use] = []
         self.pending: dict[int, list[Use]] = {}
@@ -98,8 +103,8 @@ class FusedGramEngine:
         for h in self.handles:
             h.remove()
         self.handles.clear()
-        for module, pname, p in self.originals:
-            module._parameters[pname] = p
+        for module, pname, p, where in self.originals:
+            getattr(module, where)[pname] = p
         self.originals.clear()
         self.uses.clear()
         self.pending.clear()
@@ -110,21 +115,27 @@ class FusedGramEngine:
             if not self.capturing or self.mode is not None:
                 return
             for pname, p in params.items():
-                if mod._parameters.get(pname) is p:
-                    self.originals.append((mod, pname, p))
+                live = mod._parameters.get(pname)
+                if live is p or (self.sharded and live is not None):  # FSDP: the unit's gathered tensor
+                    self.originals.append((mod, pname, live, "_parameters"))
+                    self.shapes[id(p)] = live.shape
                     # A detached alias: the module computes exactly as before, but autograd neither
                     # computes this parameter's full gradient nor saves an input just for it.
-                    mod._parameters[pname] = p.detach()  # type: ignore[assignment]  # torch types it Parameter-only
+                    mod._parameters[pname] = live.detach()  # type: ignore[assignment]  # torch types it Parameter-only
+                shadow = mod.__dict__.get(pname) if self.sharded else None
+                if isinstance(shadow, Tensor):  # FSDP1 also sets the gathered view as a plain attribute (read first)
+                    self.originals.append((mod, pname, shadow, "__dict__"))
+                    mod.__dict__[pname] = shadow.detach()
 
         return pre_hook
 
     def _restore(self, mod: nn.Module) -> None:
         keep = []
-        for m, pname, p in self.originals:
+        for m, pname, p, where in self.originals:
             if m is mod:
-                m._parameters[pname] = p
+                getattr(m, where)[pname] = p
             else:
-                keep.append((m, pname, p))
+                keep.append((m, pname, p, where))
         self.originals = keep
 
     def _make_post_hook(self, name: str, module: nn.Module, kind: str, params: dict[str, nn.Parameter]):
@@ -180,7 +191,8 @@ class FusedGramEngine:
         if attributed is None:
             return None
         inp, output, returned, rows = attributed
-        use = Use(name=name, kind=kind, module=mod, params=params, inp=inp, rows_per_sample=rows)
+        use = Use(name=name, kind=kind, module=mod, params=params, inp=inp, rows_per_sample=rows,
+                  shapes={k: self.shape(p) for k, p in params.items()})
         if kind == "embedding":
             ids = inp.reshape(-1)
             pad = getattr(mod, "padding_idx", None)  # verified embeddings need not be nn.Embedding
@@ -341,11 +353,16 @@ class FusedGramEngine:
             return None
         return torch.unique(torch.cat([u.keep_ids for u in rest if u.keep_ids is not None]))  # all embeddings
 
+    def shape(self, p: nn.Parameter) -> torch.Size:
+        """`p`'s full shape (under FSDP1 the parameter outside its unit's forward is a flat shard)."""
+        return self.shapes.get(id(p), p.shape)
+
     def accumulator(self, p: nn.Parameter, dtype: torch.dtype) -> RowAccumulator:
         acc = self.acc.get(id(p))
         if acc is None:
-            row_shape = tuple(p.shape[1:]) if p.dim() > 0 else ()
-            num_rows = p.shape[0] if p.dim() > 0 else 1
+            shape = self.shape(p)
+            row_shape = tuple(shape[1:]) if len(shape) > 0 else ()
+            num_rows = shape[0] if len(shape) > 0 else 1
             acc = RowAccumulator(self.num_groups, num_rows, row_shape, dtype, p.device)
             self.acc[id(p)] = acc
         return acc

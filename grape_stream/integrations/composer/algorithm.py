@@ -12,9 +12,9 @@ already holds the new weights. With ``alignments: steps`` it also puts an observ
 order (AFTER_DATALOADER) and observes each micro-batch's forward + backward (BEFORE_FORWARD / AFTER_BACKWARD:
 ``GrapeLoop.begin_step`` / ``end_step``); the step's sums join the interval's at BATCH_END.
 
-FSDP (``fsdp_config`` / ``parallelism_config``): at INIT, before Composer wraps the model, a meta-device
-skeleton of it is kept; at each update every rank probes an unsharded replica rebuilt from the full
-weights (:mod:`grape_stream.integrations.sharded`), exactly as under DDP.
+FSDP (``fsdp_config`` / ``parallelism_config``, FSDP1 with ``use_orig_params: true`` or FSDP2): every rank probes
+the sharded model itself, one FSDP unit at a time while FSDP has its parameters gathered for the probe's own
+forward and backward (:mod:`grape_stream.grape.gram.sharding`); no replica of the weights is built.
 
 Algorithm state is keyed by ``type(self).__qualname__`` in Composer checkpoints: keep the class name
 ``GrapeAlgorithm`` stable. The state is plain Python types (weights_only-safe). The mixer's position and
@@ -34,10 +34,10 @@ from grape_stream.config import AlgorithmConfig
 from grape_stream.errors import ConfigError
 from grape_stream.grape.controller import GrapeController
 from grape_stream.grape.gram.instep import sort_by_domain
+from grape_stream.grape.gram.sharding import is_sharded
 from grape_stream.integrations.common import find_mixer
 from grape_stream.integrations.composer.model import composer_per_sample_loss
 from grape_stream.integrations.grape_loop import GrapeLoop, PerSampleLoss
-from grape_stream.integrations.sharded import is_sharded, probe_skeleton, unsharded_replica
 
 __all__ = ["GrapeAlgorithm"]
 
@@ -63,7 +63,6 @@ class GrapeAlgorithm(Algorithm):
         self.loop = GrapeLoop(config=config, per_sample_loss=per_sample_loss or composer_per_sample_loss,
                               progress=progress, **kwargs)
         self.loop.write_trajectory = False  # GrapeTrajectoryCallback writes it (the run's folder, artifacts)
-        self._skeleton: Any = None  # FSDP: the model's architecture on meta, taken at INIT
 
     @property
     def config(self) -> AlgorithmConfig:
@@ -95,13 +94,9 @@ class GrapeAlgorithm(Algorithm):
     def match(self, event: Event, state: State) -> bool:
         if event in _STEP_EVENTS:  # alignments: steps / a loss-driven method observes the training forward + backward
             return self.controller is not None and self.controller.step_mode is not None
-        return event in (Event.INIT, Event.FIT_START, Event.BATCH_END)
+        return event in (Event.FIT_START, Event.BATCH_END)
 
     def apply(self, event: Event, state: State, logger: Logger) -> Optional[int]:
-        if event == Event.INIT:
-            if getattr(state, "fsdp_config", None) is not None and not is_sharded(state.model):
-                self._skeleton = probe_skeleton(state.model)
-            return None
         if event == Event.FIT_START:
             self._fit_start(state)
             return None
@@ -113,10 +108,7 @@ class GrapeAlgorithm(Algorithm):
             return None
         optimizer = state.optimizers[0] if state.optimizers else None
         lr = float(optimizer.param_groups[0]["lr"]) if optimizer is not None else 0.0
-        model = state.model
-        if self._skeleton is not None and self.loop._ctl().needs_probe and is_sharded(model):
-            model = unsharded_replica(model, self._skeleton)  # a collective: every rank is here at this step
-        metrics = self.loop.after_step(model, step, lr, autocast=self._autocast(state), optimizer=optimizer,
+        metrics = self.loop.after_step(state.model, step, lr, autocast=self._autocast(state), optimizer=optimizer,
                                        consumed_batches=int(state.timestamp.batch_in_epoch))
         if metrics is not None:
             logger.log_metrics(metrics)
@@ -142,19 +134,14 @@ class GrapeAlgorithm(Algorithm):
             self.loop.end_step()
 
     def _fit_start(self, state: State) -> None:
-        if self._skeleton is None and is_sharded(state.model):
-            raise NotImplementedError(
-                "GrapeAlgorithm under FSDP must see the model before it is sharded: pass it in the Trainer's "
-                "algorithms= (it keeps the architecture at Event.INIT), not to a Trainer whose model is already "
-                "wrapped."
-            )
-        if self._skeleton is not None and self.config.geometry != "sgd":
+        sharded = is_sharded(state.model)
+        if sharded and self.config.geometry != "sgd":
             raise ConfigError(
-                "geometry='adam' is not supported under FSDP: the probe runs on an unsharded replica whose "
-                "parameters have no optimizer state; use geometry='sgd' (the paper) or train with DDP"
+                "geometry='adam' is not supported under FSDP: the optimizer's second moments are sharded like the "
+                "parameters; use geometry='sgd' (the paper) or train with DDP"
             )
         ctl = self.loop.attach(find_mixer(state.train_dataloader))
-        if self._skeleton is not None and ctl.instep is not None:
+        if sharded and ctl.instep is not None:
             raise ConfigError("alignments: steps (and method rnb, which reads the training steps' Gram) is not "
                               "supported under FSDP: each rank's backward sees a shard of every weight gradient; "
                               "use alignments: probe (docs/alignment.md, 'In-step alignments')")

@@ -1,0 +1,266 @@
+"""GRAPE's probe on an FSDP-sharded model: per-rank extra peak memory and wall overhead against uniform.
+
+Set-up: 4 gloo processes on CPU, our GPT sharded with FSDP2 (``fully_shard`` per block, then the root), AdamW,
+float32. Each configuration (K domains, N targets: 20/6, the paper's ClimbLab setting, and 7/6) measures on
+every rank:
+
+* a uniform training step (forward + backward + AdamW on a per-rank micro-batch): median wall time, and the
+  peak tensor memory of the step (parameters, gradients, optimizer state, activations, gathered units);
+* GRAPE's probe, ``group_gram`` on the sharded model (one FSDP unit gathered at a time, grape/gram/sharding.py),
+  with ``b`` samples per group per rank, run where Composer runs it (after the optimizer step, gradients
+  still held): median wall time and peak tensor memory;
+* the removed replica path for comparison (every rank gathers the full weights into an unsharded copy, then
+  probes it): the same two numbers;
+* exactness: the same weights in float64, sharded probe vs the unsharded single-process computation (each
+  rank's probe on the whole model, averaged), max relative error over the Gram and the losses.
+
+Wall overhead at an update every 100 steps = probe time / (100 x step time); extra peak memory = (probe peak -
+step peak)+ / step peak (the probe's peak above the training step's, per rank); extra gradient computations per
+training step (the paper's unit) = probe samples / (100 x training samples), the probe being one fused
+forward/backward (the paper's separate passes: (K+1 + N+1) / 100). Peak memory is the tensor memory torch
+allocates (torch.distributed._tools.MemTracker), the quantity that binds on a GPU.
+
+    PYTHONPATH=$PWD .venv/bin/python bench/fsdp.py [--quick] [--out bench/results/fsdp.json]
+
+Prints a table and writes the JSON with a ``claims`` object: {"k20_n6": {"wall_overhead", "extra_peak_memory",
+"max_rel_error_vs_unsharded"}, "k7_n6": {...}} (fractions). Goal (issue 31): at K=20, N=6 <= 5% wall and
+<= 10% extra peak memory per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from grape_stream.grape.gram.group_gram import group_gram  # noqa: E402
+from grape_stream.models import GPT, GPTConfig, per_sample_lm_loss  # noqa: E402
+
+EVERY = 100  # optimizer steps per GRAPE update
+WORLD = 4
+
+
+def _model(args: argparse.Namespace, dtype: torch.dtype) -> GPT:
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=4, d_model=args.d_model,
+                    d_ff=4 * args.d_model)
+    return GPT(cfg).to(dtype)
+
+
+def _shard(model: GPT) -> GPT:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _batch(n: int, args: argparse.Namespace, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, args.vocab, (n, args.seq), generator=gen)
+    return {"tokens": tokens, "loss_mask": torch.ones_like(tokens, dtype=torch.uint8)}
+
+
+def _groups(g: int, args: argparse.Namespace, rank: int) -> list[dict[str, torch.Tensor]]:
+    return [_batch(args.probe_batch, args, seed=1000 * rank + i) for i in range(g)]
+
+
+def _peak(fn: Callable[[], Any]) -> tuple[float, int]:
+    """(wall seconds, peak bytes of the tensors the call allocates, freed ones included) of one call: what it
+    needs beyond the tensors live before it."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    with tracker:
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        peak = tracker.get_tracker_snapshot("peak")
+    return dt, int(peak.get(torch.device("cpu"), {}).get("Total", 0))
+
+
+def _replica_probe(sharded: GPT, args: argparse.Namespace, groups: list) -> None:
+    """The removed path: gather the full weights on every rank, load them into an unsharded copy, probe it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(sharded, options=StateDictOptions(full_state_dict=True))
+    replica = _model(args, torch.float32)
+    replica.load_state_dict(full)
+    group_gram(replica, per_sample_lm_loss, groups)
+
+
+def _worker(rank: int, args: argparse.Namespace, tmp: str) -> None:
+    """Long because one process runs every configuration in turn (CPU time is the budget)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD)
+    out: dict[str, Any] = {}
+    try:
+        model = _shard(_model(args, torch.float32))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        step_batches = [_batch(args.train_batch, args, seed=rank * 7919 + s) for s in range(args.steps + 2)]
+
+        def step(i: int) -> None:
+            opt.zero_grad(set_to_none=True)
+            per_sample_lm_loss(model, step_batches[i]).mean().backward()
+            opt.step()
+
+        for i in range(2):  # warm-up: lazy init, optimizer state allocated
+            step(i)
+        step_times, step_peaks = [], []
+        for i in range(2, args.steps + 2):
+            dist.barrier()
+            dt, peak = _peak(lambda i=i: step(i))
+            step_times.append(dt)
+            step_peaks.append(peak)
+        # a step starts from the shards and the optimizer state (its gradients are allocated anew: set_to_none);
+        # the probe runs after the optimizer step, the gradients still held (Composer's BATCH_END)
+        live_step = _bytes(_live_tensors(model, opt, grads=False))
+        live_probe = _bytes(_live_tensors(model, opt, grads=True))
+        out["step_s"] = statistics.median(step_times)
+        out["step_peak"] = live_step + max(step_peaks)
+        for k, n in args.configs:
+            groups = _groups(k + n, args, rank)
+            probe_times, probe_peaks, replica_times, replica_peaks = [], [], [], []
+            group_gram(model, per_sample_lm_loss, groups)  # warm-up: the layout probe is cached per batch shape
+            for _ in range(args.repeats):
+                dist.barrier()
+                dt, peak = _peak(lambda groups=groups: group_gram(model, per_sample_lm_loss, groups))
+                probe_times.append(dt)
+                probe_peaks.append(peak)
+                if not args.no_replica:
+                    dist.barrier()
+                    dt, peak = _peak(lambda groups=groups: _replica_probe(model, args, groups))
+                    replica_times.append(dt)
+                    replica_peaks.append(peak)
+            out[f"k{k}_n{n}"] = {"probe_s": statistics.median(probe_times), "probe_peak": live_probe + max(probe_peaks),
+                                 "replica_s": statistics.median(replica_times) if replica_times else None,
+                                 "replica_peak": live_probe + max(replica_peaks) if replica_peaks else None,
+                                 "probe_samples": (k + n) * args.probe_batch}
+        # exactness in float64: the same weights sharded vs the unsharded computation (done on every rank)
+        exact = _shard(_model(args, torch.float64))
+        for k, n in args.configs:
+            groups = _groups(k + n, args, rank)
+            gram, losses = group_gram(exact, per_sample_lm_loss, groups)
+            out[f"k{k}_n{n}"]["gram64"] = (gram, losses)
+        torch.save(out, os.path.join(tmp, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _live_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer, grads: bool) -> list[torch.Tensor]:
+    """This rank's shards of the parameters, (their gradients,) and the optimizer state."""
+    out = []
+    for p in model.parameters():
+        out.append(p.to_local() if hasattr(p, "to_local") else p)
+        if grads and p.grad is not None:
+            out.append(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
+    for state in opt.state.values():
+        out += [v.to_local() if hasattr(v, "to_local") else v for v in state.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def _reference(args: argparse.Namespace, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    grams, losses = [], []
+    model = _model(args, torch.float64)
+    for rank in range(WORLD):
+        g, l_ = group_gram(copy.deepcopy(model), per_sample_lm_loss, _groups(k + n, args, rank), reduce=None)
+        grams.append(g)
+        losses.append(l_)
+    return torch.stack(grams).mean(0), torch.stack(losses).mean(0)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a smoke run: one configuration, a smaller model")
+    p.add_argument("--out", default=os.path.join(HERE, "results", "fsdp.json"))
+    p.add_argument("--no-replica", action="store_true", help="skip the removed replica path's comparison")
+    args = p.parse_args(argv)
+    args.configs = [(20, 6), (7, 6)]
+    args.vocab, args.seq, args.d_model, args.layers = 4096, 64, 256, 4
+    args.train_batch, args.probe_batch, args.steps, args.repeats = 32, 1, 4, 3
+    if args.quick:
+        args.configs = [(7, 6)]
+        args.vocab, args.seq, args.d_model, args.layers = 512, 32, 64, 2
+        args.train_batch, args.steps, args.repeats = 16, 2, 1
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(args, tmp), nprocs=WORLD, join=True)
+        ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+    step_s = statistics.median(r["step_s"] for r in ranks)
+    step_peak = max(r["step_peak"] for r in ranks)
+    rows, claims, configs = [], {}, {}
+    for k, n in args.configs:
+        key = f"k{k}_n{n}"
+        per = [r[key] for r in ranks]
+        probe_s = statistics.median(x["probe_s"] for x in per)
+        probe_peak = max(x["probe_peak"] for x in per)
+        want_gram, want_losses = _reference(args, k, n)
+        err = max(max(_rel(x["gram64"][0], want_gram), _rel(x["gram64"][1], want_losses)) for x in per)
+        wall = probe_s / (EVERY * step_s)
+        extra_mem = max(0.0, probe_peak - step_peak) / step_peak
+        samples = per[0]["probe_samples"]
+        grads = samples / (EVERY * args.train_batch)
+        paper = (k + 1 + n + 1) / EVERY
+        rep_s = statistics.median(x["replica_s"] for x in per) if per[0]["replica_s"] is not None else None
+        rep_peak = max(x["replica_peak"] for x in per) if per[0]["replica_peak"] is not None else None
+        claims[key] = {"wall_overhead": wall, "extra_peak_memory": extra_mem, "max_rel_error_vs_unsharded": err}
+        configs[key] = {
+            "K": k, "N": n, "probe_s": probe_s, "probe_peak_bytes": probe_peak, "probe_samples_per_rank": samples,
+            "extra_gradient_computations_per_step": grads, "paper_separate_passes_per_step": paper,
+            "replica_probe_s": rep_s, "replica_peak_bytes": rep_peak,
+            "replica_wall_overhead": None if rep_s is None else rep_s / (EVERY * step_s),
+            "replica_extra_peak_memory": None if rep_peak is None else max(0.0, rep_peak - step_peak) / step_peak,
+        }
+        rows.append((key, probe_s, wall, probe_peak, extra_mem, grads, paper, err, rep_s, rep_peak))
+    mib = 1 / 2 ** 20
+    params = sum(q.numel() for q in _model(args, torch.float32).parameters())
+    print(f"4 gloo ranks (CPU), GPT {params / 1e6:.2f}M parameters (d={args.d_model}, {args.layers} layers, vocab "
+          f"{args.vocab}, seq {args.seq}), FSDP2; per rank: training micro-batch {args.train_batch}, probe "
+          f"{args.probe_batch} sample(s) per group; uniform step {step_s:.3f} s, peak {step_peak * mib:.1f} MiB; "
+          f"update every {EVERY} steps")
+    print("| K,N | probe s | wall overhead | probe peak MiB | extra peak | extra grads/step (paper) | max rel err |"
+          " replica s | replica peak MiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for key, ps, wall, pk, em, grads, paper, err, rs, rp in rows:
+        print(f"| {key} | {ps:.3f} | {wall:.2%} | {pk * mib:.1f} | {em:.1%} | {grads:.2%} ({paper:.0%}) | {err:.1e} |"
+              f" {'-' if rs is None else f'{rs:.3f}'} | {'-' if rp is None else f'{rp * mib:.1f}'} |")
+    result = {
+        "claims": claims, "configs": configs, "step_s": step_s, "step_peak_bytes": step_peak,
+        "setup": {"world": WORLD, "fsdp": "fsdp2", "params": params, "d_model": args.d_model, "layers": args.layers,
+                  "vocab": args.vocab, "seq": args.seq, "train_batch_per_rank": args.train_batch,
+                  "probe_batch_per_group_per_rank": args.probe_batch, "every": EVERY, "quick": args.quick},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
