@@ -5,7 +5,8 @@ training model: grape.sharded_reference) equal those of an unsharded single-proc
 weights, sample by sample (rtol 1e-10), and alpha equals a single-process reweighter fed those numbers. The
 reference swap leaves the training weights bit-identical. The HF Trainer's FSDP cannot run on CPU (accelerate
 1.15 turns FSDP on only for GPU-type distributed setups), so ODM also runs through GrapeTrainer.compute_loss and
-the GrapeTrainerCallback's events on an HF Llama sharded here with FSDP2. R&B (the in-step engine) on a sharded
+the GrapeTrainerCallback's events on an HF Llama sharded here with FSDP2 (and GRAPE's layer-by-layer probe runs
+there, both ranks agreeing). R&B (the in-step engine) on a sharded
 model is refused in one line. One process group runs every case."""
 
 from __future__ import annotations
@@ -132,8 +133,9 @@ def _hf_truth(model: torch.nn.Module, inputs: dict) -> list[list[float]]:
             for i in range(labels.shape[0])]
 
 
-def _hf_case(mixer, out: str, world: int) -> dict:
-    """ODM through GrapeTrainer's loss and GrapeTrainerCallback's events, the Llama sharded with FSDP2."""
+def _hf_case(mixer, out: str, world: int, method: str = "odm", data: str = "") -> dict:
+    """ODM (or GRAPE's probe) through GrapeTrainer's loss and GrapeTrainerCallback's events, the Llama sharded
+    with FSDP2."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import TrainerControl, TrainingArguments
@@ -146,7 +148,12 @@ def _hf_case(mixer, out: str, world: int) -> dict:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     args = TrainingArguments(output_dir=f"{out}/hf", max_steps=STEPS, report_to=[], use_cpu=True, save_strategy="no")
-    callback = GrapeTrainerCallback(method="odm", alpha_every=EVERY, plots=False, trajectory=False, summary=False)
+    from grape_stream import TaskStream
+
+    grape = dict(tasks=[TaskStream("t0", local=f"{data}/tasks/t0")], z_every=EVERY, probe_domain_batch=2,
+                 probe_task_batch=2, mu_alpha=1e-3, mu_z=1e-3) if method == "grape" else {}
+    callback = GrapeTrainerCallback(method=method, alpha_every=EVERY, plots=False, trajectory=False, summary=False,
+                                    **grape)
     trainer = GrapeTrainer(model=model, args=args, mixer=mixer, callbacks=[callback])
     callback.bind(trainer)
     state, control = trainer.state, TrainerControl()
@@ -156,7 +163,8 @@ def _hf_case(mixer, out: str, world: int) -> dict:
     batches, truth = iter(loader), []
     for step in range(1, STEPS + 1):
         inputs = next(batches)
-        truth.append([step, _hf_truth(model, inputs)])
+        if method != "grape":  # (a probe method's loader carries no mixer batch)
+            truth.append([step, _hf_truth(model, inputs)])
         trainer.compute_loss(model, dict(inputs)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -199,6 +207,7 @@ def _worker(rank: int, cfg: dict) -> None:
             for method in METHODS:
                 out["cases"][f"{kind}/{method}"] = _run_case(kind, method, mixer, loader, cfg["reference"], WORLD)
         out["cases"]["hf/odm"] = _hf_case(mixer, cfg["out"], WORLD)
+        out["hf_grape"] = _hf_case(mixer, cfg["out"], WORLD, "grape", data)["history"]
         out["refusal"] = _step_gram_refusal(mixer)
         mixer.close()
     except BaseException:
@@ -259,5 +268,9 @@ def test_loss_driven_methods_on_fsdp_equal_the_unsharded_computation(tmp_path) -
                                            err_msg=case)
             np.testing.assert_allclose(rec["alpha"], exp["alpha"], rtol=1e-10, err_msg=case)
         assert all(r["swap_exact"] for r in per_rank), case
+    grape = [[{k: v for k, v in rec.items() if k != "seconds"} for rec in r["hf_grape"]] for r in ranks]
+    assert grape[0] == grape[1] and [rec["step"] for rec in grape[0]] == [0, EVERY, 2 * EVERY]  # the probe ran
+    assert all(len(rec["domain_alignment"]) == 3 for rec in grape[0][1:])
+    assert grape[0][-1]["alpha"] != grape[0][0]["alpha"]
     msg = ranks[0]["refusal"]
     assert "\n" not in msg and "R&B's step Gram do not run on sharded parameters" in msg and "DTensor" in msg, msg
