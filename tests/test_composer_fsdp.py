@@ -9,14 +9,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from _alignment_helpers import gpt, lm_groups
+from _alignment_helpers import gpt
 from grape_stream.grape.gram.sharding import is_sharded
-from grape_stream.models import per_sample_lm_loss
 
 
 def _shard(model: torch.nn.Module, kind: str, world: int) -> torch.nn.Module:
