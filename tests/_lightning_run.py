@@ -11,7 +11,8 @@ rank writes its controller's (step, alpha) history to ``OUT/alphas-rank<r>.json`
 ``OUT/history-rank<r>.json`` at the end. ``--method`` other than grape: a loss-driven method (``--reference``: the
 reference weights DoReMi reads), updating every 4 steps.
 ``--devices 2`` under ``torchrun --nproc_per_node 2``: DDP on CPU (gloo); rank r > 0 records its batches
-in ``samples-rank<r>.jsonl``.
+in ``samples-rank<r>.jsonl``. ``--strategy model_parallel``: Lightning's ModelParallelStrategy, the GPT's blocks and
+root sharded with FSDP2 in ``configure_model`` (Lightning's FSDPStrategy refuses ``accelerator="cpu"``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="steps: in-step alignments, 2 observed steps per update; rnb: method rnb on them")
     p.add_argument("--method", default="grape")
     p.add_argument("--reference", default=None)
+    p.add_argument("--strategy", default=None, help="fsdp (FSDPStrategy) or model_parallel (fully_shard)")
     a = p.parse_args(argv)
 
     import lightning.pytorch as pl
@@ -65,6 +67,15 @@ def main(argv: list[str] | None = None) -> None:
         def __init__(self) -> None:
             super().__init__()
             self.model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=2, n_head=2, d_model=32, d_ff=64))
+
+        def configure_model(self) -> None:  # ModelParallelStrategy: FSDP2 over its data-parallel mesh
+            if a.strategy == "model_parallel":
+                from torch.distributed.fsdp import fully_shard
+
+                mesh = self.device_mesh["data_parallel"]
+                for block in self.model.blocks:
+                    fully_shard(block, mesh=mesh)
+                fully_shard(self.model, mesh=mesh)
 
         def forward(self, tokens):  # the GRAPE probe calls module(tokens) -> logits
             return self.model(tokens)
@@ -107,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     module = LitGPT()
     trainer = pl.Trainer(max_steps=a.steps, accelerator="cpu", devices=a.devices, accumulate_grad_batches=a.accumulate,
-                         strategy="ddp" if a.devices > 1 else "auto",
+                         strategy=_strategy(a.strategy, a.devices),
                          callbacks=[grape, checkpoints, KillAt()], default_root_dir=a.out,
                          logger=CSVLogger(a.out, name="csv", version=0), log_every_n_steps=1,
                          enable_progress_bar=False, enable_model_summary=False)
@@ -116,11 +127,23 @@ def main(argv: list[str] | None = None) -> None:
         steps = [int(m.group(1)) for f in os.listdir(ckpt_dir) if (m := re.fullmatch(r"step=(\d+)\.ckpt", f))]
         resume = os.path.join(ckpt_dir, f"step={max(steps)}.ckpt")
     trainer.fit(module, datamodule=MixerDataModule(mixer), ckpt_path=resume)
+    if a.strategy == "model_parallel":  # the run trained a sharded module
+        from grape_stream.grape.gram.sharding import is_sharded
+
+        assert is_sharded(module), "ModelParallelStrategy left the module unsharded"
     with open(os.path.join(a.out, f"alphas-rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump([[r["step"], r["alpha"]] for r in grape.controller.history], f)
     with open(os.path.join(a.out, f"history-rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump(grape.controller.history, f)
     mixer.close()
+
+
+def _strategy(name: str | None, devices: int):
+    if name == "model_parallel":  # FSDP2 (configure_model); Lightning's FSDPStrategy refuses accelerator="cpu"
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
+    return name or ("ddp" if devices > 1 else "auto")
 
 
 if __name__ == "__main__":

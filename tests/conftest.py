@@ -45,6 +45,7 @@ INTEGRATION_MODULES = frozenset({
     "test_convert_spark",
     "test_demo",
     "test_demo_corpus",
+    "test_fsdp_loss_methods",
     "test_hf_docs",
     "test_hf_trainer",
     "test_index_docs",
@@ -68,6 +69,7 @@ INTEGRATION_TESTS = frozenset({
     "test_subprocess_stderr_is_exactly_one_line",
     "test_same_output_for_one_and_two_workers",
     "test_fsdp_is_refused_with_a_clear_message",
+    "test_lightning_fsdp2_doremi_resumes_after_sigkill_onto_the_same_trajectory",
     "test_a_sigkilled_dataloader_run_leaves_a_folder_that_is_then_swept",
 })
 

@@ -9,14 +9,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from _alignment_helpers import gpt, lm_groups
+from _alignment_helpers import gpt
 from grape_stream.grape.gram.sharding import is_sharded
-from grape_stream.models import per_sample_lm_loss
 
 
 def _shard(model: torch.nn.Module, kind: str, world: int) -> torch.nn.Module:
@@ -100,26 +98,3 @@ def test_grape_algorithm_under_fsdp_matches_the_unsharded_run(tmp_path: Path) ->
             torch.testing.assert_close(np_fsdp, np_plain, rtol=1e-5, atol=1e-7)
     assert r0["fsdp"]["alpha"] == r1["fsdp"]["alpha"]  # identical weights on both ranks
     assert float(torch.as_tensor(r0["fsdp"]["alignment"]).abs().sum()) > 0  # a probe happened
-
-
-def _doremi_worker(rank: int, world: int, tmp: str) -> None:
-    from grape_stream.errors import ConfigError
-    from grape_stream.grape.reference_model import ReferenceModel
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous-doremi", rank=rank, world_size=world)
-    try:
-        sharded = _shard(gpt(torch.float32, seed=0), "fsdp2", world)
-        with pytest.raises(ConfigError) as err:
-            ReferenceModel(os.path.join(tmp, "ref.pt"), per_sample_lm_loss).token_losses(sharded, lm_groups([2])[0])
-        msg = str(err.value)
-        assert "\n" not in msg and "DoReMi's reference model" in msg and "DTensor (FSDP2)" in msg, msg
-        Path(tmp, f"doremi-rank{rank}.ok").touch()
-    finally:
-        dist.destroy_process_group()
-
-
-def test_doremi_reference_of_a_sharded_model_is_refused_in_one_line(tmp_path: Path) -> None:
-    """DoReMi copies the training model for its reference: under FSDP that copy would be whole on every rank."""
-    mp.spawn(_doremi_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
-    assert all((tmp_path / f"doremi-rank{r}.ok").exists() for r in (0, 1))

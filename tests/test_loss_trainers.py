@@ -114,3 +114,38 @@ def test_hf_model_without_logits_is_refused_in_one_line(data, tmp_path, method) 
         assert "\n" not in str(err.value)
     finally:
         mixer.close()
+
+
+def _torchrun(script: str, data: str, out: str, *extra: str) -> None:
+    """2 ranks under torchrun (gloo on CPU); a SIGKILLed run (``--kill-at``) may exit non-zero."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    port = str(29000 + (os.getpid() + len(extra) * 37) % 900)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           port, os.path.join(HERE, script), data, out, "--devices", "2", *extra], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0 or "--kill-at" in extra, f"torchrun failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+
+
+def test_lightning_fsdp2_doremi_resumes_after_sigkill_onto_the_same_trajectory(data, lightning_reference,
+                                                                                tmp_path) -> None:
+    """Lightning's ModelParallelStrategy (FSDP2, 2 gloo ranks): DoReMi, its reference sharded like the training
+    model, trains; SIGKILLed at step 7 (checkpoints at 3 and 6: mid-interval) and resumed, both ranks hold the
+    straight run's alpha trajectory and update records."""
+    common = ("--steps", "8", "--save-every", "3", "--method", "doremi", "--reference", lightning_reference,
+              "--strategy", "model_parallel")
+    straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
+    _torchrun("_lightning_run.py", data, straight, *common)
+    _torchrun("_lightning_run.py", data, killed, *common, "--kill-at", "7")
+    assert not os.path.exists(os.path.join(killed, "alphas-rank0.json"))  # the kill happened
+    _torchrun("_lightning_run.py", data, killed, *common, "--resume")
+
+    def records(out: str, rank: int) -> list:
+        with open(os.path.join(out, f"history-rank{rank}.json"), encoding="utf-8") as f:
+            return [{k: v for k, v in r.items() if k != "seconds"} for r in json.load(f)]
+
+    want = records(straight, 0)
+    assert [r["step"] for r in want] == [0, 4, 8] and max(want[-1]["domain_excess"]) > 0
+    assert all(sum(r["domain_samples"]) == 4 * 16 for r in want[1:])  # 4 steps x 8 samples x 2 ranks
+    assert records(straight, 1) == want
+    assert records(killed, 0) == want and records(killed, 1) == want
+

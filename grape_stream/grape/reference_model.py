@@ -2,7 +2,9 @@
 per-token losses on a training (micro-)batch.
 
 The reference is a deep copy of the module being trained (built once, at the first observed batch: the
-same architecture, wrappers and device) with the weights of ``reference`` loaded: a Composer checkpoint
+same architecture, wrappers and device) with the weights of ``reference`` loaded (a sharded training model,
+FSDP1 or FSDP2: the reference's weights sharded the same way and swapped into it for its forward,
+grape.sharded_reference): a Composer checkpoint
 (``state["model"]``), a ``{"model": state_dict}`` file or a plain ``state_dict``. Key prefixes that differ
 only by a wrapper (``model.`` of ComposerGPT, ``module.`` of DDP) are matched; anything else is one error
 that says how many keys are missing / unexpected. It runs in eval mode with no gradient, and its per-token
@@ -32,6 +34,7 @@ from torch import nn
 
 from grape_stream.errors import ConfigError
 from grape_stream.grape.probes import sharded_parameter, unwrap_for_probe
+from grape_stream.grape.sharded_reference import ShardedReference
 from grape_stream.loss_watch import watching_losses
 
 __all__ = ["ReferenceModel", "reference_state_dict"]
@@ -141,13 +144,9 @@ class ReferenceModel:
         self.trusted = trusted
         self.per_sample_loss = per_sample_loss
         self.model: Optional[nn.Module] = None
+        self.sharded: Optional[ShardedReference] = None
 
     def _build(self, model: nn.Module) -> nn.Module:
-        why = sharded_parameter(model)
-        if why is not None:
-            raise ConfigError(f"DoReMi's reference model is a full copy of the training model, which is sharded here "
-                              f"({why}): not supported; train the DoReMi proxy with DDP or on one device (the "
-                              "paper's proxy is a small model)")
         inner = unwrap_for_probe(model)
         ref = copy.deepcopy(inner)
         for p in ref.parameters():
@@ -159,12 +158,21 @@ class ReferenceModel:
     def token_losses(self, model: nn.Module, batch: Any,
                      autocast: Optional[Callable[[], ContextManager[Any]]] = None) -> torch.Tensor:
         """The reference's per-token losses (B, T) on ``batch`` (no gradient, eval mode, training precision)."""
-        if self.model is None:
-            self.model = self._build(model)
+        if self.model is None and self.sharded is None:
+            if sharded_parameter(model) is None:
+                self.model = self._build(model)
+            else:  # FSDP: the reference sharded as the training model is, swapped into it (grape.sharded_reference)
+                self.sharded = ShardedReference(model, lambda want: reference_state_dict(self.path, want))
         capture = _TokenCapture()
-        with torch.no_grad(), watching_losses(capture), (autocast() if autocast else contextlib.nullcontext()):
+        with contextlib.ExitStack() as stack:
+            reference = self.model if self.sharded is None else stack.enter_context(self.sharded.swapped())
+            assert reference is not None, "built above"
+            stack.enter_context(torch.no_grad())
+            stack.enter_context(watching_losses(capture))
+            if autocast is not None:
+                stack.enter_context(autocast())
             try:
-                self.per_sample_loss(self.model, batch)
+                self.per_sample_loss(reference, batch)
             except (TypeError, AttributeError, KeyError) as exc:
                 raise ConfigError(f"DoReMi could not score the reference model ({type(exc).__name__}: "
                                   f"{str(exc).splitlines()[0] if str(exc) else ''}): its forward must take the "

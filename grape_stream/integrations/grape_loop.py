@@ -25,9 +25,12 @@ import torch
 from torch import nn
 
 from grape_stream.config import AlgorithmConfig
-from grape_stream.errors import DataError
+from grape_stream.errors import ConfigError, DataError
 from grape_stream.grape.algorithm_config import algorithm_config, reweighter_options, step_observation
 from grape_stream.grape.controller import REPLAY_METHOD, GrapeController
+from grape_stream.grape.gram.instep_scope import refuse_sharded
+from grape_stream.grape.gram.sharding import check_sharded
+from grape_stream.grape.probes import unwrap_for_probe
 from grape_stream.grape.reweighting import REWEIGHTERS
 from grape_stream.grape.reweighting.registry import canonical_method
 from grape_stream.grape.trajectory import TRAJECTORY_FILE
@@ -132,6 +135,19 @@ class GrapeLoop:
             self.controller.load_state_dict(self._pending_state)
             self._pending_state = None
         return self.controller
+
+    def check_model(self, model: nn.Module) -> None:
+        """Refuse, before the first step and in one line, a sharded model (FSDP1, FSDP2) this method cannot
+        differentiate exactly: the probe takes FSDP1 (use_orig_params) and FSDP2 models unit by unit
+        (grape.gram.sharding), the in-step engine (``alignments: steps``, R&B) none yet. The loss-driven methods
+        (DoReMi, ODM, ADO) read each sample's training loss and never differentiate the model: any model."""
+        ctl = self._ctl()
+        if ctl.instep is not None:
+            refuse_sharded(model)
+        elif ctl.needs_probe and check_sharded(unwrap_for_probe(model, sharded_ok=True)) is not None:
+            if self.config.geometry != "sgd":  # (what the layer-by-layer probe cannot take: ShardedGramError above)
+                raise ConfigError("geometry='adam' is not supported under FSDP: the optimizer's second moments are "
+                                  "sharded like the parameters; use geometry='sgd' (the paper) or train with DDP")
 
     def start(self) -> None:
         """Push the initial weights to the mixer before its first batch (a no-op after a resume)."""

@@ -15,16 +15,26 @@ from torch import Tensor, nn
 from grape_stream.errors import ConfigError
 from grape_stream.grape.gram.graph import graph_nodes
 from grape_stream.grape.gram.plan import _classify, check_batch_coupling
-from grape_stream.grape.probes import unwrap_for_probe
+from grape_stream.grape.probes import sharded_parameter, unwrap_for_probe
 
-__all__ = ["check_model", "hooked_modules", "stray_uses"]
+__all__ = ["check_model", "hooked_modules", "refuse_sharded", "stray_uses"]
 
 _WHERE = "docs/alignment.md, 'In-step alignments'"
+
+
+def refuse_sharded(model: nn.Module) -> None:
+    """One line for a sharded model (FSDP1, FSDP2): not supported yet by the in-step engine."""
+    why = sharded_parameter(model)
+    if why is not None:
+        raise ConfigError(f"alignments: steps and R&B's step Gram do not run on sharded parameters yet ({why}): their "
+                          "hooks split each weight gradient by domain inside the backward, where FSDP holds a gathered "
+                          f"unit whose gradient it reduce-scatters; use alignments: probe, or DDP ({_WHERE})")
 
 
 def check_model(model: nn.Module) -> nn.Module:
     """The module whose calls are hooked (DDP / DataParallel unwrapped); refused when hooks cannot see its
     training forward or its per-sample gradients are not separable."""
+    refuse_sharded(model)
     if isinstance(getattr(model, "_orig_mod", None), nn.Module) or _compiled(model):
         raise ConfigError("in-step alignments do not take a torch.compile'd model: dynamo traces their module hooks "
                           "with graph breaks and recompiles at every observed step (exact, but no longer compiled); "

@@ -24,7 +24,6 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from grape_stream.atomic import atomic_open
 from grape_stream.config import AlgorithmConfig
 from grape_stream.errors import ConfigError, DataError
-from grape_stream.grape.probes import unwrap_for_probe
 from grape_stream.integrations.common import find_mixer, logits_per_sample_loss
 from grape_stream.integrations.grape_loop import GrapeLoop, PerSampleLoss
 
@@ -76,9 +75,9 @@ class GrapeTrainerCallback(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
         mixer = find_mixer(kwargs.get("train_dataloader"), who="GrapeTrainerCallback")
-        unwrap_for_probe(kwargs["model"])  # sharded parameters (FSDP) fail here, before the first step
         self.loop.default_trajectory(_output_dir(args))
         ctl = self.loop.attach(mixer)
+        self.loop.check_model(kwargs["model"])  # what this method cannot differentiate fails here, before step 1
         if ctl.instep is not None and self._trainer is None:
             raise ConfigError("alignments: steps and method rnb read the training steps' own backward, with each "
                               "sample's loss in its graph: train with grape_stream.integrations.hf.GrapeTrainer, "

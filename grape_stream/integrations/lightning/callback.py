@@ -23,7 +23,6 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from grape_stream.config import AlgorithmConfig
 from grape_stream.errors import DataError
-from grape_stream.grape.probes import unwrap_for_probe
 from grape_stream.integrations.common import find_mixer
 from grape_stream.integrations.grape_loop import GrapeLoop
 from grape_stream.mixing.mixer import WeightedStreamingMixer
@@ -63,7 +62,7 @@ class GrapeLightningCallback(Callback):
 
     # -- hooks -----------------------------------------------------------------------------------------
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        unwrap_for_probe(pl_module)  # sharded parameters (FSDP) fail here, before the first step
+        self.loop.check_model(pl_module)  # what this method cannot differentiate fails here, before the first step
         self.loop.default_trajectory(trainer.default_root_dir)
         self.loop.start()  # a no-op after a resume: the checkpoint's weight schedule is in force
 
