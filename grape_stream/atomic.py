@@ -19,15 +19,26 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "w", *, fsync: bool = 
     """Open a temporary sibling of `path` for writing; rename it over `path` only if the block succeeds.
 
     The temporary name carries the pid, so two processes never write the same temporary file, and a
-    file left by a killed writer is never mistaken for the real one. `fsync` makes the content durable
-    before the rename (what a crash-consistent marker needs); skip it for files that are cheap to redo.
+    file left by a killed writer is never mistaken for the real one. It is created exclusively and not
+    through a symlink (``O_EXCL | O_NOFOLLOW``): a name planted in a shared folder (``/dev/shm``) is
+    removed, not written through; a left-over of a killed writer with the same pid is removed the same way.
+    `fsync` makes the content durable before the rename (what a crash-consistent marker needs); skip it
+    for files that are cheap to redo. `mode` is "w" or "wb".
     """
+    if mode not in ("w", "wb"):
+        raise ValueError(f"atomic_open writes a whole new file: mode must be 'w' or 'wb', got {mode!r}")
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
     encoding = None if "b" in mode else "utf-8"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        with open(tmp, mode, encoding=encoding) as f:
+        try:
+            fd = os.open(tmp, flags, 0o666)
+        except FileExistsError:
+            os.unlink(tmp)  # unlink removes a symlink itself, never its target
+            fd = os.open(tmp, flags, 0o666)
+        with open(fd, mode, encoding=encoding) as f:
             yield f
             f.flush()
             if fsync:

@@ -1,5 +1,6 @@
-"""The default remote cache is this user's own folder (issue 29 item 3): another user's folder, one that
-others may write, or a symlink in its place is refused in one line."""
+"""The default remote cache (and the registration lock) live in this user's own temp folder (issue 29
+items 3, 7): another user's folder, one that others may write, or a symlink in its place is refused in one
+line."""
 
 from __future__ import annotations
 
@@ -16,12 +17,12 @@ from grape_stream.streaming_compat.local_index import UnsafeCacheError, default_
 @pytest.fixture
 def tmpdir_root(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    return tmp_path / f"grape_stream_cache-{os.getuid()}"
+    return tmp_path / f"grape_stream-{os.getuid()}"
 
 
 def test_the_default_cache_is_private_and_per_remote(tmpdir_root):
     a = default_local_for("s3://b/web", "train")
-    assert os.path.dirname(a) == str(tmpdir_root)
+    assert os.path.dirname(a) == str(tmpdir_root / "cache")
     assert stat.S_IMODE(os.stat(tmpdir_root).st_mode) == 0o700
     assert a == default_local_for("s3://b/web", "train") != default_local_for("s3://b/code", "train")
 

@@ -20,6 +20,7 @@ PKG = ROOT / "grape_stream"
 LEVELS: dict[str, int] = {
     "grape_stream.world": 0,
     "grape_stream.atomic": 0,
+    "grape_stream.user_dir": 0,
     "grape_stream.simplex": 0,
     "grape_stream.models": 0,
     "grape_stream.head_loss": 0,

@@ -126,7 +126,7 @@ def test_sigkill_leak_is_cleaned_only_when_its_owner_is_dead(dirs, tmp_path):
             dead_records = []
             for p in prefixes:
                 try:
-                    with open(f"/dev/shm/grape_stream_owner.{p:06}") as f:
+                    with open(f"/dev/shm/grape_stream_owner.{p:06}.{os.geteuid()}") as f:
                         dead_records += [p] if json.load(f).get("pid") == dead_pid else []
                 except (FileNotFoundError, ValueError):
                     pass

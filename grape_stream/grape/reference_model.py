@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
+import importlib
 import logging
 import os
 import pickle
@@ -50,9 +51,9 @@ def checkpoint_safe_globals() -> list[Any]:
     import numpy as np
     from torch.torch_version import TorchVersion
 
-    core = getattr(np, "_core", None) or np.core  # numpy 2 / numpy 1
+    multiarray = importlib.import_module("numpy._core.multiarray" if hasattr(np, "_core") else "numpy.core.multiarray")
     dtypes = {type(np.dtype(c)) for c in "?bBhHiIlLqQefdgFDG"}
-    return [TorchVersion, core.multiarray._reconstruct, np.ndarray, np.dtype, datetime.timedelta, *dtypes]
+    return [TorchVersion, multiarray._reconstruct, np.ndarray, np.dtype, datetime.timedelta, *dtypes]
 
 
 def _load_file(path: str, trusted: bool = False) -> Any:

@@ -23,8 +23,6 @@ import logging
 import os
 import shutil
 import socket
-import stat
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -32,7 +30,7 @@ from typing import Any, Iterable, Sequence
 import torch.distributed as dist
 
 from grape_stream.atomic import atomic_open, atomic_write_json
-from grape_stream.errors import ConfigError, StorageError, redact_url
+from grape_stream.errors import StorageError, redact_url
 from grape_stream.retry import CredentialsError, RetryError, default_policy, endpoint_note, storage_call
 from grape_stream.streaming_compat.index_check import UnsafeIndexError, check_index, inside
 from grape_stream.streaming_compat.s3_session import install_shared_s3_session, refresh_credentials, shared_session
@@ -41,6 +39,7 @@ from grape_stream.streaming_compat.shm import (  # noqa: F401 - re-exported: gra
     detach_scanner_attachments,
     release_streaming_dataset,
 )
+from grape_stream.user_dir import UnsafeCacheError, user_temp_dir
 from grape_stream.world import dist_active, process_world
 
 logger = logging.getLogger(__name__)
@@ -65,10 +64,6 @@ MARKER_NAME = ".grape_stream_source.json"
 
 class RemoteMismatchError(StorageError, RuntimeError):
     """A local cache directory holds a dataset that is not the configured remote's (one line on the CLI)."""
-
-
-class UnsafeCacheError(ConfigError):
-    """The default cache folder is another user's, or others may write into it (one line on the CLI)."""
 
 
 class DomainUnavailableError(StorageError, RuntimeError):
@@ -313,21 +308,10 @@ def check_same_locals_across_ranks(locals_: Sequence[str]) -> None:
 
 
 def default_local_for(remote: str, split: str | None = None) -> str:
-    """A per-remote cache directory in this user's own folder under the temp dir: node-local (streaming's
-    cache is per node) and the same on every rank of a node. A folder shared by all users would let one plant
-    shards, indexes or symlinks that another's job then reads or writes through, so the folder must be this
-    user's and writable by no one else; anything else is one :class:`UnsafeCacheError` line."""
+    """A per-remote cache directory in this user's private temp folder (:func:`grape_stream.user_dir.user_temp_dir`:
+    refused in one line if another user could write it): node-local, the same on every rank of a node."""
     digest = hashlib.sha256(_remote_join(remote, split).encode()).hexdigest()[:16]
-    root = os.path.join(tempfile.gettempdir(), f"grape_stream_cache-{os.getuid()}")
-    os.makedirs(root, mode=0o700, exist_ok=True)
-    st = os.lstat(root)
-    why = ("is not a directory (a symlink?)" if not stat.S_ISDIR(st.st_mode)
-           else f"is owned by uid {st.st_uid}, not by you (uid {os.getuid()})" if st.st_uid != os.getuid()
-           else f"is writable by other users (mode {stat.S_IMODE(st.st_mode):o})" if st.st_mode & 0o022 else None)
-    if why:
-        raise UnsafeCacheError(f"the default cache folder {root} {why}: another user could plant or replace shards "
-                               "there; remove it, or pass local=... (a folder of yours) for each remote domain")
-    return os.path.join(root, digest)
+    return os.path.join(user_temp_dir(), "cache", digest)
 
 
 def rmtree_quiet(path: str) -> None:

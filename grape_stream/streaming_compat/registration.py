@@ -17,12 +17,12 @@ import atexit
 import contextlib
 import os
 import random
-import tempfile
 import time
 from typing import Any, Callable, Iterator, TypeVar
 
 from grape_stream.streaming_compat.processes import flock_holder
 from grape_stream.streaming_compat.shm import live_streaming_datasets, record_owner, release_streaming_dataset
+from grape_stream.user_dir import user_temp_dir
 
 __all__ = ["create_registered", "registration_lock"]
 
@@ -57,9 +57,11 @@ def registration_lock(enabled: bool = True, timeout: float = 600.0) -> Iterator[
 
     Streaming picks its prefix by scanning /dev/shm and then creating the segments, without a lock: two
     jobs that start at the same moment can pick the same prefix and share each other's shard states.
-    This takes an exclusive ``flock`` on the temp directory itself (nothing is created, so nothing is
-    left behind) while this process registers its datasets. Take it on the local leader only: other
-    ranks wait for the leader inside streaming's own barriers.
+    This takes an exclusive ``flock`` on ``registration.lock`` in this user's private temp folder
+    (:func:`grape_stream.user_dir.user_temp_dir`; a lock any user could take, such as one on ``$TMPDIR``
+    itself, would let another user stall every job on the host) while this process registers its datasets;
+    another user's racing job is handled by the retry in :func:`create_registered`. Take it on the local
+    leader only: other ranks wait for the leader inside streaming's own barriers.
     """
     if not enabled:
         yield
@@ -69,7 +71,8 @@ def registration_lock(enabled: bool = True, timeout: float = 600.0) -> Iterator[
     except ImportError:  # pragma: no cover - not POSIX
         yield
         return
-    fd = os.open(tempfile.gettempdir(), os.O_RDONLY)
+    fd = os.open(os.path.join(user_temp_dir(), "registration.lock"),
+                 os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         deadline = time.monotonic() + timeout
         while True:

@@ -70,7 +70,7 @@ SHM_NAMES = (
 FILELOCK_NAMES = ("barrier_filelock", "cache_filelock")
 _SHM_RE = re.compile(r"^(\d{6})_(" + "|".join(SHM_NAMES) + r")$")
 _LOCK_RE = re.compile(r"^(\d{6})_(" + "|".join(FILELOCK_NAMES) + r")$")
-_OWNER_RE = re.compile(r"^grape_stream_owner\.(\d{6})$")
+_OWNER_RE = re.compile(r"^grape_stream_owner\.(\d{6})(?:\.\d+)?$")  # .<uid> since per-user names
 SHM_DIR = "/dev/shm"
 
 
@@ -144,7 +144,8 @@ def detach_scanner_attachments() -> int:
 # owner records
 # --------------------------------------------------------------------------------------------------
 def _owner_path(prefix: int, shm_dir: str = SHM_DIR) -> str:
-    return os.path.join(shm_dir, f"grape_stream_owner.{prefix:06}")
+    """Per user: a name another user planted (a shared /dev/shm) cannot block this user's record."""
+    return os.path.join(shm_dir, f"grape_stream_owner.{prefix:06}.{os.geteuid()}")
 
 
 def record_owner(dataset: Any, shm_dir: str = SHM_DIR) -> None:
@@ -162,7 +163,11 @@ def record_owner(dataset: Any, shm_dir: str = SHM_DIR) -> None:
             pass
     record = {"pid": os.getpid(), "start_time": process_start_time(os.getpid()), "inodes": inodes}
     # /dev/shm is memory: nothing to make durable, but a half-written record must never be read.
-    atomic_write_json(_owner_path(prefix, shm_dir), record, fsync=False)
+    try:
+        atomic_write_json(_owner_path(prefix, shm_dir), record, fsync=False)
+    except OSError as exc:  # a full or foreign /dev/shm: the prefix is then judged by who maps it, as others are
+        logger.warning("cannot record the owner of shared-memory prefix %06d (%s); stale-segment cleanup falls "
+                       "back to process mappings for it", prefix, exc)
 
 
 def _drop_owner_record(prefix: int, shm_dir: str = SHM_DIR) -> None:
