@@ -1,6 +1,7 @@
 """GRAPE's probe on an FSDP-sharded model: per-rank extra peak memory and wall overhead against uniform.
 
-Set-up: 4 gloo processes on CPU, our GPT sharded with FSDP2 (``fully_shard`` per block, then the root), AdamW,
+Set-up: 4 gloo processes on CPU (glibc told to return freed memory at once, so resident memory follows the live
+tensors), our GPT sharded with FSDP2 (``fully_shard`` per block, then the root), AdamW,
 float32. Each configuration (K domains, N targets: 20/6, the paper's ClimbLab setting, and 7/6) measures on
 every rank:
 
@@ -124,7 +125,7 @@ def _worker(rank: int, args: argparse.Namespace, tmp: str) -> None:
         baseline = _status("VmRSS")  # the process before the model: interpreter, torch, gloo
         model = _shard(_model(args, torch.float32))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        step_batches = [_batch(args.train_batch, args, seed=rank * 7919 + s) for s in range(args.steps + 2)]
+        step_batches = [_batch(args.train_batch, args, seed=rank * 7919 + s) for s in range(4)]
 
         def step(i: int) -> None:
             opt.zero_grad(set_to_none=True)
@@ -134,19 +135,17 @@ def _worker(rank: int, args: argparse.Namespace, tmp: str) -> None:
         for i in range(2):  # warm-up: lazy init, optimizer state allocated
             step(i)
         step_times, step_peaks = [], []
-        for i in range(2, args.steps + 2):
-            dist.barrier()
-            dt, peak = _peak(lambda i=i: step(i))
-            step_times.append(dt)
-            step_peaks.append(peak)
-        out["step_s"] = statistics.median(step_times)
-        out["step_peak"] = max(step_peaks)
-        out["baseline"] = baseline
+        i = 2
         for k, n in args.configs:
             groups = _groups(k + n, args, rank)
             probe_times, probe_peaks, replica_times, replica_peaks = [], [], [], []
             group_gram(model, per_sample_lm_loss, groups)  # warm-up: the layout probe is cached per batch shape
             for _ in range(args.repeats):
+                dist.barrier()  # a training step, then the probe after it (interleaved: the same heap state)
+                dt, peak = _peak(lambda i=i: step(i % len(step_batches)))
+                step_times.append(dt)
+                step_peaks.append(peak)
+                i += 1
                 dist.barrier()
                 dt, peak = _peak(lambda groups=groups: group_gram(model, per_sample_lm_loss, groups))
                 probe_times.append(dt)
@@ -160,6 +159,9 @@ def _worker(rank: int, args: argparse.Namespace, tmp: str) -> None:
                                  "replica_s": statistics.median(replica_times) if replica_times else None,
                                  "replica_peak": max(replica_peaks) if replica_peaks else None,
                                  "probe_samples": (k + n) * args.probe_batch}
+        out["step_s"] = statistics.median(step_times)
+        out["step_peak"] = max(step_peaks)
+        out["baseline"] = baseline
         # exactness in float64: the same weights sharded vs the unsharded computation (done on every rank)
         exact = _shard(_model(args, torch.float64))
         for k, n in args.configs:
@@ -193,11 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.configs = [(20, 6), (7, 6)]
     args.vocab, args.seq, args.d_model, args.layers = 4096, 64, 128, 4
-    args.train_batch, args.probe_batch, args.steps, args.repeats = 32, 1, 3, 2
+    args.train_batch, args.probe_batch, args.repeats = 32, 1, 2
     if args.quick:
         args.configs = [(7, 6)]
         args.vocab, args.seq, args.d_model, args.layers = 512, 32, 64, 2
-        args.train_batch, args.steps, args.repeats = 16, 2, 1
+        args.train_batch, args.repeats = 16, 1
+    # glibc returns freed memory to the kernel at once (large blocks mmap'd, the heap trimmed), so the resident
+    # set follows the live tensors instead of what the allocator kept from earlier calls
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", "0")
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(args, tmp), nprocs=WORLD, join=True)
         ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
