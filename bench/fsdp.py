@@ -1,24 +1,27 @@
 """GRAPE's probe on an FSDP-sharded model: per-rank extra peak memory and wall overhead against uniform.
 
-Set-up: 4 gloo processes on CPU, our GPT sharded with FSDP2 (``fully_shard`` per block, then the root), AdamW,
+Set-up: 4 gloo processes on CPU (glibc told to return freed memory at once, so resident memory follows the live
+tensors), our GPT sharded with FSDP2 (``fully_shard`` per block, then the root), AdamW,
 float32. Each configuration (K domains, N targets: 20/6, the paper's ClimbLab setting, and 7/6) measures on
 every rank:
 
 * a uniform training step (forward + backward + AdamW on a per-rank micro-batch): median wall time, and the
-  peak tensor memory of the step (parameters, gradients, optimizer state, activations, gathered units);
+  process's peak resident memory during the step (parameters, gradients, optimizer state, activations,
+  gathered units);
 * GRAPE's probe, ``group_gram`` on the sharded model (one FSDP unit gathered at a time, grape/gram/sharding.py),
   with ``b`` samples per group per rank, run where Composer runs it (after the optimizer step, gradients
-  still held): median wall time and peak tensor memory;
+  still held): median wall time and peak resident memory;
 * the removed replica path for comparison (every rank gathers the full weights into an unsharded copy, then
   probes it): the same two numbers;
 * exactness: the same weights in float64, sharded probe vs the unsharded single-process computation (each
   rank's probe on the whole model, averaged), max relative error over the Gram and the losses.
 
-Wall overhead at an update every 100 steps = probe time / (100 x step time); extra peak memory = (probe peak -
-step peak)+ / step peak (the probe's peak above the training step's, per rank); extra gradient computations per
+Wall overhead at an update every 100 steps = probe time / (100 x step time); extra peak memory, per rank (the
+largest over ranks is reported) = (probe peak - step peak)+ / (step peak - the bare process's resident memory
+before the model was built), i.e. relative to what training itself holds; extra gradient computations per
 training step (the paper's unit) = probe samples / (100 x training samples), the probe being one fused
-forward/backward (the paper's separate passes: (K+1 + N+1) / 100). Peak memory is the tensor memory torch
-allocates (torch.distributed._tools.MemTracker), the quantity that binds on a GPU.
+forward/backward (the paper's separate passes: (K+1 + N+1) / 100). Peaks are the kernel's resident-set
+high-water mark, reset before each measured call (/proc/self/clear_refs; Linux).
 
     PYTHONPATH=$PWD .venv/bin/python bench/fsdp.py [--quick] [--out bench/results/fsdp.json]
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import platform
@@ -82,18 +86,24 @@ def _groups(g: int, args: argparse.Namespace, rank: int) -> list[dict[str, torch
     return [_batch(args.probe_batch, args, seed=1000 * rank + i) for i in range(g)]
 
 
-def _peak(fn: Callable[[], Any]) -> tuple[float, int]:
-    """(wall seconds, peak bytes of the tensors the call allocates, freed ones included) of one call: what it
-    needs beyond the tensors live before it."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {key} in /proc/self/status")
 
-    tracker = MemTracker()
-    with tracker:
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-        peak = tracker.get_tracker_snapshot("peak")
-    return dt, int(peak.get(torch.device("cpu"), {}).get("Total", 0))
+
+def _peak(fn: Callable[[], Any]) -> tuple[float, int]:
+    """(wall seconds, the process's peak resident memory during the call, bytes): the kernel's high-water mark,
+    reset before the call (/proc/self/clear_refs)."""
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    t0 = time.perf_counter()
+    fn()
+    dt = time.perf_counter() - t0
+    return dt, _status("VmHWM")
 
 
 def _replica_probe(sharded: GPT, args: argparse.Namespace, groups: list) -> None:
@@ -112,9 +122,10 @@ def _worker(rank: int, args: argparse.Namespace, tmp: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD)
     out: dict[str, Any] = {}
     try:
+        baseline = _status("VmRSS")  # the process before the model: interpreter, torch, gloo
         model = _shard(_model(args, torch.float32))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        step_batches = [_batch(args.train_batch, args, seed=rank * 7919 + s) for s in range(args.steps + 2)]
+        step_batches = [_batch(args.train_batch, args, seed=rank * 7919 + s) for s in range(4)]
 
         def step(i: int) -> None:
             opt.zero_grad(set_to_none=True)
@@ -124,22 +135,17 @@ def _worker(rank: int, args: argparse.Namespace, tmp: str) -> None:
         for i in range(2):  # warm-up: lazy init, optimizer state allocated
             step(i)
         step_times, step_peaks = [], []
-        for i in range(2, args.steps + 2):
-            dist.barrier()
-            dt, peak = _peak(lambda i=i: step(i))
-            step_times.append(dt)
-            step_peaks.append(peak)
-        # a step starts from the shards and the optimizer state (its gradients are allocated anew: set_to_none);
-        # the probe runs after the optimizer step, the gradients still held (Composer's BATCH_END)
-        live_step = _bytes(_live_tensors(model, opt, grads=False))
-        live_probe = _bytes(_live_tensors(model, opt, grads=True))
-        out["step_s"] = statistics.median(step_times)
-        out["step_peak"] = live_step + max(step_peaks)
+        i = 2
         for k, n in args.configs:
             groups = _groups(k + n, args, rank)
             probe_times, probe_peaks, replica_times, replica_peaks = [], [], [], []
             group_gram(model, per_sample_lm_loss, groups)  # warm-up: the layout probe is cached per batch shape
             for _ in range(args.repeats):
+                dist.barrier()  # a training step, then the probe after it (interleaved: the same heap state)
+                dt, peak = _peak(lambda i=i: step(i % len(step_batches)))
+                step_times.append(dt)
+                step_peaks.append(peak)
+                i += 1
                 dist.barrier()
                 dt, peak = _peak(lambda groups=groups: group_gram(model, per_sample_lm_loss, groups))
                 probe_times.append(dt)
@@ -149,10 +155,13 @@ def _worker(rank: int, args: argparse.Namespace, tmp: str) -> None:
                     dt, peak = _peak(lambda groups=groups: _replica_probe(model, args, groups))
                     replica_times.append(dt)
                     replica_peaks.append(peak)
-            out[f"k{k}_n{n}"] = {"probe_s": statistics.median(probe_times), "probe_peak": live_probe + max(probe_peaks),
+            out[f"k{k}_n{n}"] = {"probe_s": statistics.median(probe_times), "probe_peak": max(probe_peaks),
                                  "replica_s": statistics.median(replica_times) if replica_times else None,
-                                 "replica_peak": live_probe + max(replica_peaks) if replica_peaks else None,
+                                 "replica_peak": max(replica_peaks) if replica_peaks else None,
                                  "probe_samples": (k + n) * args.probe_batch}
+        out["step_s"] = statistics.median(step_times)
+        out["step_peak"] = max(step_peaks)
+        out["baseline"] = baseline
         # exactness in float64: the same weights sharded vs the unsharded computation (done on every rank)
         exact = _shard(_model(args, torch.float64))
         for k, n in args.configs:
@@ -162,22 +171,6 @@ def _worker(rank: int, args: argparse.Namespace, tmp: str) -> None:
         torch.save(out, os.path.join(tmp, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
-
-
-def _bytes(tensors: list[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _live_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer, grads: bool) -> list[torch.Tensor]:
-    """This rank's shards of the parameters, (their gradients,) and the optimizer state."""
-    out = []
-    for p in model.parameters():
-        out.append(p.to_local() if hasattr(p, "to_local") else p)
-        if grads and p.grad is not None:
-            out.append(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
-    for state in opt.state.values():
-        out += [v.to_local() if hasattr(v, "to_local") else v for v in state.values() if isinstance(v, torch.Tensor)]
-    return out
 
 
 def _reference(args: argparse.Namespace, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,17 +194,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-replica", action="store_true", help="skip the removed replica path's comparison")
     args = p.parse_args(argv)
     args.configs = [(20, 6), (7, 6)]
-    args.vocab, args.seq, args.d_model, args.layers = 4096, 64, 256, 4
-    args.train_batch, args.probe_batch, args.steps, args.repeats = 32, 1, 4, 3
+    args.vocab, args.seq, args.d_model, args.layers = 4096, 64, 128, 4
+    args.train_batch, args.probe_batch, args.repeats = 32, 1, 2
     if args.quick:
         args.configs = [(7, 6)]
         args.vocab, args.seq, args.d_model, args.layers = 512, 32, 64, 2
-        args.train_batch, args.steps, args.repeats = 16, 2, 1
+        args.train_batch, args.repeats = 16, 1
+    # glibc returns freed memory to the kernel at once (large blocks mmap'd, the heap trimmed), so the resident
+    # set follows the live tensors instead of what the allocator kept from earlier calls
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", "0")
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(args, tmp), nprocs=WORLD, join=True)
         ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
     step_s = statistics.median(r["step_s"] for r in ranks)
     step_peak = max(r["step_peak"] for r in ranks)
+
+    def extra(r: dict, peak: int) -> float:  # this rank's probe peak above its step's, over what training holds
+        return max(0.0, peak - r["step_peak"]) / (r["step_peak"] - r["baseline"])
+
     rows, claims, configs = [], {}, {}
     for k, n in args.configs:
         key = f"k{k}_n{n}"
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         want_gram, want_losses = _reference(args, k, n)
         err = max(max(_rel(x["gram64"][0], want_gram), _rel(x["gram64"][1], want_losses)) for x in per)
         wall = probe_s / (EVERY * step_s)
-        extra_mem = max(0.0, probe_peak - step_peak) / step_peak
+        extra_mem = max(extra(r, r[key]["probe_peak"]) for r in ranks)
         samples = per[0]["probe_samples"]
         grads = samples / (EVERY * args.train_batch)
         paper = (k + 1 + n + 1) / EVERY
@@ -233,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             "extra_gradient_computations_per_step": grads, "paper_separate_passes_per_step": paper,
             "replica_probe_s": rep_s, "replica_peak_bytes": rep_peak,
             "replica_wall_overhead": None if rep_s is None else rep_s / (EVERY * step_s),
-            "replica_extra_peak_memory": None if rep_peak is None else max(0.0, rep_peak - step_peak) / step_peak,
+            "replica_extra_peak_memory": None if rep_peak is None else max(extra(r, r[key]["replica_peak"])
+                                                                            for r in ranks),
         }
         rows.append((key, probe_s, wall, probe_peak, extra_mem, grads, paper, err, rep_s, rep_peak))
     mib = 1 / 2 ** 20

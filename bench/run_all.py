@@ -36,6 +36,7 @@ BENCHES = (
     Bench("faults", ("--quick",), "--out"),
     Bench("huge_document", ("--mb", "5"), "--out"),
     Bench("overhead", ("--quick",), "--out"),
+    Bench("fsdp", ("--quick",), "--out"),
     Bench("loss_overhead", ("--quick", "--small"), "--out"),
     Bench("hf_loss_overhead", ("--quick",), "--out"),
     Bench("install_extras", ("--quick",), "--out"),  # needs the package registry (network)

@@ -116,7 +116,9 @@ def group_gram(
     """Gram matrix of the groups' mean-loss gradients and the groups' mean losses.
 
     Args:
-        model: the model (a DDP or torch.compile wrapper is unwrapped). It runs in whatever train/eval mode
+        model: the model (a DDP or torch.compile wrapper is unwrapped; an FSDP1 (use_orig_params) or FSDP2 model
+            is probed as it is, one unit at a time while FSDP has it gathered: gram/sharding.py, every rank
+            calls). It runs in whatever train/eval mode
             it is in: for exact per-group gradients, dropout should be off (eval mode or p=0); that is the
             caller's choice. Its parameters, their `.grad`, requires_grad flags and mode are left untouched.
         per_sample_loss: `per_sample_loss(model, batch) -> Tensor[B]`, one loss per sample. A sample's loss

@@ -29,6 +29,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from grape_stream.errors import ConfigError
+from grape_stream.grape.collectives import collective_device
+from grape_stream.grape.probes import sharded_parameter
 
 __all__ = ["ShardedGramError", "agree_on_shape", "check_sharded", "common_length", "fsdp_kind", "holding_gradients",
            "is_sharded", "refuse_stray"]
@@ -77,16 +79,12 @@ def fsdp_kind(model: nn.Module) -> Optional[str]:
 
 def is_sharded(model: nn.Module) -> bool:
     """True for a model holding FSDP1 or FSDP2 modules or DTensor / FlatParameter parameters."""
-    from grape_stream.grape.probes import sharded_parameter
-
     return fsdp_kind(model) is not None or sharded_parameter(model) is not None
 
 
 def check_sharded(model: nn.Module) -> Optional[str]:
     """The FSDP kind the fused Gram runs on ("fsdp1", "fsdp2"), None for a plain model; a
     :class:`ShardedGramError` (one line) for sharding it cannot probe exactly."""
-    from grape_stream.grape.probes import sharded_parameter
-
     fsdp1 = _fsdp1_modules(model)
     for m in fsdp1:
         if not getattr(m, "_use_orig_params", False):
@@ -141,8 +139,6 @@ def agree_on_shape(signature: Any, process_group: Any = None) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     code = zlib.crc32(repr(signature).encode())
-    from grape_stream.grape.collectives import collective_device
-
     t = torch.tensor([code, -code], dtype=torch.int64, device=collective_device(None, process_group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=process_group)
     if int(t[0]) != code or int(-t[1]) != code:
@@ -153,8 +149,6 @@ def agree_on_shape(signature: Any, process_group: Any = None) -> None:
 
 def common_length(groups: list[dict[str, Tensor]], device: torch.device, process_group: Any = None) -> int:
     """The longest probe sequence over all ranks (one tiny all-reduce): FSDP ranks must run forwards of one shape."""
-    from grape_stream.grape.collectives import collective_device
-
     t = torch.tensor([max(g["tokens"].shape[1] for g in groups)], dtype=torch.int64,
                      device=collective_device(device, process_group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=process_group)
