@@ -16,7 +16,8 @@ on 127.0.0.1 and, per request, either forwards it unchanged or injects one fault
                     prefix (503 SlowDown for a fraction of its requests, for as long as it is set),
 * ``accept_keys(k)`` the server's credential check: a request signed with an access key not in ``k``
                     gets 403 InvalidAccessKeyId (change ``k`` mid-run to rotate credentials);
-                    ``stats.keys`` counts the requests per access key.
+                    ``stats.keys`` counts the requests per access key, ``stats.bytes_by_key`` the response
+                    bytes forwarded to each (what a client signing with its own key downloaded).
 
 Faults are drawn from a seeded RNG, so a scenario is repeatable. Used by the tests (fixtures drive it
 in-process) and by bench/faults.py; point it at your own MinIO / R2 endpoint to try your job against a
@@ -67,6 +68,7 @@ class FaultStats:
     refused_windows: int = 0
     refused_keys: int = 0
     keys: Counter = field(default_factory=Counter)  # access key -> requests signed with it
+    bytes_by_key: Counter = field(default_factory=Counter)  # access key -> response body bytes forwarded
 
 
 @dataclass
@@ -289,7 +291,7 @@ class FaultProxy:
                 except (OSError, http.client.HTTPException):
                     _reset(conn)
                     return
-                self._count_forwarded()
+                self._count_forwarded(_access_key(headers, target), len(data))
                 out_headers = [(k, v) for k, v in resp.getheaders() if k.lower() not in _HOP_HEADERS]
                 out_headers = [(k, v) for k, v in out_headers if k.lower() != "content-length"]
                 if method == "HEAD":
@@ -315,9 +317,7 @@ class FaultProxy:
 
     def _decide(self, method: str, target: str, headers: list[tuple[str, str]]) -> str | None:
         """The fault for one request ("500", "503", "403", "reset"), or None to forward it."""
-        auth = next((v for k, v in headers if k.lower() == "authorization"), "") + " " + target
-        m = _KEY_RE.search(auth)
-        key = (m.group(1) or m.group(2)) if m else None
+        key = _access_key(headers, target)
         with self._lock:
             self.stats.keys[key or "(unsigned)"] += 1
             if self.forbidden or (self.accepted_keys is not None and key not in self.accepted_keys):
@@ -336,10 +336,11 @@ class FaultProxy:
                 return str(self.error_status)
         return None
 
-    def _count_forwarded(self) -> None:
+    def _count_forwarded(self, key: str | None, nbytes: int) -> None:
         start = None
         with self._lock:
             self.stats.forwarded += 1
+            self.stats.bytes_by_key[key or "(unsigned)"] += nbytes
             if self._outage_after is not None and self.stats.forwarded >= self._outage_after[0]:
                 start, self._outage_after = self._outage_after[1], None
         if start is not None:
@@ -350,6 +351,13 @@ class FaultProxy:
 #: sockets; if it kept them, a "closed" listener would still accept connections during an outage and a
 #: reset connection would stay open. The child is not the proxy: it closes its copies (one hook, for all).
 _LIVE: "weakref.WeakSet[FaultProxy]" = weakref.WeakSet()
+
+
+def _access_key(headers: list[tuple[str, str]], target: str) -> str | None:
+    """The access key a request is signed with (header or presigned URL), None when unsigned."""
+    auth = next((v for k, v in headers if k.lower() == "authorization"), "") + " " + target
+    m = _KEY_RE.search(auth)
+    return (m.group(1) or m.group(2)) if m else None
 
 
 def _close_inherited_sockets() -> None:
