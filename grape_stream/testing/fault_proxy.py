@@ -16,8 +16,7 @@ on 127.0.0.1 and, per request, either forwards it unchanged or injects one fault
                     prefix (503 SlowDown for a fraction of its requests, for as long as it is set),
 * ``accept_keys(k)`` the server's credential check: a request signed with an access key not in ``k``
                     gets 403 InvalidAccessKeyId (change ``k`` mid-run to rotate credentials);
-                    ``stats.keys`` counts the requests per access key, ``stats.bytes_by_key`` the response
-                    bytes forwarded to each (what a client signing with its own key downloaded).
+                    ``stats.keys`` / ``stats.bytes_by_key``: requests / response bytes per access key.
 
 Faults are drawn from a seeded RNG, so a scenario is repeatable. Used by the tests (fixtures drive it
 in-process) and by bench/faults.py; point it at your own MinIO / R2 endpoint to try your job against a
@@ -68,7 +67,7 @@ class FaultStats:
     refused_windows: int = 0
     refused_keys: int = 0
     keys: Counter = field(default_factory=Counter)  # access key -> requests signed with it
-    bytes_by_key: Counter = field(default_factory=Counter)  # access key -> response body bytes forwarded
+    bytes_by_key: Counter = field(default_factory=Counter)  # access key -> response body bytes
 
 
 @dataclass
@@ -260,7 +259,9 @@ class FaultProxy:
                 if self.in_outage():
                     _reset(conn)
                     return
-                action = self._decide(method, target, headers)
+                m = _KEY_RE.search(next((v for k, v in headers if k.lower() == "authorization"), "") + " " + target)
+                key = (m.group(1) or m.group(2)) if m else None  # signed with (header or presigned URL)
+                action = self._decide(method, target, key)
                 if action == "reset":
                     self.stats.resets += 1
                     _reset(conn)
@@ -291,7 +292,7 @@ class FaultProxy:
                 except (OSError, http.client.HTTPException):
                     _reset(conn)
                     return
-                self._count_forwarded(_access_key(headers, target), len(data))
+                self._count_forwarded(key, len(data))
                 out_headers = [(k, v) for k, v in resp.getheaders() if k.lower() not in _HOP_HEADERS]
                 out_headers = [(k, v) for k, v in out_headers if k.lower() != "content-length"]
                 if method == "HEAD":
@@ -315,9 +316,8 @@ class FaultProxy:
                 pass
 
 
-    def _decide(self, method: str, target: str, headers: list[tuple[str, str]]) -> str | None:
+    def _decide(self, method: str, target: str, key: str | None) -> str | None:
         """The fault for one request ("500", "503", "403", "reset"), or None to forward it."""
-        key = _access_key(headers, target)
         with self._lock:
             self.stats.keys[key or "(unsigned)"] += 1
             if self.forbidden or (self.accepted_keys is not None and key not in self.accepted_keys):
@@ -351,13 +351,6 @@ class FaultProxy:
 #: sockets; if it kept them, a "closed" listener would still accept connections during an outage and a
 #: reset connection would stay open. The child is not the proxy: it closes its copies (one hook, for all).
 _LIVE: "weakref.WeakSet[FaultProxy]" = weakref.WeakSet()
-
-
-def _access_key(headers: list[tuple[str, str]], target: str) -> str | None:
-    """The access key a request is signed with (header or presigned URL), None when unsigned."""
-    auth = next((v for k, v in headers if k.lower() == "authorization"), "") + " " + target
-    m = _KEY_RE.search(auth)
-    return (m.group(1) or m.group(2)) if m else None
 
 
 def _close_inherited_sockets() -> None:
