@@ -19,6 +19,20 @@ change every 100 batches, and reports per world size:
   plan us/batch   planning CPU per global batch per rank (its 8 workers together: their plans and rows,
                   not the script's bookkeeping)
   MB/worker       peak Python/numpy memory of one worker's planning state (tracemalloc)
+  read amp        bytes node 0 downloads over the whole run / bytes of the samples it consumes, its cache an
+                  LRU of ``--cache-gb`` per node split evenly across the K domains (as the mixer splits
+                  ``cache_limit``); exact for the canonical-node stream (node 0 reads lane 0 of every
+                  domain: each access checked against the cache, accesses inside one shuffle block that
+                  fit the cache collapsed first); ``read_amp_global_stream`` is the stream before canonical
+                  nodes (one lane read by every node), from the 1-node run and the measured fraction of
+                  the stream's shards a node touches
+  cache need      the largest set of shards node 0's reads keep live at once (one shuffle block of its
+                  span per domain, plus a boundary shard): what ``cache_limit`` must hold to download
+                  each shard once per pass
+  GET/s (reads)   the same GETs, from node 0's downloads x nodes, over the run's duration
+
+The stream is planned for ``canonical_nodes`` = the world's node count (the default): node ``p`` reads lane
+``p``'s span of every domain.
 
 Simulated ranks (to keep the run within ~20 minutes on a shared 2-core machine): ranks 0 and R-1 over all
 batches (each with its 8 workers, messages and batch split exactly as ``MixerDataLoader`` makes them),
@@ -28,7 +42,7 @@ one row times a resume at batch 10^6 of a K=20 run with weights changing every 1
 entries), real mixer, real shards: ``load_state_dict``, the first batch and the next ``state_dict``, with 0
 and 2 workers (none of them grows with the step), and the saving side's ``state_dict`` and a cold ``seek``.
 
-    .venv/bin/python bench/scale.py [--batches 100000] [--quick] [--out bench/results/scale.json]
+    .venv/bin/python bench/scale.py [--batches 100000] [--cache-gb 32] [--quick] [--out bench/results/scale.json]
 """
 
 from __future__ import annotations
@@ -54,12 +68,18 @@ from grape_stream.mixing.compose import message_size  # noqa: E402
 from grape_stream.mixing.epoch_order import DomainOrder  # noqa: E402
 from grape_stream.mixing.loader import DEFAULT_MAX_DEPTH, SAMPLES_PER_MESSAGE  # noqa: E402
 from grape_stream.mixing.planner import QuotaPlanner  # noqa: E402
+from grape_stream.mixing.quotas import lane_split  # noqa: E402
 from grape_stream.mixing.rows import emission  # noqa: E402
 from grape_stream.mixing.schedule import EffectiveSchedule  # noqa: E402
 from grape_stream.mixing.topology import RankBatch, Topology  # noqa: E402
 
 K, G, WORKERS, SEED, RANKS_PER_NODE = 20, 1024, 8, 7, 8
 S3_GET_PER_PREFIX = 5500
+SAMPLE_BYTES = 4096  # 4 KB a sample: 16 MB shards of 4,096 samples
+
+
+def SHARD_BYTES(args: argparse.Namespace) -> int:  # noqa: N802 - a derived constant
+    return SAMPLE_BYTES * args.samples_per_shard
 
 
 class Stream:
@@ -82,11 +102,11 @@ class Stream:
                                          for k, s in enumerate(self.shards)])
         self.base = np.concatenate([[0], np.cumsum([len(s) for s in self.shards])[:-1]])
 
-    def orders(self) -> list[DomainOrder]:  # each process builds its own (their caches are per process)
-        return [DomainOrder(s, 1000 + k, True) for k, s in enumerate(self.shards)]
+    def orders(self, lanes: int = 1) -> list[DomainOrder]:  # each process builds its own (caches are per process)
+        return [DomainOrder(s, 1000 + k, True, lanes=lanes) for k, s in enumerate(self.shards)]
 
-    def planner(self) -> QuotaPlanner:
-        return QuotaPlanner(seed=SEED, batch_size=G, composition="systematic", budgets=[None] * K)
+    def planner(self, lanes: int = 1) -> QuotaPlanner:
+        return QuotaPlanner(seed=SEED, batch_size=G, composition="systematic", budgets=[None] * K, lanes=lanes)
 
 
 class ShardLog:
@@ -135,7 +155,7 @@ def simulate_rank(stream: Stream, topo: Topology, first: int, last: int, shard_l
     rows: dict[int, np.ndarray] = {}
     cpu = 0.0  # planning only: the plans and the rows (not this script's bookkeeping)
     for w in range(WORKERS):
-        orders, planner = stream.orders(), stream.planner()
+        orders, planner = stream.orders(topo.lanes), stream.planner(topo.lanes)
         begin, t = first, 0
         while begin < last:
             size = min(message_size(t, per, WORKERS), last - begin)
@@ -163,10 +183,11 @@ def simulate_rank(stream: Stream, topo: Topology, first: int, last: int, shard_l
     return {"composed": composed, "rows": rows, "cpu": cpu}
 
 
-def check_batches(stream: Stream, world: int, batches: list[int]) -> tuple[int, int, dict[int, list[np.ndarray]]]:
+def check_batches(stream: Stream, world: int, batches: list[int],
+                  lanes: int) -> tuple[int, int, dict[int, list[np.ndarray]]]:
     """Every rank's slice of each checked batch (one emission call per batch, all ranks' slots): samples
-    lost and duplicated against the batch's grouped samples; and the slices by rank."""
-    orders, planner = stream.orders(), stream.planner()
+    lost and duplicated against the batch's samples (each lane's share of each domain); and the slices by rank."""
+    orders, planner = stream.orders(lanes), stream.planner(lanes)
     b = G // world
     lost = dup = 0
     slices: dict[int, list[np.ndarray]] = {}
@@ -175,8 +196,9 @@ def check_batches(stream: Stream, world: int, batches: list[int]) -> tuple[int, 
         run = [RankBatch(i, plan, r * b, True) for r in range(world)]
         dom, ids, _ = emission(orders, SEED, b, G, run)
         got = dom.astype(np.int64) * (1 << 40) + ids
-        want = np.concatenate([k * (1 << 40) + orders[k].sample_ids(int(plan.start[k]), int(plan.quota[k]))[0]
-                               for k in range(K)])
+        start, share = plan.start.reshape(lanes, K), lane_split(plan.quota, lanes)
+        want = np.concatenate([k * (1 << 40) + orders[k].sample_ids(int(start[c, k]), int(share[c, k]), c)[0]
+                               for c in range(lanes) for k in range(K)])
         uniq = np.unique(got)
         dup += len(got) - len(uniq)
         lost += len(np.setdiff1d(want, uniq))
@@ -186,35 +208,43 @@ def check_batches(stream: Stream, world: int, batches: list[int]) -> tuple[int, 
 
 def global_walk(stream: Stream) -> dict[str, Any]:
     """All batches planned one by one: exact G per batch, contiguous positions; the closed form agrees."""
-    planner = stream.planner()
+    lanes = 128  # the canonical nodes of 1,024 ranks: lane positions are walked too
+    planner = stream.planner(lanes)
     bad = 0
-    prev_end = np.zeros(K, np.int64)
+    prev_end = np.zeros(K * lanes, np.int64)
     t0 = time.process_time()
     for i in range(stream.batches):
         plan = planner.plan(i, stream.schedule.segments)
         bad += int(plan.quota.sum() != G) + int((plan.start != prev_end).any())
-        prev_end = plan.start + plan.quota
+        prev_end = plan.end()
     walk_s = time.process_time() - t0
     t0 = time.perf_counter()
-    jump = stream.planner()
+    jump = stream.planner(lanes)
     jump.advance_to(stream.batches, stream.schedule.segments)
     jump_s = time.perf_counter() - t0
-    bad += int((jump.counts != prev_end).any())
-    epochs = (prev_end / stream.sizes).round(2)
-    return {"bad_batches": bad, "walk_us_per_batch": 1e6 * walk_s / stream.batches, "closed_form_s": jump_s,
+    bad += int((jump.position != prev_end).any())
+    epochs = (prev_end.reshape(lanes, K).sum(axis=0) / stream.sizes).round(2)
+    return {"bad_batches": bad, "lanes": lanes, "walk_us_per_batch": 1e6 * walk_s / stream.batches,
+            "closed_form_s": jump_s,
             "epochs_per_domain_min_max": [float(epochs.min()), float(epochs.max())]}
 
 
-def scale_row(stream: Stream, world: int, args: argparse.Namespace) -> dict[str, Any]:
+def scale_row(stream: Stream, world: int, args: argparse.Namespace, read_stream: Stream) -> dict[str, Any]:
     b = G // world
     n = stream.batches
+    nodes = max(1, world // RANKS_PER_NODE)
+    lanes = nodes  # canonical_nodes' default: the physical node count
+
+    def topo(r: int) -> Topology:
+        return Topology.of(r, world, b, G, lanes=lanes, nodes=nodes)
+
     check = list(range(0, n, args.check_every))
-    lost, dup, slices = check_batches(stream, world, check)
+    lost, dup, slices = check_batches(stream, world, check, lanes)
     sampled = sorted({0, world - 1})
     shards_per_rank, cpu, split_bad = [], [], 0
     for r in sampled:
         log = ShardLog(every=args.log_every)
-        out = simulate_rank(stream, Topology.of(r, world, b, G), 0, n, log, set(check))
+        out = simulate_rank(stream, topo(r), 0, n, log, set(check))
         cpu.append(out["cpu"] / n)
         split_bad += len(out["composed"]) - len(set(out["composed"])) + (n - len(set(out["composed"])))
         for i in check:  # the workers' runs hold exactly the slices computed all at once
@@ -225,13 +255,14 @@ def scale_row(stream: Stream, world: int, args: argparse.Namespace) -> dict[str,
     lo = (n // 2) // 1000 * 1000
     hi = min(n, lo + args.node_window)
     for r in range(min(world, RANKS_PER_NODE)):
-        simulate_rank(stream, Topology.of(r, world, b, G), lo, hi, node)
+        simulate_rank(stream, topo(r), lo, hi, node)
     per_dom = node.per_domain((hi - lo) / 1000)
-    nodes = max(1, world // RANKS_PER_NODE)
     get_s = nodes * per_dom * args.steps_per_second / 1000
+    reads = node_reads(read_stream, lanes, int(args.cache_gb * 2 ** 30 // SHARD_BYTES(args)))
+    get_reads = nodes * reads["downloads_per_domain"] * args.steps_per_second / read_stream.batches
     # memory: one worker's planning state over a stretch of batches
     tracemalloc.start()
-    simulate_rank_one_worker(stream, Topology.of(0, world, b, G), lo, lo + 3000)
+    simulate_rank_one_worker(stream, topo(0), lo, lo + 3000)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     return {
@@ -243,16 +274,64 @@ def scale_row(stream: Stream, world: int, args: argparse.Namespace) -> dict[str,
         "get_per_s_busiest_prefix": float(get_s.max()), "get_per_s_all_prefixes": float(get_s.sum()),
         "plan_us_per_batch_per_rank": 1e6 * float(np.mean(cpu)),
         "peak_mb_per_worker": peak / 2 ** 20,
+        "canonical_nodes": lanes,
+        "read_amplification": reads["amplification"],
+        "downloaded_gb_per_node": reads["downloaded_samples"] * SAMPLE_BYTES / 2 ** 30,
+        "consumed_gb_per_node": reads["consumed_samples"] * SAMPLE_BYTES / 2 ** 30,
+        "cache_needed_gb_per_node": reads["cache_needed_shards"] * SHARD_BYTES(args) / 2 ** 30,
+        "get_per_s_busiest_prefix_reads": float(get_reads.max()),
     }
 
 
 def simulate_rank_one_worker(stream: Stream, topo: Topology, first: int, last: int) -> None:
-    orders, planner = stream.orders(), stream.planner()
+    orders, planner = stream.orders(topo.lanes), stream.planner(topo.lanes)
     per = per_message(topo.batch_size)
     for j0 in range(first, last, per * WORKERS):  # worker 0's messages (full size, steady state)
         run = [RankBatch(j, planner.plan(topo.global_batch(j), stream.schedule.segments), topo.first_slot(j), True)
                for j in range(j0, min(j0 + per, last))]
         emission(orders, SEED, topo.batch_size, G, run)
+
+
+def node_reads(stream: Stream, lanes: int, cache_shards: int) -> dict[str, Any]:
+    """Node 0 of ``lanes`` nodes (one lane each) reads every position of lane 0 of every domain, in order:
+    its downloads through an LRU cache of ``cache_shards // K`` shards per domain.
+
+    Exact LRU, made cheap: inside one shuffle block of the lane's span the accesses are collapsed to each
+    shard's first one (the block's shards stay cached while it is read when the cache holds them all, which
+    ``cache_needed_shards`` checks against the cache), then the LRU runs over that sequence."""
+    orders, planner = stream.orders(lanes), stream.planner(lanes)
+    planner.advance_to(stream.batches, stream.schedule.segments)
+    end = planner.position.reshape(lanes, K)[0]
+    cap = max(1, cache_shards // K)
+    downloads = np.zeros(K, np.int64)
+    downloaded = consumed = need = 0
+    for k in range(K):
+        o, spc = orders[k], stream.shards[k]
+        n_lane, bs = int(o.lane_lens[0]), o.block_size
+        cache: dict[int, None] = {}
+        widest = 0
+        for lo in range(0, int(end[k]), 1 << 22):
+            p = np.arange(lo, min(int(end[k]), lo + (1 << 22)), dtype=np.int64)
+            shard = o.shard_of(o.ids_at(p, 0)[0])
+            group = (p // n_lane) * (n_lane // bs + 1) + (p % n_lane) // bs  # (lane epoch, block)
+            key = group * (1 << 24) + shard
+            uniq, first = np.unique(key, return_index=True)
+            seq = uniq[np.argsort(first)]
+            counts = np.bincount(np.unique(seq >> 24, return_inverse=True)[1])
+            widest = max(widest, int(counts.max()))
+            for sid in (seq & ((1 << 24) - 1)).tolist():
+                if sid in cache:
+                    cache.pop(sid)
+                else:
+                    downloads[k] += 1
+                    downloaded += int(spc[sid])
+                    if len(cache) >= cap:
+                        cache.pop(next(iter(cache)))
+                cache[sid] = None
+        consumed += int(end[k])
+        need += widest + 1
+    return {"amplification": downloaded / consumed, "downloaded_samples": downloaded, "consumed_samples": consumed,
+            "downloads_per_domain": downloads, "cache_needed_shards": need, "cache_shards_per_domain": cap}
 
 
 def resume_row(at: int, every: int) -> dict[str, Any]:
@@ -276,7 +355,14 @@ def resume_row(at: int, every: int) -> dict[str, Any]:
         out: dict[str, Any] = {"at_batch": at, "schedule_entries": len(state["schedule"]),
                                "anchor_batch": state["anchor"]["batch"], "cold_seek_s": t1 - t0,
                                "state_dict_s": t2 - t1}
-        for workers in (0, 2):
+        for workers, lanes in ((0, 1), (2, 1), (0, 128)):
+            if lanes > 1:  # the stream of 128 canonical nodes (1,024 ranks), resumed on one
+                with WeightedStreamingMixer(doms, batch_size=G, seed=3, schedule_capacity=cap,
+                                            canonical_nodes=lanes) as m:
+                    for f in range(every, at, every):
+                        m.set_weights(rng.dirichlet(np.ones(K)), at_batch=f)
+                    m.seek(at)
+                    state = m.state_dict()
             with WeightedStreamingMixer(doms, batch_size=G, seed=3, schedule_capacity=cap) as m:
                 t0 = time.perf_counter()
                 m.load_state_dict(json.loads(json.dumps(state)))
@@ -287,8 +373,9 @@ def resume_row(at: int, every: int) -> dict[str, Any]:
                 later = m.state_dict()
                 t3 = time.perf_counter()
                 assert later["batch"] == at + 1
-            out[f"workers{workers}"] = {"load_state_dict_s": t1 - t0, "first_batch_s": t2 - t1, "total_s": t2 - t0,
-                                        "next_state_dict_s": t3 - t2}
+            name = f"workers{workers}" + (f"_canonical{lanes}" if lanes > 1 else "")
+            out[name] = {"load_state_dict_s": t1 - t0, "first_batch_s": t2 - t1, "total_s": t2 - t0,
+                         "next_state_dict_s": t3 - t2}
     return out
 
 
@@ -303,24 +390,43 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-every", type=int, default=10, help="count a rank's shards in every n-th 1k window")
     ap.add_argument("--steps-per-second", type=float, default=2.0, help="global batches trained per second")
     ap.add_argument("--resume-at", type=int, default=1_000_000)
+    ap.add_argument("--before", default=None, help="results of the code before canonical nodes (default: --out)")
+    ap.add_argument("--read-batches", type=int, default=None,
+                    help="batches of the read-amplification run (default: --batches; it is cheap: no emission)")
+    ap.add_argument("--cache-gb", type=float, default=32.0, help="cache_limit per node assumed for read amplification")
     ap.add_argument("--quick", action="store_true", help="10^4 batches, worlds 1, 8, 1024; resume at 10^5")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
     if args.quick:
         args.batches, args.worlds, args.resume_at = 10_000, "1,8,1024", 100_000
     started = time.time()
+    before = previous_global_stream(Path(args.before or args.out))
     stream = Stream(args.batches, args.samples_per_shard, args.weights_every)
+    read_batches = args.read_batches or args.batches
+    read_stream = stream if read_batches == args.batches else Stream(read_batches, args.samples_per_shard,
+                                                                     args.weights_every)
     walk = global_walk(stream)
     rows = []
     for world in (int(w) for w in args.worlds.split(",")):
         t0 = time.time()
-        rows.append(scale_row(stream, world, args))
+        rows.append(scale_row(stream, world, args, read_stream))
         rows[-1]["wall_s"] = time.time() - t0
         print(f"world {world}: {rows[-1]}", flush=True)
     resume = resume_row(args.resume_at, args.weights_every)
+    one_node = next((r["read_amplification"] for r in rows if r["nodes"] == 1), None)
+    for r in rows:  # the stream before canonical nodes: every node passes through (nearly) every shard
+        b = before.get(str(r["world_size"]))
+        if b is not None and one_node is not None:
+            b["read_amplification"] = one_node * r["nodes"] * b["shards_per_node_per_1k"] / before["1"][
+                "shards_per_node_per_1k"]
+        r["global_stream_before"] = b
     result = {"config": {"K": K, "global_batch_size": G, "workers_per_rank": WORKERS, "batches": args.batches,
+                         "read_batches": read_batches,
                          "samples_per_shard": args.samples_per_shard, "weights_every": args.weights_every,
-                         "steps_per_second": args.steps_per_second, "ranks_per_node": RANKS_PER_NODE},
+                         "steps_per_second": args.steps_per_second, "ranks_per_node": RANKS_PER_NODE,
+                         "cache_gb_per_node": args.cache_gb, "canonical_nodes": "the node count"},
+              "claims": {"read_amplification": {str(r["world_size"]): round(r["read_amplification"], 3) for r in rows},
+                         "lost": sum(r["lost"] for r in rows), "duplicated": sum(r["duplicated"] for r in rows)},
               "global_walk": walk, "worlds": rows, "resume": resume, "wall_s": time.time() - started}
     print(format_table(result))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -330,26 +436,49 @@ def main(argv: list[str] | None = None) -> int:
         and walk["bad_batches"] == 0 else 1
 
 
+def previous_global_stream(path: Path) -> dict[str, Any]:
+    """The figures of the stream before canonical nodes, per world size: from a results file written by that
+    code (no ``claims``), or carried over in a newer one (``global_stream_before``)."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for r in old.get("worlds", []):
+        b = r if "claims" not in old else r.get("global_stream_before")
+        if b:
+            out[str(r["world_size"])] = {key: b[key] for key in ("shards_per_node_per_1k", "get_per_s_busiest_prefix",
+                                                                 "plan_us_per_batch_per_rank") if key in b}
+    return out
+
+
 def format_table(result: dict[str, Any]) -> str:
     c = result["config"]
     lines = [f"K={c['K']} domains, global batch {c['global_batch_size']}, {c['batches']} batches, "
              f"{c['workers_per_rank']} workers/rank, {c['samples_per_shard']} samples/shard, "
              f"{c['steps_per_second']} steps/s",
-             "| ranks | B/rank | lost | dup | shards/1k rank | shards/1k node | GET/s busiest prefix (all) "
-             "| plan us/batch/rank | MB/worker |", "|---|---|---|---|---|---|---|---|---|"]
+             f"read amplification with a {c['cache_gb_per_node']:g} GB cache per node; before = the global stream "
+             "(every node reads a slice of every batch)",
+             "| ranks | nodes | lost | dup | shards/1k rank | shards/1k node (before) | read amp (before) "
+             "| cache need GB/node | GET/s busiest prefix | plan us/batch/rank (before) | MB/worker |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["worlds"]:
-        lines.append(f"| {r['world_size']} | {r['batch_size']} | {r['lost']} | {r['duplicated']} | "
-                     f"{r['shards_per_rank_per_1k']:.0f} | {r['shards_per_node_per_1k']:.0f} | "
-                     f"{r['get_per_s_busiest_prefix']:.1f} ({r['get_per_s_all_prefixes']:.0f}) "
-                     f"vs {S3_GET_PER_PREFIX} | "
-                     f"{r['plan_us_per_batch_per_rank']:.0f} | {r['peak_mb_per_worker']:.1f} |")
+        b = r.get("global_stream_before") or {}
+        lines.append(f"| {r['world_size']} | {r['nodes']} | {r['lost']} | {r['duplicated']} | "
+                     f"{r['shards_per_rank_per_1k']:.0f} | {r['shards_per_node_per_1k']:.0f} "
+                     f"({b.get('shards_per_node_per_1k', float('nan')):.0f}) | {r['read_amplification']:.2f} "
+                     f"({b.get('read_amplification', float('nan')):.0f}) | {r['cache_needed_gb_per_node']:.1f} | "
+                     f"{r['get_per_s_busiest_prefix_reads']:.1f} vs {S3_GET_PER_PREFIX} | "
+                     f"{r['plan_us_per_batch_per_rank']:.0f} ({b.get('plan_us_per_batch_per_rank', float('nan')):.0f})"
+                     f" | {r['peak_mb_per_worker']:.1f} |")
     w, res = result["global_walk"], result["resume"]
     lines.append(f"global walk: {w['bad_batches']} bad batches, {w['walk_us_per_batch']:.0f} us/batch; closed form to "
                  f"batch {c['batches']}: {w['closed_form_s'] * 1e3:.1f} ms; epochs per domain "
                  f"{w['epochs_per_domain_min_max']}")
     lines.append(f"resume at batch {res['at_batch']} ({res['schedule_entries']} schedule entries): load_state_dict "
                  f"+ first batch {res['workers0']['total_s']:.2f} s (0 workers), {res['workers2']['total_s']:.2f} s "
-                 f"(2 workers); state_dict {res['state_dict_s']:.3f} s; a cold seek (a mixer that never walked "
+                 f"(2 workers), {res['workers0_canonical128']['total_s']:.2f} s (128 canonical nodes, 0 workers); "
+                 f"state_dict {res['state_dict_s']:.3f} s; a cold seek (a mixer that never walked "
                  f"the stream) {res['cold_seek_s']:.2f} s")
     return "\n".join(lines)
 

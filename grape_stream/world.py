@@ -18,10 +18,22 @@ class World:
     rank: int
     size: int
     local_rank: int = 0
+    #: ranks on this node (LOCAL_WORLD_SIZE; streaming's default when unset: 1)
+    local_size: int = 1
 
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
+
+    @property
+    def nodes(self) -> int:
+        """Physical nodes: what a node-local cache and the mixer's canonical node count are measured against."""
+        return max(1, self.size // max(1, self.local_size))
+
+    @property
+    def node(self) -> int:
+        """This process's node (torchrun's GROUP_RANK): ranks are laid out node after node."""
+        return self.rank // max(1, self.local_size)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -68,7 +80,15 @@ def streaming_world() -> World:
     A process group initialised without RANK / WORLD_SIZE in the environment would make every rank a
     "local leader" inside streaming, so a disagreement is an error, not a silent mis-partition.
     """
-    env = World(_env_int("RANK", 0), _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0))
+    env = World(_env_int("RANK", 0), _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0),
+                _env_int("LOCAL_WORLD_SIZE", 1))
+    if env.size % max(1, env.local_size) or not 0 < env.local_size <= env.size:
+        raise ValueError(f"LOCAL_WORLD_SIZE={env.local_size} does not divide WORLD_SIZE={env.size}: every node "
+                         "must run the same number of ranks")
+    group = os.environ.get("GROUP_RANK")
+    if group not in (None, "") and _env_int("GROUP_RANK", 0) != env.node:
+        raise ValueError(f"GROUP_RANK={group} but RANK={env.rank} // LOCAL_WORLD_SIZE={env.local_size} = {env.node}: "
+                         "ranks must be numbered node after node (torchrun does)")
     if dist_active():
         import torch.distributed as dist
 

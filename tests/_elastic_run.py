@@ -3,10 +3,12 @@ tests/test_mixer_elastic_dist.py (started per rank with RANK / WORLD_SIZE / MAST
 
     python _elastic_run.py CONFIG.json
 
-CONFIG: dirs (local domains) or remotes + caches, seed, global_batch_size, workers, lag, changes ({global
-batches consumed: alpha}), until (global batches), every (checkpoint period), state (path rank 0 writes the
-mixer state to after every rank finished that step), resume (a state path), log (folder: one JSON line per
-loader batch per rank: global batch, rank, the rows' identities), hold_after (sleep there until killed).
+CONFIG: dirs (local domains) or remotes + caches (or node_caches: one list of caches per node, node = RANK //
+LOCAL_WORLD_SIZE), canonical_nodes and predownload (optional mixer settings), seed, global_batch_size,
+workers, lag, changes ({global batches consumed: alpha}), until (global batches), every (checkpoint period),
+state (path rank 0 writes the mixer state to after every rank finished that step), resume (a state path),
+log (folder: one JSON line per loader batch per rank: global batch, rank, the rows' identities),
+hold_after (sleep there until killed).
 """
 
 from __future__ import annotations
@@ -30,13 +32,17 @@ def main(cfg_path: str) -> int:
     cfg = json.loads(open(cfg_path).read())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    caches = cfg.get("caches")
+    if cfg.get("node_caches"):
+        caches = cfg["node_caches"][rank // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))]
     if cfg.get("remotes"):
-        doms = [DomainStream(f"d{k}", remote=r, local=c) for k, (r, c) in enumerate(zip(cfg["remotes"], cfg["caches"]))]
+        doms = [DomainStream(f"d{k}", remote=r, local=c) for k, (r, c) in enumerate(zip(cfg["remotes"], caches))]
     else:
         doms = [DomainStream(f"d{k}", local=d) for k, d in enumerate(cfg["dirs"])]
     g = cfg["global_batch_size"]
+    extra = {k: cfg[k] for k in ("canonical_nodes", "predownload") if cfg.get(k) is not None}
     mixer = WeightedStreamingMixer(doms, batch_size=g // world, global_batch_size=g, seed=cfg["seed"], lag=cfg["lag"],
-                                   retry_deadline=120)
+                                   retry_deadline=120, **extra)
     if cfg.get("resume"):
         mixer.load_state_dict(json.loads(open(cfg["resume"]).read()))
     changes = {int(k): v for k, v in cfg.get("changes", {}).items()}

@@ -1,6 +1,8 @@
 """One sample stream whatever the cluster: the global batches do not depend on the number of ranks, DataLoader
 workers or micro-batches, and a checkpoint resumes on any other topology with exactly the next global batch.
 
+The stream is planned for CANON = 4 canonical nodes (each reads its own share of every domain's shards), so
+every world here is a whole number of nodes of 2 ranks (or one rank) that divides 4 or is a multiple of it.
 Ranks are simulated in this process: each simulated rank is a real WeightedStreamingMixer (real shards, real
 DataLoader workers) whose rank and world size are set where the mixer reads them (``streaming_world``);
 streaming's own shared-memory world stays one process, because streaming would start a process group for a
@@ -24,6 +26,7 @@ G = 32  # samples per global batch
 LAG = 6  # a fixed lag (global batches): switch batches independent of workers and topology
 ALPHAS = np.random.default_rng(4).dirichlet(np.ones(len(SIZES)), size=4)
 CHANGES = {3: ALPHAS[0], 7: ALPHAS[1], 8: ALPHAS[2], 12: ALPHAS[3]}  # after that many global batches
+CANON = 4  # canonical nodes: 1 rank is 1 node, 2 ranks 1 node, 4 ranks 2 nodes, 8 ranks 4 nodes
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +35,11 @@ def dirs(tmp_path_factory):
 
 
 def make(dirs, monkeypatch, rank: int, world: int, batch_size: int, global_batch_size: int = G, **kw):
-    """Rank ``rank`` of ``world`` (as torchrun would tell it), reading ``batch_size`` samples a loader batch."""
-    monkeypatch.setattr(mixer_module, "streaming_world", lambda: World(rank, world, 0))
+    """Rank ``rank`` of ``world`` (as torchrun would tell it: nodes of 2 ranks), reading ``batch_size`` samples a
+    loader batch."""
+    local = min(2, world)
+    monkeypatch.setattr(mixer_module, "streaming_world", lambda: World(rank, world, rank % local, local))
+    kw.setdefault("canonical_nodes", CANON)
     budget = kw.pop("max_epochs", None)  # for domain 2
     doms = [DomainStream(f"d{k}", local=d, max_epochs=budget if k == 2 else None) for k, d in enumerate(dirs)]
     return WeightedStreamingMixer(doms, batch_size=batch_size, global_batch_size=global_batch_size, seed=21,
@@ -153,11 +159,14 @@ def test_a_new_global_batch_size_continues_every_domain_where_it_stopped(dirs, m
     # Rank 1 read slices of global batches 5..8 of 48 samples: each of its samples of domain k lies at a
     # position of k's stream after the saved one (nothing repeated) and before the new one (nothing skipped).
     assert later["batch"] == 9 and later["num_samples"] == 5 * G + 4 * 48
-    assert later["origin"] == {"batch": 5, "num_samples": 5 * G, "positions": state["positions"]}
-    for k in range(len(SIZES)):
-        lo, hi = state["positions"][k], later["positions"][k]
-        ids, epochs = orders[k].sample_ids(lo, hi - lo)
-        window = set(zip(ids.tolist(), epochs.tolist()))
+    assert later["origin"] == {"batch": 5, "num_samples": 5 * G, "positions": state["positions"],
+                               "node_positions": state["node_positions"]}
+    for k in range(len(SIZES)):  # rank 1 of 2 holds canonical nodes 2 and 3
+        window = set()
+        for c in (2, 3):
+            lo, hi = state["node_positions"][c][k], later["node_positions"][c][k]
+            ids, epochs = orders[k].sample_ids(lo, hi - lo, c)
+            window |= set(zip(ids.tolist(), epochs.tolist()))
         mine = [(i, e) for _, d, i, e, _ in rows if d == k]
         assert set(mine) <= window and len(set(mine)) == len(mine)
     assert sum(later["positions"]) - sum(state["positions"]) == 4 * 48

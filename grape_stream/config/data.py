@@ -35,6 +35,9 @@ class MixerConfig:
     composition: str = "systematic"  # systematic (exact quotas) | multinomial
     shuffle_block_size: int = SHUFFLE_BLOCK_SIZE
     lag: Optional[int] = None  # global batches from set_weights to the first it changes (None: the loader's depth)
+    # canonical nodes: each reads its own share of every domain's shards (None: the physical node count at the
+    # first start, then the checkpoint's); the physical node count must divide it or be a multiple of it
+    canonical_nodes: Optional[int] = None
     schedule_capacity: int = 1024  # weight changes that may be pending in shared memory at once
     overwrite_local: bool = False  # replace a local cache directory that holds another remote's data
     s3_dummy_credentials: bool = False  # placeholder AWS credentials for an S3 endpoint without authentication

@@ -65,9 +65,10 @@ class BatchComposer:
 
     def planner(self, start: int = 0, counts: Sequence[int] | np.ndarray | None = None,
                 on_spent: Callable[[int, int], None] | None = None) -> QuotaPlanner:
-        """A planner of the global stream at global batch ``start`` with domain positions ``counts``."""
+        """A planner of the global stream at global batch ``start`` with lane positions ``counts``."""
         return QuotaPlanner(seed=self.seed, batch_size=self.topology.global_batch_size, composition=self.composition,
-                            budgets=self.budgets, start_batch=start, start_counts=counts, on_spent=on_spent)
+                            budgets=self.budgets, start_batch=start, start_counts=counts, on_spent=on_spent,
+                            lanes=self.topology.lanes)
 
     def readers(self) -> list[DomainReader]:
         return [DomainReader(name, ds, retry=policy)
@@ -98,32 +99,36 @@ class BatchComposer:
 
     def prefetch_ahead(self, plan: BatchPlan, prefetcher: Prefetcher, readers: list[DomainReader],
                        horizon: np.ndarray) -> None:
-        """Ask for the shards of the positions of each domain's global stream that hold this rank's next
-        ``predownload * alpha_k`` samples: ``predownload * world_size * alpha_k`` positions (the rank reads
-        one slot in ``world_size``; its slots are scattered over them, so it needs their shards).
+        """Ask for the shards of the positions of each of this rank's lanes' streams that hold its next
+        ``predownload * alpha_k`` samples: ``predownload * world_size / lanes * alpha_k`` positions of each
+        lane (a lane's slots are shared by ``world_size / lanes`` ranks, their slots scattered over them).
 
-        ``horizon[k]`` is how far domain k has been looked ahead already; the look-ahead is renewed
-        (twice as far) only when the read position comes within half of it, so this costs little per batch.
+        ``horizon[c, k]`` is how far lane c of domain k has been looked ahead already; the look-ahead is
+        renewed (twice as far) only when the read position comes within half of it, so this costs little
+        per batch.
         """
+        t = self.topology
         cached = self._look_ahead
         if cached is None or cached[0] is not plan.alpha:  # new weights: once per segment, not per batch
-            ahead = np.ceil(self.predownload * self.topology.world_size * plan.alpha).astype(np.int64) + 1
+            ahead = np.ceil(self.predownload * t.world_size / t.lanes * plan.alpha).astype(np.int64) + 1
             live = (plan.alpha > 0) & np.asarray(self.needs_prefetch, bool)
             cached = self._look_ahead = (plan.alpha, ahead, np.where(live, ahead // 2, np.iinfo(np.int64).min // 2))
         _, ahead_all, half = cached
-        pos_all = plan.start + plan.quota
-        due = pos_all + half >= horizon
+        lanes = t.my_lanes()
+        pos_all = plan.start.reshape(t.lanes, -1)[lanes.start:lanes.stop]
+        due = pos_all + half[None, :] >= horizon[lanes.start:lanes.stop]
         if not due.any():
             return
-        for k in np.flatnonzero(due).tolist():
+        for i, k in zip(*(a.tolist() for a in np.nonzero(due))):
+            c = lanes.start + i
             if readers[k].all_ready:  # e.g. every shard decompressed or downloaded already: never due again
-                horizon[k] = np.iinfo(np.int64).max // 2
+                horizon[:, k] = np.iinfo(np.int64).max // 2
                 continue
             ahead = int(ahead_all[k])
-            pos = int(pos_all[k])
-            begin = max(pos, int(horizon[k]))
-            ids, _ = self.orders[k].sample_ids(begin, pos + 2 * ahead - begin)
-            horizon[k] = pos + 2 * ahead
+            pos = int(pos_all[i, k])
+            begin = max(pos, int(horizon[c, k]))
+            ids, _ = self.orders[k].sample_ids(begin, pos + 2 * ahead - begin, c)
+            horizon[c, k] = pos + 2 * ahead
             for sid in dict.fromkeys(readers[k].shard_ids(ids).tolist()):
                 if readers[k].needs_prepare(sid):
                     prefetcher.request(k, sid)
@@ -282,7 +287,7 @@ class _Loop:
         self.readers = composer.readers()
         self.batch_reader = BatchReader(self.readers)
         self.prefetcher = Prefetcher(self.readers) if any(composer.needs_prefetch) else None
-        self.horizon = np.zeros(len(composer.orders), np.int64)
+        self.horizon = np.zeros((self.topology.lanes, len(composer.orders)), np.int64)
 
     def plan(self, batch: int, claim: bool = True, prune: bool = True) -> RankBatch | None:
         """Loader batch ``batch``: its global batch's plan and its slots (None once the stream is exhausted),

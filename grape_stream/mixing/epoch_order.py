@@ -12,6 +12,13 @@ shuffled. Samples read together therefore come from a few neighbouring shards (c
 cache under ``cache_limit``), while a new seed per epoch reshuffles both levels. Unlike a materialised
 epoch permutation, blocks are built lazily and cached, so no process holds an ``N``-sized array: the
 cost is O(#shards + block_size) memory per domain, however large the domain.
+
+With ``C`` canonical nodes (``lanes``) each epoch's shard layout is cut into ``C`` consecutive spans of
+``floor(N / C)`` or ``ceil(N / C)`` samples, and lane ``c`` has its own endless stream: epoch after epoch,
+its span of that epoch's layout, block-shuffled within the span (streaming does the same per canonical
+node). A node therefore downloads the ~``#shards / C`` shards of its spans plus at most one shard at each
+end that it shares with a neighbour, whatever the weights. The spans of one epoch are disjoint and cover
+the epoch, so every sample is read once per epoch of its lane; ``C = 1`` is the single global stream.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from collections import OrderedDict
 import numpy as np
 
 from grape_stream.config import SHUFFLE_BLOCK_SIZE
+from grape_stream.errors import ConfigError
 
 __all__ = ["DomainOrder", "DEFAULT_BLOCK_SIZE"]
 
@@ -38,7 +46,7 @@ class DomainOrder:
     """
 
     def __init__(self, samples_per_shard: np.ndarray, seed: int, shuffle: bool = True,
-                 block_size: int = DEFAULT_BLOCK_SIZE, cache_blocks: int = 4) -> None:
+                 block_size: int = DEFAULT_BLOCK_SIZE, cache_blocks: int = 4, lanes: int = 1) -> None:
         self.samples_per_shard = np.asarray(samples_per_shard, dtype=np.int64)
         if self.samples_per_shard.ndim != 1 or self.samples_per_shard.size == 0:
             raise ValueError("a domain needs at least one shard")
@@ -51,11 +59,22 @@ class DomainOrder:
         self.block_size = int(block_size)
         self.epoch_len = self.num_samples
         self._layouts: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
-        self._blocks: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self._blocks: OrderedDict[tuple[int, int, int], np.ndarray] = OrderedDict()
         self._cache_blocks = max(2, int(cache_blocks))
         self.window = 4096
-        self._win_start = 0
-        self._win_ids = self._win_epochs = np.empty(0, np.int64)
+        self._windows: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}
+        self.set_lanes(lanes)
+
+    def set_lanes(self, lanes: int, name: str = "") -> None:
+        """Cut every epoch into ``lanes`` spans, one per canonical node (module docstring)."""
+        if lanes < 1 or lanes > self.num_samples:
+            raise ConfigError(f"domain {name!r} has {self.num_samples} samples, fewer than canonical_nodes={lanes}: "
+                              "every canonical node needs a share of every domain")
+        self.lanes = int(lanes)
+        self.span_starts = (np.arange(lanes + 1, dtype=np.int64) * self.num_samples) // lanes
+        self.lane_lens = np.diff(self.span_starts)
+        self._blocks.clear()
+        self._windows.clear()
 
     # ------------------------------------------------------------------------------------------------
     def _rng(self, *coords: int) -> np.random.Generator:
@@ -74,75 +93,79 @@ class DomainOrder:
             self._layouts.popitem(last=False)
         return order, starts
 
-    def _block(self, epoch: int, block: int) -> np.ndarray:
-        key = (epoch, block)
+    def _block(self, epoch: int, block: int, lane: int) -> np.ndarray:
+        key = (epoch, block, lane)
         hit = self._blocks.get(key)
         if hit is not None:
             self._blocks.move_to_end(key)
             return hit
         begin = block * self.block_size
-        size = min(self.block_size, self.num_samples - begin)
-        perm = self._rng(epoch, 1, block).permutation(size).astype(np.int32 if size < 1 << 31 else np.int64)
+        size = min(self.block_size, int(self.lane_lens[lane]) - begin)
+        rng = self._rng(epoch, 1, block) if self.lanes == 1 else self._rng(epoch, 1, block, self.lanes, lane)
+        perm = rng.permutation(size).astype(np.int32 if size < 1 << 31 else np.int64)
         self._blocks[key] = perm
         while len(self._blocks) > self._cache_blocks:
             self._blocks.popitem(last=False)
         return perm
 
-    def epoch_map(self, epoch: int, g: np.ndarray) -> np.ndarray:
-        """Sample ids at global positions ``g`` of epoch ``epoch``'s order (a bijection of [0, N))."""
+    def epoch_map(self, epoch: int, g: np.ndarray, lane: int = 0) -> np.ndarray:
+        """Sample ids at positions ``g`` of lane ``lane``'s span of epoch ``epoch`` (a bijection of the span
+        onto its samples; of [0, N) with one lane)."""
         g = np.asarray(g, dtype=np.int64)
+        base = int(self.span_starts[lane])
         if not self.shuffle:
-            return g.copy()
+            return g + base
         order, starts = self._layout(epoch)
         blocks = g // self.block_size
         b0, b1 = int(blocks.min()), int(blocks.max())
         if b0 == b1:  # the common case: one block
-            out = b0 * self.block_size + self._block(epoch, b0)[g - b0 * self.block_size]
+            out = base + b0 * self.block_size + self._block(epoch, b0, lane)[g - b0 * self.block_size]
         else:
             out = np.empty_like(g)
             for b in range(b0, b1 + 1):
                 sel = blocks == b
                 if sel.any():
-                    out[sel] = b * self.block_size + self._block(epoch, b)[g[sel] - b * self.block_size]
+                    out[sel] = base + b * self.block_size + self._block(epoch, b, lane)[g[sel] - b * self.block_size]
         j = np.searchsorted(starts, out, side="right") - 1
         return self.shard_offsets[order[j]] + (out - starts[j])
 
-    def sample_ids(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """(sample ids, epochs) of positions ``[start, start + count)`` of the stream."""
-        return self.ids_at(np.arange(start, start + count, dtype=np.int64))
+    def sample_ids(self, start: int, count: int, lane: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """(sample ids, epochs) of positions ``[start, start + count)`` of lane ``lane``'s stream."""
+        return self.ids_at(np.arange(start, start + count, dtype=np.int64), lane)
 
-    def ids_at(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(sample ids, epochs) of any positions of the stream (a rank reads scattered ones: its slots)."""
+    def ids_at(self, positions: np.ndarray, lane: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """(sample ids, epochs) of any positions of lane ``lane``'s stream (a rank reads scattered ones)."""
         p = np.asarray(positions, dtype=np.int64)
         if p.size == 0:
             return p.copy(), p.copy()
-        n = self.num_samples
+        n = int(self.lane_lens[lane])
         e0, e1 = int(p.min()) // n, int(p.max()) // n
         if e0 == e1:  # the common case: inside one epoch
-            return self.epoch_map(e0, p - e0 * n), np.full(p.shape, e0, np.int64)
+            return self.epoch_map(e0, p - e0 * n, lane), np.full(p.shape, e0, np.int64)
         epochs = p // n
         ids = np.empty_like(p)
         for e in range(e0, e1 + 1):
             sel = epochs == e
             if sel.any():
-                ids[sel] = self.epoch_map(e, p[sel] - e * n)
+                ids[sel] = self.epoch_map(e, p[sel] - e * n, lane)
         return ids, epochs
 
-    def window_ids(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+    def window_ids(self, start: int, count: int, lane: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`sample_ids` for a reader that walks forward: computed ``window`` positions at a time.
 
         A rank that reads most positions of a stretch of the stream (few ranks, large batches) reads it in
         small consecutive steps; computing the order for thousands of positions at once makes the cost of
         a step a slice. The returned arrays are read-only views of the cached window.
         """
-        i = start - self._win_start
-        if not (0 <= i and i + count <= len(self._win_ids)):
-            self._win_ids, self._win_epochs = self.sample_ids(start, max(count, self.window))
-            self._win_ids.flags.writeable = False
-            self._win_epochs.flags.writeable = False
-            self._win_start = start
+        win_start, win_ids, win_epochs = self._windows.get(lane, (0, np.empty(0, np.int64), np.empty(0, np.int64)))
+        i = start - win_start
+        if not (0 <= i and i + count <= len(win_ids)):
+            win_ids, win_epochs = self.sample_ids(start, max(count, self.window), lane)
+            win_ids.flags.writeable = False
+            win_epochs.flags.writeable = False
+            self._windows[lane] = (start, win_ids, win_epochs)
             i = 0
-        return self._win_ids[i:i + count], self._win_epochs[i:i + count]
+        return win_ids[i:i + count], win_epochs[i:i + count]
 
     def shard_of(self, sample_ids: np.ndarray) -> np.ndarray:
         return np.searchsorted(self.shard_offsets, np.asarray(sample_ids, dtype=np.int64), side="right") - 1

@@ -49,7 +49,7 @@ from grape_stream.mixing.domains import (
 )
 from grape_stream.mixing.epoch_order import DomainOrder
 from grape_stream.mixing.loader import MixerDataLoader
-from grape_stream.mixing.position import STATE_FORMAT, MixerStateError, StreamPosition, domain_stats
+from grape_stream.mixing.position import STATE_FORMAT, MixerStateError, StreamPosition, domain_stats, state_lanes
 from grape_stream.mixing.probe import probe_ids, probe_samples
 from grape_stream.mixing.quotas import COMPOSITIONS, budget_for, effective_weights
 from grape_stream.mixing.schedule import WeightSchedule, validate_weights
@@ -142,7 +142,10 @@ class WeightedStreamingMixer(IterableDataset):
         self.shuffle_block_size = int(c.shuffle_block_size)
         world = streaming_world()
         self.rank, self.world_size, self.local_rank = world.rank, world.size, world.local_rank
-        self.topology = Topology.of(world.rank, world.size, self.batch_size, global_batch_size)
+        self.nodes = world.nodes
+        lanes = world.nodes if c.canonical_nodes is None else c.canonical_nodes
+        self.topology = Topology.of(world.rank, world.size, self.batch_size, global_batch_size, lanes=lanes,
+                                    nodes=world.nodes)
         alpha0 = np.full(self.K, 1.0 / self.K) if weights is None else validate_weights(weights, self.K)
         locals_, stream_dirs = domain_dirs(self.domains)
         self._locals = locals_
@@ -174,11 +177,24 @@ class WeightedStreamingMixer(IterableDataset):
                             for d, ds in zip(self.domains, self._datasets)],
             retry=[default_policy().with_deadline(d.own_or("retry_deadline", c.retry_deadline)) for d in self.domains],
         )
-        self._schedule = WeightSchedule(self.K, alpha0, c.schedule_capacity, c.lag, self.topology.micro)
-        self._position = StreamPosition(self._composer, self._schedule, self._fingerprint())
+        self._alpha0 = alpha0
+        self._set_lanes(self.topology.lanes)
         self._main_readers: list[DomainReader] | None = None
         self._closed = False
         self._prefetchers: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
+
+    def _set_lanes(self, lanes: int) -> None:
+        """Plan the stream of ``lanes`` canonical nodes (``topology.lanes``): at construction, or a resume
+        that adopts its checkpoint's count (before iterating, as ``load_state_dict`` must be)."""
+        t = self.topology
+        self.topology = Topology.of(t.rank, t.world_size, t.batch_size, t.global_batch_size, lanes=lanes,
+                                    nodes=self.nodes)
+        for o, name in zip(self._orders, self.domain_names):
+            o.set_lanes(lanes, name)
+        self._composer.topology = self.topology
+        self._schedule = WeightSchedule(self.K, self._alpha0, self.config.schedule_capacity, self.config.lag,
+                                        self.topology.micro, lanes)
+        self._position = StreamPosition(self._composer, self._schedule, self._fingerprint())
 
     def __getstate__(self) -> dict[str, Any]:
         """For spawned DataLoader workers: drop the objects that belong to this process."""
@@ -343,9 +359,13 @@ class WeightedStreamingMixer(IterableDataset):
         Call before iterating (Composer does). Any world size, worker count and micro-batch split: the
         global batches from here on are exactly those of an uninterrupted run (given the same later
         ``set_weights`` switch batches). A different ``global_batch_size`` continues every domain exactly
-        where it stopped, in batches of the new size. Refused with one line (:class:`MixerStateError`):
-        a checkpoint of another stream (seed, domains, sizes, budgets, ...) or of format ``/1``.
+        where it stopped, in batches of the new size; its ``canonical_nodes`` is adopted unless set. Refused
+        with one line: a checkpoint of another stream (seed, domains, sizes, budgets, canonical nodes, ...)
+        or of format ``/1`` (:class:`MixerStateError`), a node count incompatible with its canonical one.
         """
+        lanes = state_lanes(state)
+        if lanes not in (None, self.topology.lanes) and self.config.canonical_nodes is None:
+            self._set_lanes(lanes)  # the stream continues on its canonical node count (checked against ours)
         batch = self._position.load(state)
         self.seek(batch * self.topology.micro)
 
@@ -397,3 +417,4 @@ class WeightedStreamingMixer(IterableDataset):
     def __repr__(self) -> str:
         return (f"WeightedStreamingMixer(domains={self.domain_names}, batch_size={self.batch_size}, seed={self.seed}, "
                 f"rank={self.rank}/{self.world_size}, weights_version={self.weights_version})")
+

@@ -1,7 +1,9 @@
 """Walking the global stream: every domain's position before each global batch, budgets included.
 
-``QuotaPlanner.counts[k]`` is the position in domain k's global stream before global batch
-``QuotaPlanner.batch``: all the data state the mixer has, the same on every rank and worker. Jumping
+``QuotaPlanner.counts[k]`` is how many samples of domain k the global batches before
+``QuotaPlanner.batch`` took, and ``QuotaPlanner.position`` how many each canonical node (lane) took
+(``lanes * K`` numbers, lane after lane, summing to ``counts``): all the data state the mixer has, the
+same on every rank and worker. Jumping
 from batch ``a`` to batch ``b`` costs O(K * weight pieces in between) with the systematic composition
 (:class:`~grape_stream.mixing.quotas.PieceQuotas`), whatever ``b - a``; a ``max_epochs`` budget that
 runs out inside a piece is found by bisection (positions only grow), its batch is clipped and its freed
@@ -25,6 +27,7 @@ from grape_stream.mixing.quotas import (
     StreamExhausted,
     batch_quota,
     effective_weights,
+    lane_split,
     multinomial_quota,
 )
 
@@ -41,7 +44,7 @@ class QuotaPlanner:
 
     def __init__(self, *, seed: int, batch_size: int, composition: str, budgets: Sequence[int | None] | np.ndarray,
                  start_batch: int = 0, start_counts: Iterable[int] | None = None,
-                 on_spent: Callable[[int, int], None] | None = None) -> None:
+                 on_spent: Callable[[int, int], None] | None = None, lanes: int = 1) -> None:
         if composition not in COMPOSITIONS:
             raise ValueError(f"composition must be one of {COMPOSITIONS}, got {composition!r}")
         self.seed = int(seed)
@@ -50,9 +53,13 @@ class QuotaPlanner:
         self.budgets = np.array([_NO_BUDGET if b is None else int(b) for b in budgets], dtype=np.int64)
         self.K = len(self.budgets)
         self.batch = int(start_batch)
-        self.counts = np.zeros(self.K, np.int64) if start_counts is None else np.array(list(start_counts), np.int64)
-        if self.counts.shape != (self.K,):
-            raise ValueError(f"start_counts must have {self.K} entries")
+        self.lanes = int(lanes)
+        n = self.lanes * self.K
+        start = np.zeros(n, np.int64) if start_counts is None else np.array(list(start_counts), np.int64)
+        if start.shape != (self.lanes * self.K,):
+            raise ValueError(f"start_counts must have {self.lanes} x {self.K} entries")
+        self._lane_pos = start.reshape(self.lanes, self.K)
+        self.counts = self._lane_pos.sum(axis=0)
         self.exhausted_at: int | None = None
         self.on_spent = on_spent
         self._spent_reported = self.counts >= self.budgets
@@ -76,16 +83,16 @@ class QuotaPlanner:
         if self.exhausted_at is not None:
             return None
         (seg,) = segments(batch, batch + 1)
-        start = self.counts.copy()
+        start = self.position
         try:
             quota, alpha = self._one_batch(batch, seg)
         except StreamExhausted:
             self.exhausted_at = batch
             return None
-        self.counts += quota
+        self._take(quota)
         self.batch = batch + 1
         self._report_spent()
-        self._last = BatchPlan(batch, seg.version, alpha, quota, start)
+        self._last = BatchPlan(batch, seg.version, alpha, quota, start, self.lanes)
         return self._last
 
     def advance_to(self, batch: int, segments: Segments) -> None:
@@ -96,6 +103,16 @@ class QuotaPlanner:
             self._advance_segment(seg)
             if self.exhausted_at is not None:
                 return
+
+    @property
+    def position(self) -> np.ndarray:
+        """(lanes * K,) every lane's position in its stream of every domain (a copy)."""
+        return self._lane_pos.reshape(-1).copy()
+
+    def _take(self, quota: np.ndarray) -> None:
+        """Account for one batch of quotas ``quota`` (the lanes take their round-robin shares)."""
+        self.counts += quota
+        self._lane_pos += quota[None, :] if self.lanes == 1 else lane_split(quota, self.lanes)
 
     @property
     def available(self) -> np.ndarray:
@@ -127,9 +144,9 @@ class QuotaPlanner:
                 continue
             _, piece = self._piece(seg, avail if self._budgeted else self._all)
             d0, d1 = self.batch - seg.origin, seg.end - seg.origin
-            end_counts = self.counts + piece.counts(d0, d1)
-            if not self._budgeted or not (end_counts >= self.budgets)[avail].any():
-                self.counts = end_counts
+            counts, hits = piece.counts_and_hits(d0, d1)
+            if not self._budgeted or not (self.counts + counts >= self.budgets)[avail].any():
+                self._take_piece(piece, d0, d1, (counts, hits))
                 self.batch = seg.end
                 self._report_spent()
                 return
@@ -141,11 +158,20 @@ class QuotaPlanner:
                     hi = mid
                 else:
                     lo = mid
-            self.counts = self.counts + piece.counts(d0, lo)
+            self._take_piece(piece, d0, lo)
             self.batch = seg.origin + lo
             self._scalar_batch(self.batch, seg)  # clips and re-draws it when it overflows a budget
             if self.exhausted_at is not None:
                 return
+
+    def _take_piece(self, piece: PieceQuotas, d0: int, d1: int,
+                    known: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        counts, hits = known or piece.counts_and_hits(d0, d1)
+        self.counts = self.counts + counts
+        if self.lanes == 1:
+            self._lane_pos = self.counts.reshape(1, -1).copy()
+        else:
+            self._lane_pos = self._lane_pos + piece.lane_counts(d0, d1, self.lanes, hits)
 
     def _scalar_batch(self, b: int, seg: Segment) -> None:
         try:
@@ -153,7 +179,7 @@ class QuotaPlanner:
         except StreamExhausted:
             self.exhausted_at = b
             return
-        self.counts += quota
+        self._take(quota)
         self.batch = b + 1
         self._report_spent()
 

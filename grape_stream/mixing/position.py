@@ -13,7 +13,12 @@ schedule leads from the anchor to the stored positions (a walk over those few pi
 resume does not grow with the batch); a state without one (written before the anchor existed) is
 checked from its origin, over every piece.
 
-``grape_stream.mixer/2`` (this format) adds to ``/1``: ``global_batch_size``, ``positions``, ``origin``
+``grape_stream.mixer/3`` (this format) adds to ``/2`` the stream's ``canonical_nodes`` ``C`` and, when ``C >
+1``, every canonical node's position in its stream of every domain (``node_positions``, also in the origin
+and the anchor; ``positions`` stay the per-domain sums). A ``/2`` state is a ``/3`` state of one canonical
+node: it resumes exactly with ``canonical_nodes=1`` (the default adopts it).
+
+``grape_stream.mixer/2`` adds to ``/1``: ``global_batch_size``, ``positions``, ``origin``
 (the batch, sample count and positions where the current global batch size took effect: 0 unless the
 global batch size was changed on a resume) and ``written_by`` (the topology that wrote it, information
 only); ``world_size`` and ``batch_size`` are no longer checked. ``/1`` states (per-rank streams) cannot
@@ -37,7 +42,8 @@ from grape_stream.mixing.schedule import WeightSchedule, read_entries
 __all__ = ["STATE_FORMAT", "TAIL_PIECES", "MixerStateError", "Origin", "SavedPosition", "StreamPosition", "check_state",
            "domain_stats", "make_state", "state_batch"]
 
-STATE_FORMAT = "grape_stream.mixer/2"
+STATE_FORMAT = "grape_stream.mixer/3"
+_FORMAT_2 = "grape_stream.mixer/2"
 _FORMAT_1 = "grape_stream.mixer/1"
 
 #: A checkpoint's anchor is at the start of the TAIL_PIECES-th last weight piece before its batch.
@@ -48,16 +54,39 @@ class MixerStateError(DataError):
     """A checkpoint's data position that this mixer cannot continue exactly (one line: what and why)."""
 
 
+def positions_dict(lane_positions: Sequence[int] | np.ndarray, lanes: int) -> dict[str, Any]:
+    """``{"positions": per-domain sums}`` plus, with several canonical nodes, ``"node_positions"``: one list a node."""
+    lp = np.asarray(lane_positions, dtype=np.int64).reshape(lanes, -1)
+    out: dict[str, Any] = {"positions": lp.sum(axis=0).tolist()}
+    if lanes > 1:
+        out["node_positions"] = lp.tolist()
+    return out
+
+
+def read_positions(d: Mapping[str, Any], lanes: int, k: int, what: str) -> np.ndarray:
+    """The (lanes * K,) lane positions of a checkpoint's ``{"positions", "node_positions"}`` (``what``: where)."""
+    try:
+        total = np.asarray(d.get("positions") or [], dtype=np.int64)
+        lanes_ = np.asarray(d.get("node_positions") if lanes > 1 else [total], dtype=np.int64)
+    except (TypeError, ValueError):
+        raise MixerStateError(f"the checkpoint's {what} positions are not lists of integers") from None
+    if total.shape != (k,) or lanes_.shape != (lanes, k) or (lanes_ < 0).any() \
+            or not np.array_equal(lanes_.sum(axis=0), total):
+        raise MixerStateError(f"the checkpoint's {what} does not hold {k} domain positions for each of its "
+                              f"{lanes} canonical nodes (summing to its positions)")
+    return lanes_.reshape(-1)
+
+
 @dataclass(frozen=True)
 class Origin:
-    """Where the current global batch size took effect: global batch, samples before it, domain positions."""
+    """Where the current global batch size took effect: global batch, samples before it, lane positions."""
 
     batch: int
     num_samples: int
     positions: tuple[int, ...]
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"batch": self.batch, "num_samples": self.num_samples, "positions": list(self.positions)}
+    def as_dict(self, lanes: int) -> dict[str, Any]:
+        return {"batch": self.batch, "num_samples": self.num_samples, **positions_dict(self.positions, lanes)}
 
 
 @dataclass(frozen=True)
@@ -66,10 +95,11 @@ class SavedPosition:
 
     batch: int
     global_batch_size: int
-    positions: np.ndarray
+    positions: np.ndarray  # (lanes * K,) lane positions
     origin: Origin
     schedule: list[dict[str, Any]]
     anchor: tuple[int, np.ndarray] | None  # (global batch, positions) the check starts from; None: the origin
+    lanes: int = 1
 
 
 def state_batch(num_samples: int | None, from_beginning: bool, *, global_batch_size: int, origin: Origin,
@@ -103,16 +133,29 @@ def state_batch(num_samples: int | None, from_beginning: bool, *, global_batch_s
 
 def make_state(batch: int, positions: np.ndarray, *, global_batch_size: int, origin: Origin,
                fingerprint: Mapping[str, Any], schedule: list[dict[str, Any]],
-               written_by: Mapping[str, int], anchor: tuple[int, np.ndarray] | None = None) -> dict[str, Any]:
-    """The checkpoint dict (plain Python types): format, position, the fingerprint's keys, the weight schedule
-    and the anchor a resume checks the position from (none: from the origin)."""
+               written_by: Mapping[str, int], anchor: tuple[int, np.ndarray] | None = None,
+               lanes: int = 1) -> dict[str, Any]:
+    """The checkpoint dict (plain Python types): format, position (lane positions ``positions``), the
+    fingerprint's keys, the weight schedule and the anchor a resume checks the position from (none: from
+    the origin)."""
     num_samples = origin.num_samples + (batch - origin.batch) * int(global_batch_size)
     state = {"format": STATE_FORMAT, "batch": int(batch), "num_samples": int(num_samples),
-             "global_batch_size": int(global_batch_size), "positions": [int(p) for p in positions],
-             "origin": origin.as_dict(), **fingerprint, "schedule": schedule, "written_by": dict(written_by)}
+             "global_batch_size": int(global_batch_size), "canonical_nodes": int(lanes),
+             **positions_dict(positions, lanes), "origin": origin.as_dict(lanes), **fingerprint,
+             "schedule": schedule, "written_by": dict(written_by)}
     if anchor is not None:
-        state["anchor"] = {"batch": int(anchor[0]), "positions": [int(p) for p in anchor[1]]}
+        state["anchor"] = {"batch": int(anchor[0]), **positions_dict(anchor[1], lanes)}
     return state
+
+
+def state_lanes(state: Mapping[str, Any]) -> int | None:
+    """The canonical node count of a checkpoint's stream (1 for ``/2``; None: not a state this release reads)."""
+    if not isinstance(state, Mapping) or state.get("format") not in (STATE_FORMAT, _FORMAT_2):
+        return None
+    lanes = state.get("canonical_nodes", 1) if state.get("format") == STATE_FORMAT else 1
+    if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
+        raise MixerStateError(f"the checkpoint's canonical_nodes {lanes!r} is not a positive integer")
+    return lanes
 
 
 def _read_anchor(state: Mapping[str, Any], batch: int, positions: np.ndarray,
@@ -122,9 +165,11 @@ def _read_anchor(state: Mapping[str, Any], batch: int, positions: np.ndarray,
     if a is None:
         return None
     try:
-        at, pos = int(a["batch"]), np.asarray(a["positions"], dtype=np.int64)
+        at = int(a["batch"])
+        a["positions"]
     except (KeyError, TypeError, ValueError):
         raise MixerStateError("the checkpoint's anchor is not {batch, positions}") from None
+    pos = read_positions(a, state_lanes(state) or 1, len(origin.positions) // (state_lanes(state) or 1), "anchor")
     if (pos.shape != positions.shape or not origin.batch <= at <= batch
             or (pos < np.asarray(origin.positions)).any() or (pos > positions).any()):
         raise MixerStateError(
@@ -143,8 +188,9 @@ def check_state(state: Mapping[str, Any], fingerprint: Mapping[str, Any]) -> Sav
             f"topology-independent stream of {STATE_FORMAT} cannot continue it exactly; finish that run with the "
             "grape_stream release that wrote it, or start the data stream afresh"
         )
-    if fmt != STATE_FORMAT:
+    if fmt not in (STATE_FORMAT, _FORMAT_2):
         raise MixerStateError(f"not a WeightedStreamingMixer state (format {fmt!r}, expected {STATE_FORMAT!r})")
+    lanes = state_lanes(state) or 1
     diff = {k: (state.get(k), v) for k, v in fingerprint.items() if state.get(k) != v}
     if diff:
         detail = "; ".join(f"{k}: checkpoint {a!r} vs this mixer {b!r}" for k, (a, b) in diff.items())
@@ -153,14 +199,18 @@ def check_state(state: Mapping[str, Any], fingerprint: Mapping[str, Any]) -> Sav
     if not schedule or [e["version"] for e in schedule] != list(range(len(schedule))):
         raise MixerStateError("the checkpoint's weight schedule is empty or its versions are not 0, 1, 2, ...")
     k = len(fingerprint["domains"])
-    positions = np.asarray(state.get("positions") or [], dtype=np.int64)
+    positions = read_positions(state, lanes, k, "position")
     o = state.get("origin") or {}
-    origin = Origin(int(o.get("batch", 0)), int(o.get("num_samples", 0)), tuple(int(x) for x in o.get("positions", ())))
-    if positions.shape != (k,) or len(origin.positions) != k or (positions < 0).any():
-        raise MixerStateError(f"the checkpoint's positions or origin do not hold {k} domain positions")
+    origin = Origin(int(o.get("batch", 0)), int(o.get("num_samples", 0)),
+                    tuple(read_positions(o, lanes, k, "origin").tolist()))
     batch = int(state["batch"])
     return SavedPosition(batch, int(state["global_batch_size"]), positions, origin, list(schedule),
-                         _read_anchor(state, batch, positions, origin))
+                         _read_anchor(state, batch, positions, origin), lanes)
+
+
+def _short(positions: np.ndarray) -> str:
+    p = positions.tolist()
+    return str(p) if len(p) <= 24 else f"{p[:24]}... ({len(p)} lane positions)"
 
 
 def domain_stats(domains: Sequence[DomainStream], orders: Sequence[DomainOrder], counts: np.ndarray,
@@ -200,7 +250,8 @@ class StreamPosition:
     def __init__(self, composer: BatchComposer, schedule: WeightSchedule, fingerprint: Mapping[str, Any]) -> None:
         self.composer, self.schedule, self.fingerprint = composer, schedule, dict(fingerprint)
         self.topology = composer.topology
-        self.origin = Origin(0, 0, (0,) * len(composer.orders))
+        self.lanes = composer.topology.lanes
+        self.origin = Origin(0, 0, (0,) * (len(composer.orders) * self.lanes))
         self.resume_batch = 0
         self._planner: QuotaPlanner | None = None
         self._known: dict[int, np.ndarray] = {}
@@ -249,14 +300,15 @@ class StreamPosition:
         segments = self.schedule.effective.segments
         for seg in segments(p.batch, batch) if p.exhausted_at is None else ():
             if p.batch == seg.origin:  # a piece starts: the anchor of a later state, perhaps
-                self._note(p.batch, p.counts)
+                self._note(p.batch, p.position)
             p.advance_to(seg.end, segments)
             if p.exhausted_at is not None:
                 break
         return p
 
     def counts_at(self, batch: int) -> np.ndarray:
-        return self.planner_at(batch).counts.copy()
+        """Every lane's position of every domain before global batch ``batch``."""
+        return self.planner_at(batch).position
 
     def anchor(self, batch: int, counts: np.ndarray) -> tuple[int, np.ndarray]:
         """Where a resume checks the position ``counts`` at ``batch`` from: every domain's position at the
@@ -271,16 +323,16 @@ class StreamPosition:
         if start >= batch:
             return batch, counts
         budgets = np.array([np.iinfo(np.int64).max if b is None else b for b in c.budgets], np.int64)
-        if (counts < budgets).all():
+        if (counts.reshape(self.lanes, -1).sum(axis=0) < budgets).all():
             walk = c.planner(start, np.zeros_like(counts))  # no budget is reached on the way: counts only grow
             walk.advance_to(batch, eff.segments)
-            return start, counts - walk.counts
+            return start, counts - walk.position
         lo, lo_counts = self._known_before(start)
         if lo >= eff.tail_start(self.origin.batch, start, 4 * TAIL_PIECES):
             walk = c.planner(lo, lo_counts)
             walk.advance_to(start, eff.segments)
             if walk.exhausted_at is None:
-                return start, walk.counts.copy()
+                return start, walk.position
         later = sorted(b for b in self._known if start < b < batch)
         return (later[0], self._known[later[0]].copy()) if later else (batch, counts)
 
@@ -290,12 +342,13 @@ class StreamPosition:
                             consumed=s.consumed, micro=t.micro, consumed_known=s.consumed_known(),
                             resume_batch=self.resume_batch)
         p = self.planner_at(batch)
-        counts = p.counts.copy()
+        counts = p.position
         anchor = None
         if self.composer.composition == "systematic":
             anchor = (batch, counts) if p.exhausted_at is not None else self.anchor(batch, counts)
         return make_state(batch, counts, global_batch_size=t.global_batch_size, origin=self.origin,
-                          fingerprint=self.fingerprint, schedule=s.entries(), written_by=t.describe(), anchor=anchor)
+                          fingerprint=self.fingerprint, schedule=s.entries(), written_by=t.describe(), anchor=anchor,
+                          lanes=self.lanes)
 
     def load(self, state: Mapping[str, Any]) -> int:
         """Check and adopt a checkpoint's position; return its global batch (the schedule is restored too).
@@ -303,18 +356,23 @@ class StreamPosition:
         Systematic composition: the stored positions must be where the schedule leads from the anchor
         (a walk over the last few weight pieces), or from the origin in a state without an anchor."""
         saved = check_state(state, self.fingerprint)
+        if saved.lanes != self.lanes:
+            raise MixerStateError(
+                f"the checkpoint's stream has canonical_nodes={saved.lanes} but this mixer is set to {self.lanes}: "
+                f"set canonical_nodes={saved.lanes} (or leave it unset) to continue it"
+            )
         schedule = read_entries(saved.schedule, len(self.composer.orders))
         if self.composer.composition == "systematic":  # closed form: cheap to check the stored positions
             start, counts = saved.anchor or (saved.origin.batch, saved.origin.positions)
             check = QuotaPlanner(seed=self.composer.seed, batch_size=saved.global_batch_size,
                                  composition="systematic", budgets=self.composer.budgets,
-                                 start_batch=start, start_counts=counts)
+                                 start_batch=start, start_counts=counts, lanes=saved.lanes)
             check.advance_to(saved.batch, schedule.effective.segments)
-            if not np.array_equal(check.counts, saved.positions):
+            if not np.array_equal(check.position, saved.positions):
                 raise MixerStateError(
-                    f"the checkpoint's domain positions at batch {saved.batch} ({saved.positions.tolist()}) are not "
-                    f"where its weight schedule leads from batch {start} ({check.counts.tolist()}): edited by hand, "
-                    "or written by another grape_stream release"
+                    f"the checkpoint's domain positions at batch {saved.batch} ({_short(saved.positions)}) are not "
+                    f"where its weight schedule leads from batch {start} ({_short(check.position)}): edited by "
+                    "hand, or written by another grape_stream release"
                 )
         self.schedule.restore(schedule, saved.batch)
         if saved.global_batch_size == self.topology.global_batch_size:

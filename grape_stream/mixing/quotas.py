@@ -23,6 +23,13 @@ budget)``: no rank, no worker, no random state carried from batch to batch. Two 
     batch 10^6 costs what resuming at batch 10^3 does). The stratification also keeps every domain within
     a few tens of samples of ``n G alpha_k`` over a piece of any length (within 2 after every
     aligned block of 1024 batches), where independent offsets drift like a random walk (``sqrt(n)``).
+Canonical nodes (``lanes``, :func:`lane_split`)
+    Laid out grouped by domain, the ``G`` samples of a batch are dealt to ``C`` lanes round-robin: lane
+    ``c`` takes grouped samples ``c, c + C, ...``, i.e. ``ceil((Q_k - c) / C) - ceil((Q_{k-1} - c) / C)``
+    of domain ``k`` (``Q`` the cumulative quotas): ``G / C`` samples in all, ``floor`` or ``ceil`` of
+    ``Q/C``-ish of each domain, and the lanes' quotas add up to the batch's exactly (the quotas above do
+    not depend on ``C``). With the systematic edges ``Q_k = F_k + [U < T_k]`` a lane's count over a piece
+    is ``d ceil((F_k - c) / C) + [F_k = c mod C] * #{U < T_k}``: the same closed form, no new threshold.
 ``"multinomial"``
     ``Multinomial(G, alpha)`` per batch (Philox keyed by ``(seed, i)``): i.i.d. domains, as in sampling
     one domain per sample. Higher variance; positions are summed batch by batch (resuming at batch ``n``
@@ -60,6 +67,7 @@ __all__ = [
     "cumulative",
     "default_on_spent",
     "effective_weights",
+    "lane_split",
     "systematic_counts",
 ]
 
@@ -100,6 +108,18 @@ def systematic_counts(alpha: np.ndarray, slots: int, u: np.ndarray) -> np.ndarra
     u = np.asarray(u, dtype=np.float64).reshape(-1, 1)
     edges = np.clip(np.ceil(slots * cum[None, :] - u), 0, slots).astype(np.int64)
     edges[:, -1] = slots
+    return np.diff(edges, axis=1, prepend=0)
+
+
+def _ceil_div(a: np.ndarray, n: int) -> np.ndarray:
+    return -((-a) // n)
+
+
+def lane_split(quota: np.ndarray, lanes: int, which: np.ndarray | range | None = None) -> np.ndarray:
+    """(len(which), K) samples of each domain that lanes ``which`` (default all) take of a batch's ``quota``
+    (module docstring: grouped samples dealt round-robin)."""
+    c = np.arange(lanes, dtype=np.int64) if which is None else np.asarray(which, dtype=np.int64)
+    edges = _ceil_div(np.cumsum(quota)[None, :] - c[:, None], lanes)
     return np.diff(edges, axis=1, prepend=0)
 
 
@@ -214,8 +234,19 @@ class PieceQuotas:
     # -- quotas and counts ---------------------------------------------------------------------------
     def counts(self, d0: int, d1: int) -> np.ndarray:
         """Samples of each domain in the piece's batches ``d0 .. d1 - 1`` (offsets from the origin)."""
-        e = (d1 - d0) * self.floor + self.prefix_hits(d1) - self.prefix_hits(d0)
-        return np.diff(e, prepend=0)
+        return self.counts_and_hits(d0, d1)[0]
+
+    def counts_and_hits(self, d0: int, d1: int) -> tuple[np.ndarray, np.ndarray]:
+        """(:meth:`counts`, how many of those batches raise each edge: what :meth:`lane_counts` needs)."""
+        hits = self.prefix_hits(d1) - self.prefix_hits(d0)
+        return np.diff((d1 - d0) * self.floor + hits, prepend=0), hits
+
+    def lane_counts(self, d0: int, d1: int, lanes: int, hits: np.ndarray) -> np.ndarray:
+        """(lanes, K) samples of each domain each lane takes in the piece's batches ``d0 .. d1 - 1``
+        (``hits`` from :meth:`counts_and_hits`)."""
+        f = self.floor[None, :] - np.arange(lanes, dtype=np.int64)[:, None]
+        edges = (d1 - d0) * _ceil_div(f, lanes) + (f % lanes == 0) * hits[None, :]
+        return np.diff(edges, axis=1, prepend=0)
 
     def quota(self, d: int) -> np.ndarray:
         """Quotas (K,) of the piece's batch ``d`` (offset from the origin)."""
@@ -242,14 +273,21 @@ class Segment:
 
 @dataclass
 class BatchPlan:
-    """What global batch ``batch`` takes: ``quota[k]`` samples of domain k at positions ``start[k] ...``
-    of the domain's global stream."""
+    """What global batch ``batch`` takes: ``quota[k]`` samples of domain k; lane ``c`` takes its share
+    (:func:`lane_split`) at positions ``start[c * K + k] ...`` of its stream of domain k."""
 
     batch: int
     version: int
     alpha: np.ndarray  # the effective weights (budgets applied)
     quota: np.ndarray
-    start: np.ndarray
+    start: np.ndarray  # (lanes * K,) lane positions before the batch
+    lanes: int = 1
+
+    def end(self) -> np.ndarray:
+        """Lane positions after the batch."""
+        if self.lanes == 1:
+            return self.start + self.quota
+        return self.start + lane_split(self.quota, self.lanes).reshape(-1)
 
 
 class StreamExhausted(Exception):

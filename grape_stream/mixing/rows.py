@@ -4,7 +4,8 @@ A global batch's plan (:class:`~grape_stream.mixing.quotas.BatchPlan`) says how 
 domain it takes and from which positions of each domain's global stream. Laid out grouped by domain
 (domains in index order, each in stream order) that is ``G`` samples; slot ``s`` of the batch holds
 grouped sample ``perm[s]``, ``perm`` a keyed permutation of ``[0, G)`` (a hash of ``(seed, global
-batch)``: :func:`~grape_stream.mixing.counter_rng.slot_permutation`), so each slot's domain is
+batch)``: :func:`~grape_stream.mixing.counter_rng.slot_permutation`; with canonical nodes, one per
+lane: :func:`emission`), so each slot's domain is
 distributed as ``alpha`` and a slice of slots is a mixture too. A rank holds slots ``first_slot ...
 first_slot + B - 1`` (:mod:`grape_stream.mixing.topology`) and evaluates the permutation at those slots
 only: its work per batch is O(B), not O(G). Why runs rather than batches: each shard touched costs a
@@ -21,6 +22,7 @@ import numpy as np
 from grape_stream.mixing.batch_read import BatchReader
 from grape_stream.mixing.counter_rng import TAG_PERM, hash64, keyed_permutation
 from grape_stream.mixing.epoch_order import DomainOrder
+from grape_stream.mixing.quotas import lane_split
 from grape_stream.mixing.shard_reader import DomainReader
 from grape_stream.mixing.topology import RankBatch
 
@@ -34,43 +36,54 @@ def emission(orders: Sequence[DomainOrder], seed: int, batch_size: int, global_b
              batches: Sequence[RankBatch]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(domain, sample id, epoch) of every row of ``batches``, batch after batch (``batch_size`` rows each).
 
-    Row ``t`` of a loader batch is slot ``s = first_slot + t`` of its global batch: grouped sample ``g =
-    perm(s)``, i.e. the ``g - c_{k-1}``-th sample of domain ``k`` (``c`` the cumulative quotas, ``c_{k-1}
-    <= g < c_k``), at position ``start_k + g - c_{k-1}`` of that domain's stream.
+    Row ``t`` of a loader batch is slot ``s = first_slot + t`` of its global batch, slot ``l = s mod L`` of
+    lane (canonical node) ``c = s // L`` (``L = G / C`` slots a lane): the lane's grouped sample ``g =
+    perm_c(l)``, i.e. the ``g - c_{k-1}``-th of the lane's samples of domain ``k`` (``c`` the lane's
+    cumulative quotas, ``c_{k-1} <= g < c_k``), at position ``start_{c,k} + g - c_{k-1}`` of the lane's
+    stream of domain ``k``. One lane: the permutation is keyed by ``(seed, batch)`` alone.
     """
     n_rows, g_size = int(batch_size), int(global_batch_size)
     runs = len(batches)
+    lanes = batches[0].plan.lanes
+    lane_len = g_size // lanes
     gb = np.fromiter((b.plan.batch for b in batches), np.int64, runs)
     first = np.fromiter((b.first_slot for b in batches), np.int64, runs)
-    quota = np.stack([b.plan.quota for b in batches])  # (J, K)
-    start = np.stack([b.plan.start for b in batches])
-    k_count = quota.shape[1]
+    k_count = len(orders)
     slots = first[:, None] + np.arange(n_rows, dtype=np.int64)[None, :]
-    if runs == 1:  # one key: leading scalar keys cost far less than an array of one
-        keys: Any = hash64(seed, int(gb[0]), TAG_PERM)
+    lane = slots // lane_len
+    c0, c1 = int(lane.min()), int(lane.max()) + 1  # the lanes these rows touch
+    span = c1 - c0
+    # (J, span, K) the lanes' quotas and read positions
+    quota = np.stack([b.plan.quota if lanes == 1 else lane_split(b.plan.quota, lanes, range(c0, c1))
+                      for b in batches]).reshape(runs, span, k_count)
+    start = np.stack([b.plan.start.reshape(lanes, k_count)[c0:c1] for b in batches])
+    if lanes == 1:
+        keys: Any = hash64(seed, int(gb[0]), TAG_PERM) if runs == 1 else hash64(seed, gb[:, None], TAG_PERM)
     else:
-        keys = hash64(seed, gb[:, None], TAG_PERM)
-    g = keyed_permutation(keys, g_size, slots)
-    cum = np.cumsum(quota, axis=1)
-    row = np.arange(runs, dtype=np.int64)[:, None]
-    # One searchsorted for all rows: row j's edges shifted by j * G stay sorted across rows.
-    dom = np.searchsorted((cum + row * g_size).reshape(-1), (g + row * g_size).reshape(-1), side="right")
-    dom = dom.reshape(runs, n_rows) - row * k_count
-    pos = (start - (cum - quota))[row, dom] + g
-    dom, pos = dom.reshape(-1), pos.reshape(-1)
+        keys = hash64(seed, gb[:, None], TAG_PERM, lanes, lane)
+    g = keyed_permutation(keys, lane_len, slots - lane * lane_len)
+    cum = np.cumsum(quota, axis=2).reshape(runs * span, k_count)
+    row = np.arange(runs, dtype=np.int64)[:, None] * span + (lane - c0)  # (J, B): which (batch, lane) row
+    # One searchsorted for all rows: (batch, lane) row r's edges shifted by r * L stay sorted across rows.
+    dom = np.searchsorted((cum + np.arange(runs * span)[:, None] * lane_len).reshape(-1),
+                          (g + row * lane_len).reshape(-1), side="right").reshape(runs, n_rows) - row * k_count
+    pos = (start.reshape(runs * span, k_count) - (cum - quota.reshape(runs * span, k_count)))[row, dom] + g
+    dom, pos, lane = dom.reshape(-1), pos.reshape(-1), lane.reshape(-1)
     ids = np.empty_like(pos)
     epochs = np.empty_like(pos)
-    by_dom = np.argsort(dom, kind="stable")
-    cuts = np.searchsorted(dom[by_dom], np.arange(k_count + 1))
-    for k in np.flatnonzero(np.diff(cuts)).tolist():
-        rows = by_dom[cuts[k]:cuts[k + 1]]
+    key = dom * lanes + lane  # group by (domain, lane)
+    by_key = np.argsort(key, kind="stable")
+    sorted_key = key[by_key]
+    cuts = np.flatnonzero(np.diff(sorted_key)) + 1
+    for rows in np.split(by_key, cuts):
+        k, c = divmod(int(key[rows[0]]), lanes)
         p = pos[rows]
         lo, hi = int(p.min()), int(p.max())
         if hi - lo < 4 * len(p) + 64:  # the rank reads most of this stretch: one forward window, sliced
-            w_ids, w_epochs = orders[k].window_ids(lo, hi - lo + 1)
+            w_ids, w_epochs = orders[k].window_ids(lo, hi - lo + 1, c)
             ids[rows], epochs[rows] = w_ids[p - lo], w_epochs[p - lo]
         else:  # a few scattered positions (one slot in many): just those
-            ids[rows], epochs[rows] = orders[k].ids_at(p)
+            ids[rows], epochs[rows] = orders[k].ids_at(p, c)
     return dom, ids, epochs
 
 

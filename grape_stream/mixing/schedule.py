@@ -127,20 +127,22 @@ class WeightSchedule:
     process changes any of it; workers read the table.
     """
 
-    def __init__(self, num_domains: int, alpha0: np.ndarray, capacity: int, lag: int | None, micro: int = 1) -> None:
+    def __init__(self, num_domains: int, alpha0: np.ndarray, capacity: int, lag: int | None, micro: int = 1,
+                 lanes: int = 1) -> None:
         self.K = int(num_domains)
+        self.lanes = int(lanes)  # the cursor holds every canonical node's position of every domain
         self.micro = int(micro)  # loader batches per global batch
         self.fixed_lag = None if lag is None else int(lag) * self.micro  # in loader batches
         self.history: list[tuple[int, int, np.ndarray]] = []  # (version, from_batch, alpha); version == index
         self.effective = EffectiveSchedule()
-        self.table = SharedWeightTable(self.K, capacity)
+        self.table = SharedWeightTable(self.K, capacity, self.K * self.lanes)
         self.consumed = 0
         self.loader_depth: int | None = None
         self.tracked = False
         self.iterating = False
         self._warned: set[str] = set()
         self.append(0, alpha0)
-        self.table.set_cursor(0, np.zeros(self.K, np.int64))
+        self.table.set_cursor(0, np.zeros(self.K * self.lanes, np.int64))
 
     # -- reading -------------------------------------------------------------------------------------
     @property

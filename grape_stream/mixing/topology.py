@@ -6,6 +6,13 @@ each global batch is cut into ``R * m`` slices of ``B`` consecutive slots, ``m =
 micro-batches a rank takes per global batch (gradient accumulation). Rank ``r``'s loader batch ``j``
 is slice ``r * m + j % m`` of global batch ``j // m``: so the ranks' slices of a global batch, in rank
 order, are the batch, and one rank with ``B = G`` reads exactly the concatenation of what 8 ranks read.
+
+The slots are also cut into ``C`` *canonical nodes* (``lanes``) of ``G / C`` consecutive slots: lane ``c``
+reads only its own share of every domain's shards (:mod:`grape_stream.mixing.epoch_order`), so a physical
+node, whose ranks hold consecutive slices, reads only the shares of the lanes it holds. That is why the
+physical node count must divide ``C`` (a node holds ``C / nodes`` whole lanes) or be a multiple of it
+(``nodes / C`` nodes share one lane): anything else would put a lane's slots on nodes that hold parts of
+other lanes too.
 """
 
 from __future__ import annotations
@@ -29,10 +36,13 @@ class Topology:
     world_size: int
     batch_size: int
     global_batch_size: int
+    lanes: int = 1  # canonical nodes
 
     @classmethod
-    def of(cls, rank: int, world_size: int, batch_size: int, global_batch_size: int | None = None) -> "Topology":
-        """Checked: the global batch must be a whole number of micro-batches of every rank."""
+    def of(cls, rank: int, world_size: int, batch_size: int, global_batch_size: int | None = None, *,
+           lanes: int = 1, nodes: int = 1) -> "Topology":
+        """Checked: the global batch must be a whole number of micro-batches of every rank, and of
+        ``lanes`` canonical nodes whose count the ``nodes`` physical nodes divide or are a multiple of."""
         per_step = int(batch_size) * int(world_size)
         g = per_step if global_batch_size is None else global_batch_size
         if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g < 1:
@@ -42,7 +52,15 @@ class Topology:
                 f"global_batch_size={g} is not a multiple of batch_size={batch_size} x world_size={world_size} "
                 f"= {per_step}: every rank must take the same whole number of micro-batches per global batch"
             )
-        return cls(int(rank), int(world_size), int(batch_size), int(g))
+        if isinstance(lanes, bool) or not isinstance(lanes, (int, np.integer)) or lanes < 1 or int(g) % lanes:
+            raise ConfigError(f"canonical_nodes={lanes!r} must be a positive integer that divides "
+                              f"global_batch_size={g}")
+        if lanes % nodes and nodes % lanes:
+            raise ConfigError(
+                f"{nodes} physical nodes cannot read the stream of canonical_nodes={lanes}: the node count must "
+                f"divide it or be a multiple of it (run on {_compatible(lanes)} nodes)"
+            )
+        return cls(int(rank), int(world_size), int(batch_size), int(g), int(lanes))
 
     @property
     def micro(self) -> int:
@@ -61,9 +79,26 @@ class Topology:
         """Whether loader batch ``loader_batch`` is this rank's last slice of its global batch."""
         return (int(loader_batch) + 1) % self.micro == 0
 
+    @property
+    def lane_size(self) -> int:
+        """Slots of one canonical node in a global batch."""
+        return self.global_batch_size // self.lanes
+
+    def my_lanes(self) -> range:
+        """The canonical nodes whose slots this rank holds (all its micro-batches)."""
+        per_rank = self.global_batch_size // self.world_size
+        first = self.rank * per_rank
+        return range(first // self.lane_size, (first + per_rank - 1) // self.lane_size + 1)
+
     def describe(self) -> dict[str, int]:
         """What a checkpoint records about the topology that wrote it (information, never checked)."""
         return {"world_size": self.world_size, "batch_size": self.batch_size, "micro_batches": self.micro}
+
+
+def _compatible(lanes: int) -> str:
+    divisors = [d for d in range(1, lanes + 1) if lanes % d == 0]
+    shown = ", ".join(str(d) for d in divisors[:8]) + (", ..." if len(divisors) > 8 else "")
+    return f"{shown} or a multiple of {lanes}"
 
 
 @dataclass
@@ -81,6 +116,6 @@ class RankBatch:
 
     @property
     def next_counts(self) -> np.ndarray:
-        """Domain positions before the global batch of loader batch ``batch + 1`` (where a new iteration starts)."""
+        """Lane positions before the global batch of loader batch ``batch + 1`` (where a new iteration starts)."""
         p = self.plan
-        return p.start + p.quota if self.last_of_global else p.start.copy()
+        return p.end() if self.last_of_global else p.start.copy()

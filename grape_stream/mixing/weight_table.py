@@ -9,7 +9,7 @@ name), so nothing is left in /dev/shm even after a SIGKILL. Layout (all little-e
                          4: base (the entry in force at the cursor: a reader needs none before it)
     claimed int64[S]     highest batch each process has started composing (slot 0 = the main
                          process, 1 + w = DataLoader worker w), -1 = none
-    anchor  int64[K]     per-domain read positions of this rank before the anchor batch
+    anchor  int64[P]     read positions (every canonical node's of every domain) before the anchor batch
     seq     int64[C]     ring of schedule entries: sequence number held by each slot (-1 = empty)
     from    int64[C]     first batch of the entry
     version int64[C]
@@ -48,12 +48,13 @@ class ScheduleSink(Protocol):
 class SharedWeightTable:
     """The schedule ring and the cursor in one shared buffer (layout in the module docstring)."""
 
-    def __init__(self, num_domains: int, capacity: int = 1024) -> None:
+    def __init__(self, num_domains: int, capacity: int = 1024, positions: int | None = None) -> None:
         if capacity < 2:
             raise ValueError(f"schedule capacity must be >= 2, got {capacity}")
         self.K = int(num_domains)
         self.C = int(capacity)
-        n_int = _HEADER + MAX_SLOTS + self.K + 3 * self.C
+        self.P = self.K if positions is None else int(positions)
+        n_int = _HEADER + MAX_SLOTS + self.P + 3 * self.C
         n_float = self.C * self.K
         self._buf = torch.zeros(8 * (n_int + n_float), dtype=torch.uint8)
         self._buf.share_memory_()
@@ -65,21 +66,21 @@ class SharedWeightTable:
 
     # -- pickling: keep the shared tensor, rebuild numpy views lazily ------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        return {"K": self.K, "C": self.C, "_buf": self._buf}
+        return {"K": self.K, "C": self.C, "P": self.P, "_buf": self._buf}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.K, self.C, self._buf = state["K"], state["C"], state["_buf"]
+        self.K, self.C, self.P, self._buf = state["K"], state["C"], state["P"], state["_buf"]
         self._views = None
 
     @property
     def _v(self) -> dict[str, np.ndarray]:
         if self._views is None:
             raw = self._buf.numpy()
-            ints = raw[: 8 * (_HEADER + MAX_SLOTS + self.K + 3 * self.C)].view(np.int64)
+            ints = raw[: 8 * (_HEADER + MAX_SLOTS + self.P + 3 * self.C)].view(np.int64)
             floats = raw[8 * ints.size:].view(np.float64)
             o = 0
             views: dict[str, np.ndarray] = {}
-            for name, size in (("header", _HEADER), ("claimed", MAX_SLOTS), ("anchor", self.K),
+            for name, size in (("header", _HEADER), ("claimed", MAX_SLOTS), ("anchor", self.P),
                                ("seq", self.C), ("from", self.C), ("version", self.C)):
                 views[name] = ints[o:o + size]
                 o += size

@@ -282,14 +282,17 @@ def check_s3_credentials(domains: Iterable[tuple[str, str | None]], *, dummy_cre
 # Same `local` on every rank of a node
 # --------------------------------------------------------------------------------------------------
 def check_same_locals_across_ranks(locals_: Sequence[str]) -> None:
-    """With torch.distributed initialised, verify that ranks on one host use identical local dirs.
+    """With torch.distributed initialised, verify that the ranks of one node use identical local dirs.
 
     Streaming keys its shared memory on the local directories, so a rank with a different ``local``
     fails deep inside streaming ("Internal error: shared memory registered does not match") or hangs.
+    A node is a host and ``RANK // LOCAL_WORLD_SIZE`` (two nodes' worth of ranks on one host may keep
+    separate caches).
     """
     if not dist_active() or process_world().size == 1:
         return
-    mine = (socket.gethostname(), [os.path.abspath(p) for p in locals_])
+    node = process_world().rank // max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    mine = (f"{socket.gethostname()} (node {node})", [os.path.abspath(p) for p in locals_])
     gathered: list[Any] = [None] * process_world().size
     dist.all_gather_object(gathered, mine)
     by_host: dict[str, list[tuple[int, list[str]]]] = {}

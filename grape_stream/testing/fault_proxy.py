@@ -16,7 +16,7 @@ on 127.0.0.1 and, per request, either forwards it unchanged or injects one fault
                     prefix (503 SlowDown for a fraction of its requests, for as long as it is set),
 * ``accept_keys(k)`` the server's credential check: a request signed with an access key not in ``k``
                     gets 403 InvalidAccessKeyId (change ``k`` mid-run to rotate credentials);
-                    ``stats.keys`` counts the requests per access key.
+                    ``stats.keys`` / ``stats.bytes_by_key``: requests / response bytes per access key.
 
 Faults are drawn from a seeded RNG, so a scenario is repeatable. Used by the tests (fixtures drive it
 in-process) and by bench/faults.py; point it at your own MinIO / R2 endpoint to try your job against a
@@ -67,6 +67,7 @@ class FaultStats:
     refused_windows: int = 0
     refused_keys: int = 0
     keys: Counter = field(default_factory=Counter)  # access key -> requests signed with it
+    bytes_by_key: Counter = field(default_factory=Counter)  # access key -> response body bytes
 
 
 @dataclass
@@ -258,7 +259,9 @@ class FaultProxy:
                 if self.in_outage():
                     _reset(conn)
                     return
-                action = self._decide(method, target, headers)
+                m = _KEY_RE.search(next((v for k, v in headers if k.lower() == "authorization"), "") + " " + target)
+                key = (m.group(1) or m.group(2)) if m else None  # signed with (header or presigned URL)
+                action = self._decide(method, target, key)
                 if action == "reset":
                     self.stats.resets += 1
                     _reset(conn)
@@ -289,7 +292,7 @@ class FaultProxy:
                 except (OSError, http.client.HTTPException):
                     _reset(conn)
                     return
-                self._count_forwarded()
+                self._count_forwarded(key, len(data))
                 out_headers = [(k, v) for k, v in resp.getheaders() if k.lower() not in _HOP_HEADERS]
                 out_headers = [(k, v) for k, v in out_headers if k.lower() != "content-length"]
                 if method == "HEAD":
@@ -313,11 +316,8 @@ class FaultProxy:
                 pass
 
 
-    def _decide(self, method: str, target: str, headers: list[tuple[str, str]]) -> str | None:
+    def _decide(self, method: str, target: str, key: str | None) -> str | None:
         """The fault for one request ("500", "503", "403", "reset"), or None to forward it."""
-        auth = next((v for k, v in headers if k.lower() == "authorization"), "") + " " + target
-        m = _KEY_RE.search(auth)
-        key = (m.group(1) or m.group(2)) if m else None
         with self._lock:
             self.stats.keys[key or "(unsigned)"] += 1
             if self.forbidden or (self.accepted_keys is not None and key not in self.accepted_keys):
@@ -336,10 +336,11 @@ class FaultProxy:
                 return str(self.error_status)
         return None
 
-    def _count_forwarded(self) -> None:
+    def _count_forwarded(self, key: str | None, nbytes: int) -> None:
         start = None
         with self._lock:
             self.stats.forwarded += 1
+            self.stats.bytes_by_key[key or "(unsigned)"] += nbytes
             if self._outage_after is not None and self.stats.forwarded >= self._outage_after[0]:
                 start, self._outage_after = self._outage_after[1], None
         if start is not None:
