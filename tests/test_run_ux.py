@@ -229,7 +229,7 @@ def test_train_command_prints_grape_lines_not_library_chatter(tmp_path):
     log = plain.stdout + plain.stderr
     assert len(log.splitlines()) < 80, log
     for noise in ("grape/alignment/", "grape/domain_loss/", "Eval batch=1/", "Cannot split", "warnings.warn",
-                  " INFO ", "Config:", "time/batch"):
+                  " INFO composer", " INFO streaming", " INFO botocore", "Config:", "time/batch"):
         assert noise not in log, noise
     grape = [line for line in plain.stderr.splitlines() if line.startswith("GRAPE update")]
     assert grape[0] == "GRAPE update 1 (step 3): probing 14 groups (7 domains + 7 tasks), 56 samples ..."
@@ -242,3 +242,28 @@ def test_train_command_prints_grape_lines_not_library_chatter(tmp_path):
     assert quiet.stderr == "" and "GRAPE run summary" in quiet.stdout
     chatty = train("run_name=chatty", "python_log_level=info", "trainer.max_duration=3ba")
     assert " INFO composer." in chatty.stderr and " INFO streaming." not in chatty.stderr
+
+
+def test_metrics_jsonl_starts_from_scratch_unless_a_checkpoint_is_loaded(tmp_path):
+    """A run killed before its first checkpoint and started again with the same command logged its first steps a
+    second time (issue 33): a run that loads no checkpoint starts the file anew; a resumed one keeps the rows its
+    checkpoint counted (the steps it trains again are logged again, once); a checkpoint of an earlier version
+    (no row count) appends, as then."""
+    from grape_stream.integrations.composer.callbacks import JSONLMetricsLogger
+
+    path = tmp_path / "metrics.jsonl"
+
+    def run(old_rows: int, state: dict | None) -> list[int]:
+        path.write_text("".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in range(1, old_rows + 1)))
+        logger = JSONLMetricsLogger(str(path))
+        if state is not None:
+            logger.load_state_dict(state)
+        assert logger.state_dict() == {"rows": 0 if state is None else state.get("rows", old_rows)}
+        for step in (1, 2):
+            logger.log_metrics({"loss": 1.0}, step=step)
+        logger.close(None, None)  # type: ignore[arg-type]
+        return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+    assert run(10, None) == [1, 2]  # killed at step ~10 before any checkpoint, started again: 1, 2 once
+    assert run(10, {"rows": 3}) == [1, 2, 3, 1, 2]  # resumed from the checkpoint at row 3
+    assert run(4, {}) == [1, 2, 3, 4, 1, 2]  # an earlier version's checkpoint: appended
