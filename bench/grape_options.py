@@ -93,7 +93,8 @@ def _baseline_from(doc: Mapping[str, Any], method: str, seed: int, settings: Any
     """A uniform / grape run of a mixture_quality JSON, in run_method's result shape (same settings only)."""
     import dataclasses
 
-    if doc.get("settings") != dataclasses.asdict(settings) or doc.get("extra_overrides"):
+    want = json.loads(json.dumps(dataclasses.asdict(settings)))  # as the JSON holds it (tuples are lists)
+    if doc.get("settings") != want or doc.get("extra_overrides"):
         return None
     r = (doc.get("runs") or {}).get(method, {}).get(str(seed))
     if r is None:

@@ -23,7 +23,7 @@ Families, all at the same d_model / layers / heads / vocab / seq (so a probe is 
 Each family also reports which parameters took the probe's exact (slow) fallback: GramInfo.fallback_params
 of a probe of the trained model, and any fallback warning raised during its GRAPE runs (should be none).
 
-    PYTHONPATH=$PWD:/work/pkgs-probe-families python bench/overhead.py [--family gpt,hf-llama,mpt] \
+    PYTHONPATH=$PWD:$FOUNDRY_PKGS python bench/overhead.py [--family gpt,hf-llama,mpt] \
         [--steps 500] [--repeats 3] [--quick]
 
 Prints a table and writes bench/results/overhead.json (top-level keys: the gpt row, as before; per family

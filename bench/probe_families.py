@@ -16,15 +16,16 @@ barely move it; wall times are in the JSON too); on CUDA, wall time.
 The overhead ratio is update seconds / step seconds (the update's cost in training steps; at one update
 every 100 steps, ratio / 100 is the fractional overhead). MPT is llm-foundry's MPTForCausalLM when
 ``llmfoundry`` is importable, else the faithful copy in grape_stream.testing.families (the table says
-which). llm-foundry 0.22 pins torch 2.7, so for the real class install it beside the venv, e.g.:
+which). llm-foundry 0.22 pins torch 2.7, so for the real class install it beside the venv (``FOUNDRY_PKGS``: a
+folder of your choice), e.g.:
 
-    pip install --no-deps --target /work/pkgs-probe-families llm-foundry==0.22.0 omegaconf==2.3.0 \\
+    pip install --no-deps --target $FOUNDRY_PKGS llm-foundry==0.22.0 omegaconf==2.3.0 \\
         antlr4-python3-runtime==4.9.3 einops==0.8.1 catalogue==2.0.10 GitPython==3.1.44 gitdb==4.0.12 \\
         smmap==5.0.2 setuptools==80.9.0 mlflow==2.22.1 mlflow-skinny==2.22.1 opentelemetry-api==1.33.1 \\
         opentelemetry-sdk==1.33.1 opentelemetry-semantic-conventions==0.54b1 deprecated==1.2.18 wrapt==1.17.2 \\
         databricks-sdk==0.55.0 sqlparse==0.5.3 cachetools==5.5.2 datasets==3.6.0 dill==0.3.8 \\
         multiprocess==0.70.16 xxhash==3.5.0 tenacity==9.2.1 beautifulsoup4==4.13.4 soupsieve==2.7
-    PYTHONPATH=$PWD:/work/pkgs-probe-families python bench/probe_families.py [--quick]
+    PYTHONPATH=$PWD:$FOUNDRY_PKGS python bench/probe_families.py [--quick]
 
 Prints a table and writes bench/results/probe_families.json (--quick: tiny sizes, results left alone).
 """

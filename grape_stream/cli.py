@@ -23,13 +23,14 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "convert": ("grape_stream.convert.cli", "main", "convert a corpus into per-domain MDS shards (local or s3://)"),
     "train-tokenizer": ("grape_stream.convert.train_tokenizer", "main",
                         "train a small byte-level BPE tokenizer (tokenizer.json) on source corpora"),
-    "train": ("grape_stream.integrations.composer.trainer", "main", "train from a YAML recipe (Composer)"),
-    "demo": ("grape_stream.apps.demo", "main", "multilingual demo: uniform vs DoGE vs GRAPE on bundled real text"),
+    "train": ("grape_stream.integrations.composer.train_cli", "main", "train from a YAML recipe (Composer)"),
+    "demo": ("grape_stream.apps.demo", "main",
+             "multilingual demo: uniform vs GRAPE mixing (any method: --methods) on bundled real text"),
     "plot": ("grape_stream.apps.plots", "main", "plot a weight trajectory (JSONL) to PNG"),
     "inspect": ("grape_stream.apps.inspect", "main", "summarise an MDS output directory or a trajectory"),
     "mixture": ("grape_stream.apps.mixture", "main", "baseline mixtures: CRISP (embeddings), RegMix (proxies)"),
     "export-schedule": ("grape_stream.apps.export_schedule", "main",
-                        "a run's alpha(t) as a schedule for other loaders (JSON, torchtitan, Megatron-Energon)"),
+                        "a run's alpha(t) as a JSON schedule or a Megatron-LM --data-path blend"),
 }
 
 

@@ -12,10 +12,11 @@ sets llm-foundry's and Composer's there, unless ``--log-level`` was given.
 
 from __future__ import annotations
 
+import argparse
 import logging
 from typing import Sequence
 
-__all__ = ["LEVELS", "configure_logging", "is_quiet", "level_given", "parse_console_args"]
+__all__ = ["LEVELS", "add_console_arguments", "configure_logging", "is_quiet", "level_given", "parse_console_args"]
 
 LEVELS = ("debug", "info", "warning", "error")
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -50,6 +51,20 @@ def parse_console_args(argv: Sequence[str]) -> tuple[list[str], str | None, bool
             rest.append(a)
         i += 1
     return rest, level, quiet
+
+
+def add_console_arguments(parser: argparse.ArgumentParser) -> None:
+    """List ``--log-level`` / ``--quiet`` / ``--debug`` in a sub-command's ``--help``: ``grape-stream`` takes them
+    anywhere on the line and applies them before the sub-command parses the rest (:func:`parse_console_args`),
+    so a user reading one sub-command's help sees them there."""
+    group = parser.add_argument_group("output (any command)")
+    group.add_argument("--log-level", choices=LEVELS, default=None,
+                       help="grape_stream's messages at this level (default info); other libraries' (Composer, "
+                            "streaming, botocore) at warning and above")
+    group.add_argument("--quiet", action="store_true",
+                       help="warnings and errors only: no progress lines, no training log on the console")
+    group.add_argument("--debug", action="store_true",
+                       help="an error shows its full traceback instead of one line (or GRAPE_STREAM_DEBUG=1)")
 
 
 def configure_logging(level: str | None = None, *, quiet: bool = False, given: bool | None = None,

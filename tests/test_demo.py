@@ -90,7 +90,7 @@ def test_demo_writes_table_json_and_plots(demo_run: tuple[Path, int, str]) -> No
     assert "nats per token" in stdout
     assert "value benchmark" not in stdout  # the reference figures only beside a run at the benchmark's settings
     # the BPE was trained on the sources and the corpus converted with it
-    assert (out / "tokenizer.json").is_file() and len(list(out.glob("mds-*/manifest.json"))) == 1
+    assert (out / "tokenizer.json").is_file() and (out / "mds" / "manifest.json").is_file()
 
     summary = json.loads((out / "summary.json").read_text())
     assert list(summary["methods"]) == METHODS
@@ -112,6 +112,12 @@ def test_demo_writes_table_json_and_plots(demo_run: tuple[Path, int, str]) -> No
         data = (out / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, png
     assert "summary.json" in stdout and "test_loss.png" in stdout
+    # the command that reproduces each run: printed, saved, and the recipe plus what this run changed
+    for m in METHODS:
+        cmd = summary["methods"][m]["command"]
+        assert f"  {cmd}" in stdout.splitlines()
+        assert cmd.startswith(f"grape-stream train demo-cpu run_name=demo-{m} data.local={out / 'mds'} ")
+        assert "trainer.max_duration=12ba" in cmd and "output_dir" not in cmd
 
 
 def test_grape_alpha_moves_and_uniform_stays(demo_run: tuple[Path, int, str]) -> None:
@@ -157,6 +163,33 @@ def test_default_is_the_value_benchmarks_setting() -> None:
     spec.loader.exec_module(value)
     assert value.SOURCES is demo_pool.SOURCES and value.MODEL is demo_pool.MODEL and value.DATA is demo_pool.DATA
     assert value.settings(400) == settings
+
+
+def _training_keys(overrides: list[str]) -> dict[str, object]:
+    from grape_stream.apps.demo_run import RECIPE, RUN_ONLY_KEYS, _flat
+    from grape_stream.recipe import load_recipe
+
+    return {k: v for k, v in _flat(load_recipe(RECIPE, overrides)).items() if k not in RUN_ONLY_KEYS}
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_the_printed_command_trains_what_the_demo_run_trained(quick: bool) -> None:
+    """The demo-cpu recipe is the default demo's GRAPE run (its command names only the run), and the command printed
+    for any run loads to the same training settings as the demo's own overrides (nothing trained here)."""
+    import shlex
+
+    from grape_stream.apps.demo_run import recipe_overrides, reproduce_command
+
+    settings = demo_pool.quick_settings() if quick else demo_pool.pool_settings()
+    mds = "/elsewhere/mds" if quick else "runs/demo/mds"
+    for method in ("grape", "uniform", "doge"):
+        overrides = recipe_overrides(method, settings, mds=mds, out_dir=f"runs/demo/{method}", seed=0)
+        cmd = reproduce_command(overrides)
+        if not quick:
+            other = "" if method == "grape" else f" algorithm.method={method}"
+            assert cmd == f"grape-stream train demo-cpu run_name=demo-{method}{other}"
+        printed = shlex.split(cmd)[3:]
+        assert _training_keys(printed) == _training_keys(overrides)
 
 
 def test_reference_lines_read_the_benchmark_json(tmp_path: Path) -> None:

@@ -287,7 +287,27 @@ def test_a_plain_trainer_refuses_in_step_alignments_in_one_line(data, tmp_path, 
         mixer.close()
 
 
-def test_grape_trainer_takes_the_mixer_as_train_dataset_and_its_batch_size(data, tmp_path):
+def test_a_plain_trainer_batching_the_mixer_is_refused_in_one_line(data, tmp_path):
+    """`Trainer(train_dataset=mixer, callbacks=[GrapeTrainerCallback(...)])`: the Trainer's own sampler and collator
+    would batch the mixer's samples (accelerate failed with a 22-line traceback); refused at train(), one line."""
+    from transformers import Trainer, TrainingArguments
+
+    from grape_stream.integrations.hf import GrapeTrainerCallback
+
+    mixer = _mixer(data)
+    try:
+        grape = GrapeTrainerCallback(tasks=_tasks(data), alpha_every=2, z_every=2, trajectory=False)
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, report_to=[],
+                                 use_cpu=True)
+        trainer = Trainer(model=_llama(), args=args, train_dataset=mixer, callbacks=[grape])
+        with pytest.raises(ConfigError, match="in a plain transformers.Trainer.*GrapeTrainer") as err:
+            trainer.train()
+        assert "\n" not in str(err.value)
+    finally:
+        mixer.close()
+
+
+def test_grape_trainer_takes_the_mixer_as_train_dataset_and_its_batch_size(data, tmp_path, caplog):
     """`GrapeTrainer(train_dataset=mixer)`, as any Trainer; the batch size is said once, by the mixer."""
     from transformers import TrainingArguments
 
@@ -296,8 +316,13 @@ def test_grape_trainer_takes_the_mixer_as_train_dataset_and_its_batch_size(data,
     model, mixer = _llama(), _mixer(data, batch_size=4)
     try:
         args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, report_to=[], use_cpu=True)
-        trainer = GrapeTrainer(model=model, args=args, train_dataset=mixer)
+        with caplog.at_level("WARNING", logger="grape_stream"):
+            trainer = GrapeTrainer(model=model, args=args, train_dataset=mixer)
         assert trainer.mixer is mixer and trainer.args.per_device_train_batch_size == 4
+        # not silent: an 8 (the default, or the caller's) replaced by the mixer's 4 is one warning line
+        assert [r.getMessage() for r in caplog.records if "per_device_train_batch_size=8" in r.getMessage()] == [
+            "GrapeTrainer: per_device_train_batch_size=8 (TrainingArguments' default) set to the mixer's "
+            "batch_size=4; pass per_device_train_batch_size=4 to say so"]
         assert trainer._train_batch_size == 4
         assert next(iter(trainer.get_train_dataloader()))["input_ids"].shape == (4, SEQ)
     finally:

@@ -328,3 +328,21 @@ def test_streaming_streams_are_accepted_as_domains(dirs):
         WeightedStreamingMixer([Stream(local=dirs[0], repeat=2)], batch_size=B)
     with pytest.raises(ValueError, match="pass download_retry= to WeightedStreamingMixer"):
         WeightedStreamingMixer([Stream(local=dirs[0], download_retry=5)], batch_size=B)
+
+
+def test_a_stream_of_a_split_folder_is_named_by_its_domain(caplog):
+    """`Stream(local=out/en/train)` (grape-stream convert's <domain>/<split> layout) is domain `en`, not `train`
+    (two such streams were `train_1`, `train_2`); names that still repeat get a suffix and a warning line."""
+    from streaming import Stream
+
+    from grape_stream.mixing.domains import _from_streams
+
+    named, _ = _from_streams([Stream(local="/data/out/en/train"), Stream(local="/data/out/fr/train"),
+                              Stream(remote="s3://b/out/de/validation", local="/cache/x"),
+                              Stream(local="/data/out/nl/probe", split="probe")])
+    assert [d.name for d in named] == ["en", "fr", "de", "nl"]
+    assert named[0].local == "/data/out/en/train" and named[0].split is None  # the same data, only the name
+    with caplog.at_level("WARNING", logger="grape_stream"):
+        named, _ = _from_streams([Stream(local="/a/web"), Stream(local="/b/web")])
+    assert [d.name for d in named] == ["web_1", "web_2"]
+    assert sum("streams end in 'web'" in r.getMessage() for r in caplog.records) == 2

@@ -14,7 +14,9 @@ import yaml
 from _grape_data import SEQ, VOCAB, write_dataset
 from grape_stream.cli import main as cli_main
 from grape_stream.config import MixerConfig
-from grape_stream.integrations.composer.trainer import build, main
+from grape_stream.errors import DataError
+from grape_stream.integrations.composer.train_cli import main
+from grape_stream.integrations.composer.trainer import build
 from grape_stream.recipe import apply_overrides, build_model, bundled_recipes, load_recipe
 
 METHODS = ["grape", "grape_gap", "grape_ema", "doge", "doge_pcgrad", "uniform"]
@@ -27,8 +29,12 @@ def test_bundled_recipes_are_the_expected_set():
 
 @pytest.mark.parametrize("name", sorted(bundled_recipes()))
 def test_every_recipe_builds_with_every_method(name):
+    local = name == "demo-cpu"  # its data is local (runs/demo/mds, written by `make demo`): a dry run checks it
+    if local and not os.path.isdir("runs/demo/mds"):
+        with pytest.raises(DataError, match="runs/demo/mds"):
+            build(load_recipe(name), dry_run=True)
     for method in METHODS:
-        cfg = load_recipe(name, [f"algorithm.method={method}"])
+        cfg = load_recipe(name, [f"algorithm.method={method}", *(["data.remote=s3://unread/demo"] if local else [])])
         built = build(cfg, dry_run=True)  # model on the meta device, no data opened
         assert built.algorithm.method == method
         assert all(p.device.type == "meta" for p in built.model.parameters())

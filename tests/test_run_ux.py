@@ -199,19 +199,24 @@ def test_trajectory_record_count_matches_the_summary(ux_run):
 
 
 def test_train_command_prints_grape_lines_not_library_chatter(tmp_path):
-    """`grape-stream train`: no INFO lines of streaming / Composer / botocore (the root logger stays at WARNING),
-    each GRAPE update reported once (its progress line, not also a log line); `--quiet`: nothing on stderr;
-    the recipe's `python_log_level` (llm-foundry's key) brings grape_stream's and Composer's INFO lines back."""
+    """`grape-stream train` at the default level, 6 batches of 7 domains x 7 targets with an update and an evaluation
+    every 3 (issue 33: 328 lines): the console log stays under 80 lines: no alignment matrix, no per-group probe
+    details, no evaluation progress lines, no "Cannot split tensor" warnings (each target's last evaluation batch is
+    short here), no INFO lines of streaming / Composer / botocore; each GRAPE update reported once (its progress line);
+    the matrix is still in metrics.jsonl. `--quiet`: nothing on stderr; the recipe's `python_log_level` (llm-foundry's
+    key) brings grape_stream's and Composer's INFO lines back."""
     import subprocess
     import sys
 
     import yaml
 
     data, out = str(tmp_path / "data"), str(tmp_path / "out")
-    write_dataset(data, domains=3, tasks=(0, 2), n_domain=96, n_val=16, n_test=16)
+    write_dataset(data, domains=7, tasks=tuple(range(7)), n_domain=48, n_val=8, n_test=20)
+    names = {"domains": [f"d{k}" for k in range(7)], "tasks": [f"t{n}" for n in range(7)]}
     recipe = tmp_path / "tiny.yaml"
-    recipe.write_text(yaml.safe_dump(tiny_recipe(data, out, trainer={"max_duration": "4ba", "eval_interval": "4ba",
-                                                                     "log_to_console": False})))
+    recipe.write_text(yaml.safe_dump(tiny_recipe(data, out, data=names, algorithm={"alpha_every": 3, "z_every": 3},
+                                                 trainer={"max_duration": "6ba", "eval_interval": "3ba",
+                                                          "log_to_console": True})))
     env = dict(os.environ, OMP_NUM_THREADS="1")
 
     def train(*extra: str) -> subprocess.CompletedProcess:
@@ -221,12 +226,44 @@ def test_train_command_prints_grape_lines_not_library_chatter(tmp_path):
         return proc
 
     plain = train("run_name=plain")
-    assert plain.stderr.splitlines() == [
-        "GRAPE update 1 (step 4): probing 5 groups (3 domains + 2 tasks), 20 samples ...",
-        plain.stderr.splitlines()[1]]
-    assert re.match(r"GRAPE update 1 \(step 4\) done in [0-9.]+s \(", plain.stderr.splitlines()[1]), plain.stderr
+    log = plain.stdout + plain.stderr
+    assert len(log.splitlines()) < 80, log
+    for noise in ("grape/alignment/", "grape/domain_loss/", "Eval batch=1/", "Cannot split", "warnings.warn",
+                  " INFO composer", " INFO streaming", " INFO botocore", "Config:", "time/batch"):
+        assert noise not in log, noise
+    grape = [line for line in plain.stderr.splitlines() if line.startswith("GRAPE update")]
+    assert grape[0] == "GRAPE update 1 (step 3): probing 14 groups (7 domains + 7 tasks), 56 samples ..."
+    assert len(grape) == 4 and re.match(r"GRAPE update 2 \(step 6\) done in [0-9.]+s \(", grape[3]), grape
+    assert "Eval on t6 data: LanguageCrossEntropy " in plain.stderr  # one line per evaluated target
     assert "GRAPE run summary" in plain.stdout
-    quiet = train("run_name=quiet", "--quiet")
+    with open(os.path.join(out, "plain", "metrics.jsonl"), encoding="utf-8") as f:
+        assert any("grape/alignment/d6/t6" in json.loads(line) for line in f)  # kept for the trackers and files
+    quiet = train("run_name=quiet", "--quiet", "trainer.max_duration=3ba")
     assert quiet.stderr == "" and "GRAPE run summary" in quiet.stdout
-    chatty = train("run_name=chatty", "python_log_level=info")
+    chatty = train("run_name=chatty", "python_log_level=info", "trainer.max_duration=3ba")
     assert " INFO composer." in chatty.stderr and " INFO streaming." not in chatty.stderr
+
+
+def test_metrics_jsonl_starts_from_scratch_unless_a_checkpoint_is_loaded(tmp_path):
+    """A run killed before its first checkpoint and started again with the same command logged its first steps a
+    second time (issue 33): a run that loads no checkpoint starts the file anew; a resumed one keeps the rows its
+    checkpoint counted (the steps it trains again are logged again, once); a checkpoint of an earlier version
+    (no row count) appends, as then."""
+    from grape_stream.integrations.composer.callbacks import JSONLMetricsLogger
+
+    path = tmp_path / "metrics.jsonl"
+
+    def run(old_rows: int, state: dict | None) -> list[int]:
+        path.write_text("".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in range(1, old_rows + 1)))
+        logger = JSONLMetricsLogger(str(path))
+        if state is not None:
+            logger.load_state_dict(state)
+        assert logger.state_dict() == {"rows": 0 if state is None else state.get("rows", old_rows)}
+        for step in (1, 2):
+            logger.log_metrics({"loss": 1.0}, step=step)
+        logger.close(None, None)  # type: ignore[arg-type]
+        return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+    assert run(10, None) == [1, 2]  # killed at step ~10 before any checkpoint, started again: 1, 2 once
+    assert run(10, {"rows": 3}) == [1, 2, 3, 1, 2]  # resumed from the checkpoint at row 3
+    assert run(4, {}) == [1, 2, 3, 4, 1, 2]  # an earlier version's checkpoint: appended

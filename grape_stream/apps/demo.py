@@ -12,14 +12,16 @@ Everything runs on the product path: the bundled corpus (``data/demo``) is conve
 :func:`grape_stream.convert.pipeline.convert` into per-language MDS shards (:mod:`.demo_corpus`), and each
 method is the bundled
 ``demo-cpu`` recipe (:mod:`grape_stream.recipe`, :mod:`grape_stream.integrations.composer.trainer`) built into a
-Composer Trainer with ``GrapeAlgorithm``, with a few overrides (:func:`.demo_run.recipe_overrides`). Two callbacks
+Composer Trainer with ``GrapeAlgorithm``, with a few overrides (:func:`.demo_run.recipe_overrides`). The recipe is
+the default GRAPE run itself; the demo prints (and saves in ``summary.json``) the ``grape-stream train`` command of
+each run (:func:`.demo_run.reproduce_command`). Two callbacks
 (:mod:`.demo_callbacks`) watch the run: a tqdm
 progress bar, and a test-loss curve on a fixed strided subset of each target's test split (the
 headline numbers come from the recipe's own evaluators, on the whole test split, at the end).
 
 Outputs under ``--out`` (default ``runs/demo``, ``runs/demo_bytes`` for ``--setting bytes``):
-``tokenizer.json`` and ``mds-<its sha>/`` (``mds/`` for bytes; the converted corpus, reused while the corpus
-and settings are unchanged), ``<method>/`` (metrics.jsonl, grape_trajectory.jsonl/.png,
+``tokenizer.json`` and ``mds/`` (the converted corpus, reused while the corpus, the tokenizer and the settings
+are unchanged; the ``demo-cpu`` recipe's ``data.local``), ``<method>/`` (metrics.jsonl, grape_trajectory.jsonl/.png,
 result.json), ``summary.json``, ``test_loss.png`` and ``weights.png``.
 
 The same runner (:func:`.demo_run.run_method`) drives ``bench/mixture_quality.py``. The method choices are
@@ -43,7 +45,6 @@ from grape_stream.apps.demo_plots import plot_test_loss, plot_weights
 from grape_stream.apps.demo_pool import (
     QUICK_STEPS,
     STEPS,
-    overrides,
     pool_settings,
     prepare,
     quick_settings,
@@ -51,6 +52,7 @@ from grape_stream.apps.demo_pool import (
 )
 from grape_stream.apps.demo_run import RECIPE, recipe_overrides, run_method, run_methods
 from grape_stream.apps.demo_settings import DEMO, QUICK, DemoSettings
+from grape_stream.console import add_console_arguments
 from grape_stream.grape.reweighting import REWEIGHTERS, available_methods, build_reweighter
 
 __all__ = [
@@ -134,7 +136,7 @@ def _summary(results: Mapping[str, Mapping[str, Any]], settings: DemoSettings, s
         "what": f"test log-perplexity (nats per {_unit(setting)}) per target language after the same token budget",
         "setting": setting,
         "recipe": RECIPE,
-        "overrides": [] if setting == "bytes" else overrides(),
+        "model_data": list(settings.model_data),
         "settings": dataclasses.asdict(settings),
         "seed": seed,
         "corpus": str(corpus),
@@ -150,6 +152,8 @@ def _summary(results: Mapping[str, Mapping[str, Any]], settings: DemoSettings, s
                         if r["trajectory"] and r["trajectory"][-1].get("z") is not None and m != "uniform" else None),
             "alpha_moved_tv": alpha_movement(r),
             "seconds": r["seconds"],
+            "command": r["command"],
+            "overrides": r["overrides"],
             "curve": r["curve"],
             "trajectory": r["trajectory"],
         }
@@ -217,6 +221,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str], D
     p.add_argument("--jobs", type=int, default=None,
                    help="runs trained at the same time, each in its own process with its share of the cores "
                         "(default: one per core, at most one per method)")
+    add_console_arguments(p)
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     bytes_ = args.setting == "bytes"
     args.methods = args.methods or ("uniform,doge,grape" if bytes_ else "uniform,grape")
@@ -311,22 +316,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     mds, done = _convert(args.setting, corpus, out)
     print(f"      {done} ({time.perf_counter() - t0:.0f}s)", flush=True)
 
-    extra = [] if args.setting == "bytes" else overrides()
     jobs = min(len(methods), args.jobs or os.cpu_count() or 1)
     labels = [f"[{i}/{n_steps}]" for i in range(2, n_steps + 1)]
     if not progress:
         print(f"{labels[0]}-{labels[-1]} training {', '.join(methods)}"
               + (f", {jobs} at a time in their own processes" if jobs > 1 else "") + " ...", flush=True)
     results = run_methods(methods, jobs=jobs, out=out, labels=labels, mds=mds, settings=settings, seed=args.seed,
-                          progress=progress, extra_overrides=extra)
+                          progress=progress)
     summary = _summary(results, settings, args.seed, corpus, mds, args.setting)
     with open(out / "summary.json", "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=1)
     unit = _unit(args.setting)
     pngs = [plot_test_loss(results, out / "test_loss.png", unit=unit), plot_weights(results, out / "weights.png")]
     _print_results(results, settings, out, pngs, args.setting, args.seed)
-    print(f"Done in {(time.perf_counter() - t0) / 60:.1f} min. Try `grape-stream train {RECIPE} --print-config` to see "
-          f"the recipe each run used.")
+    print(f"Done in {(time.perf_counter() - t0) / 60:.1f} min. The same runs with `grape-stream train` (the {RECIPE} "
+          "recipe; add --print-config to see all of it):")
+    for r in results.values():
+        print(f"  {r['command']}")
     return 0
 
 

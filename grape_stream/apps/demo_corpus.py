@@ -43,8 +43,11 @@ def _corpus_fingerprint(corpus: Path, files: Sequence[Path], seq_len: int, token
     for f in files:
         h.update(str(f.relative_to(corpus)).encode())
         h.update(f.read_bytes())
-    return {"inputs_sha256": h.hexdigest(), "tokenizer": tokenizer, "seq_len": int(seq_len),
-            "domain_field": domain_field, "split_field": "split", "converter_version": CONVERTER_VERSION}
+    out = {"inputs_sha256": h.hexdigest(), "tokenizer": tokenizer, "seq_len": int(seq_len),
+           "domain_field": domain_field, "split_field": "split", "converter_version": CONVERTER_VERSION}
+    if Path(tokenizer).is_file():  # a retrained tokenizer.json at the same path converts again
+        out["tokenizer_sha256"] = hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()
+    return out
 
 
 def ensure_converted(corpus: Path, out: Path, *, seq_len: int = 256, progress: bool = True,

@@ -10,6 +10,8 @@ import math
 import os
 from typing import Any, Mapping
 
+from grape_stream.integrations.plot_style import series_style
+
 __all__ = ["plot_test_loss", "plot_weights", "METHOD_COLORS"]
 
 METHOD_COLORS = {
@@ -92,8 +94,9 @@ def plot_weights(results: Mapping[str, Mapping[str, Any]], path: str | os.PathLi
         names = r["domains"] if what == "alpha" else r["targets"]
         ax = axes[i, j]
         for k, name in enumerate(names):
+            style = series_style(k)  # 13 languages: a colour + line style each (the default cycle has 10 colours)
             ax.step(steps, [t[what][k] if t.get(what) else float("nan") for t in traj], where="post", label=name,
-                    lw=1.5)
+                    lw=1.5, color=style["color"], linestyle=style["linestyle"])
         ax.set_title(f"{m}: {what} ({'sources' if what == 'alpha' else 'targets'})", fontsize=10)
         if what == "alpha":
             ax.set_ylim(0, min(1.02, top * 1.1 + 0.02))
@@ -102,7 +105,7 @@ def plot_weights(results: Mapping[str, Mapping[str, Any]], path: str | os.PathLi
         if j == 0:
             ax.set_ylabel("weight")
         if j == cols - 1 or (what == "z" and (m, what) == panels[-1]) or (what == "alpha" and m == methods[-1]):
-            ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+            ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5), ncol=1 if len(names) <= 16 else 2)
     for i in range(rows):
         for j in range(cols):
             if (i, j) not in used:

@@ -15,7 +15,6 @@ definition of the pool, the targets, the tokenizer, the model and the budget.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -55,12 +54,14 @@ def pool_settings(steps: int = STEPS) -> DemoSettings:
     return DEMO.replace(steps=steps, global_batch=BATCH, lr=LR, warmup=max(steps // 10, 1), update_every=every,
                         curve_every=every, curve_samples=48, final_eval=False, final_samples=256,
                         probe_domain_batch=8, probe_task_batch=8, eval_batch_size=64,
-                        mu_alpha=lib.mu_alpha, mu_z=lib.mu_z, clip_norm=None)
+                        mu_alpha=lib.mu_alpha, mu_z=lib.mu_z, clip_norm=None, model_data=tuple(overrides()))
 
 
 def prepare(out: Path, corpus: Path) -> tuple[Path, bool]:
     """Train the BPE on the sources' training splits (once: ``out/tokenizer.json`` is reused) and convert the
-    corpus with it (once per tokenizer: ``out/mds-<tokenizer sha>``). Returns (MDS directory, did any work)."""
+    corpus with it into ``out/mds`` (converted again when the tokenizer or the corpus changed: the fingerprint
+    holds the tokenizer's hash). ``runs/demo/mds`` is the ``demo-cpu`` recipe's ``data.local``, so the recipe
+    trains on what ``make demo`` converted. Returns (MDS directory, did any work)."""
     from grape_stream.convert.train_tokenizer import corpus_texts, train_bpe
 
     tok = out / "tokenizer.json"
@@ -68,8 +69,7 @@ def prepare(out: Path, corpus: Path) -> tuple[Path, bool]:
     if trained:
         files = [str(corpus / "train" / f"{s}.jsonl.zst") for s in SOURCES]
         train_bpe(corpus_texts(files), VOCAB, tok)
-    digest = hashlib.sha256(tok.read_bytes()).hexdigest()[:12]
-    mds = out / f"mds-{digest}"
+    mds = out / "mds"
     _, converted = ensure_converted(corpus, mds, seq_len=SEQ_LEN, progress=False, tokenizer=str(tok),
                                     domain_field="lang")
     return mds, trained or converted

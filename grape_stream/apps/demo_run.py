@@ -21,9 +21,15 @@ from grape_stream.integrations.composer.trainer import build
 from grape_stream.recipe import as_recipe, load_recipe
 from grape_stream.streaming_compat.local_index import release_streaming_dataset
 
-__all__ = ["RECIPE", "recipe_overrides", "run_method"]
+__all__ = ["RECIPE", "RUN_ONLY_KEYS", "recipe_overrides", "reproduce_command", "run_method"]
 
 RECIPE = "demo-cpu"
+#: Recipe keys the demo sets that change where a run writes and what it prints, never what it trains: the
+#: command that reproduces a demo run leaves them at the recipe's values (its own folder, checkpoints, console).
+RUN_ONLY_KEYS = frozenset({
+    "output_dir", "algorithm.summary", "trainer.save_folder", "trainer.save_interval", "trainer.autoresume",
+    "trainer.log_to_console", "trainer.progress_bar", "trainer.log_interval", "trainer.eval_interval",
+})
 
 
 def recipe_overrides(method: str, settings: DemoSettings, *, mds: str | os.PathLike[str],
@@ -31,6 +37,7 @@ def recipe_overrides(method: str, settings: DemoSettings, *, mds: str | os.PathL
     """The ``key=value`` overrides that turn the ``demo-cpu`` recipe into one demo/bench run."""
     s = settings
     return [
+        *s.model_data,
         f"run_name=demo-{method}",
         f"output_dir={os.fspath(out_dir)}",
         f"seed={seed}",
@@ -53,6 +60,7 @@ def recipe_overrides(method: str, settings: DemoSettings, *, mds: str | os.PathL
         f"scheduler.t_warmup={s.warmup}ba",
         f"trainer.max_duration={s.steps}ba",
         f"trainer.global_train_batch_size={s.global_batch}",
+        # (data.task_test_split is read by the final evaluation and by the demo's test curve alike)
         # the final evaluation only; the curve comes from _TestCurve (cheaper, same test split)
         f"trainer.eval_interval={s.steps if s.final_eval else 0}ba",  # 0: never (Composer)
         "trainer.save_folder=null",
@@ -61,6 +69,38 @@ def recipe_overrides(method: str, settings: DemoSettings, *, mds: str | os.PathL
         "trainer.progress_bar=false",
         *extra,
     ]
+
+
+def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _yaml_value(v: Any) -> str:
+    """An override's value as the YAML the dotlist parses back to ``v`` (flow style, one line)."""
+    import yaml
+
+    return yaml.safe_dump(v, default_flow_style=True, width=1 << 16).strip().removesuffix("\n...").strip()
+
+
+def reproduce_command(overrides: Sequence[str]) -> str:
+    """The ``grape-stream train`` command that trains what a demo run with ``overrides`` trained: the recipe plus
+    the keys whose resolved value differs from the recipe's (less :data:`RUN_ONLY_KEYS`), shell-quoted.
+
+    Why computed, not listed: the demo's overrides repeat most of the recipe's values; the command a user copies
+    should say what differs (nothing for the default GRAPE run but its folder's name)."""
+    import shlex
+
+    base = _flat(load_recipe(RECIPE))
+    run = _flat(load_recipe(RECIPE, list(overrides)))
+    diff = [f"{k}={_yaml_value(v)}" for k, v in run.items()
+            if k not in RUN_ONLY_KEYS and (k not in base or base[k] != v)]
+    return " ".join(["grape-stream", "train", RECIPE, *(shlex.quote(x) for x in diff)])
 
 
 @contextlib.contextmanager
@@ -194,6 +234,7 @@ def _result(method: str, seed: int, settings: DemoSettings, cfg: Mapping[str, An
         "settings": dataclasses.asdict(settings),
         "recipe": RECIPE,
         "overrides": overrides,
+        "command": reproduce_command(overrides),
         "domains": domains,
         "targets": tasks,
         "steps": settings.steps,

@@ -1,17 +1,23 @@
-"""``grape-stream export-schedule``: a run's alpha(t) trajectory as a schedule other loaders read, so a mixture found
-with grape_stream can be reused where grape_stream is not installed.
+"""``grape-stream export-schedule``: a run's alpha(t) trajectory as a schedule other training code reads, so a mixture
+found with grape_stream can be reused where grape_stream is not installed (docs/export.md).
 
 Formats (``--format``):
 
 * ``json``: the whole schedule, ``{"format": "grape_stream.schedule/1", "domains": [...], "schedule": [{"from_batch":
-  B, "weights": {domain: w}}, ...], "mean": {...}, "final": {...}}``: piecewise constant, each entry in force from
-  its batch until the next one.
-* ``torchtitan``: the value of torchtitan's multi-source ``--training.dataset`` (``path:weight,path:weight``).
-* ``energon``: a Megatron-Energon metadataset YAML (``MetadatasetV2``, ``splits.train.blend: [{weight, path}]``).
+  B, "weights": {domain: w}}, ...], "until": E, "mean": {...}, "final": {...}}``: piecewise constant, each entry in
+  force from its batch until the next one (an entry from batch E or later never trained: the run ended at E).
+* ``megatron``: the value of Megatron-LM's ``--data-path`` (or the content of a ``--data-args-path`` file): a blend
+  ``w1 prefix1 w2 prefix2 ...`` of one static mixture, each prefix a dataset that Megatron's
+  ``tools/preprocess_data.py`` wrote (``<prefix>.bin`` + ``<prefix>.idx``): Megatron reads those, not MDS.
 
-torchtitan and Energon take one static mixture, so those two formats hold the weights ``--at``: ``mean`` (default:
-the mixture the run actually drew, the schedule averaged over batches) or ``final`` (the last weights). Each domain
-needs a path in the other loader's terms: ``--path DOMAIN=PATH`` (repeatable) or ``--root DIR`` (``DIR/<domain>``).
+Megatron takes one static mixture, so it gets the weights ``--at``: ``mean`` (default: the mixture the run actually
+drew, the schedule averaged over the batches it trained) or ``final`` (the last weights the method chose). Each
+domain needs its dataset prefix: ``--path DOMAIN=PREFIX`` (repeatable) or ``--root DIR`` (``DIR/<domain>``).
+
+torchtitan and Megatron-Energon were formats here once and are not any more: torchtitan's mainline has no
+multi-source weighted dataset option to parse a mixture string, and an Energon metadataset blends datasets
+prepared by ``energon prepare`` (WebDataset tar shards), which grape_stream neither writes nor reads; a file either
+would accept only after the user rewrites the data is better given as the JSON above.
 """
 
 from __future__ import annotations
@@ -22,22 +28,22 @@ import os
 import sys
 from typing import Any, Mapping, Sequence
 
-import yaml
-
+from grape_stream.console import add_console_arguments
 from grape_stream.errors import ConfigError, DataError
 from grape_stream.grape.trajectory import load_trajectory
 
 __all__ = ["export", "main", "schedule_of"]
 
-FORMATS = ("json", "torchtitan", "energon")
+FORMATS = ("json", "megatron")
 
 
 def schedule_of(meta: Mapping[str, Any], records: Sequence[Mapping[str, Any]],
                 until: int | None = None) -> dict[str, Any]:
     """The piecewise-constant schedule of a trajectory, with its batch-weighted mean and its final weights.
 
-    ``until``: the batch the run ended at (default: the last change plus one update interval, ``alpha_every``),
-    so the last weights count in the mean for as long as the others did."""
+    ``until``: the batch the run ended at (default: the step of the last update, the last batch the trajectory
+    shows the run trained). The mean counts each entry for the batches it was in force before ``until``; an
+    entry that starts at ``until`` or later (the update at a run's last step) never trained and counts zero."""
     domains = list(meta.get("domains") or [])
     steps: list[tuple[int, list[float]]] = []
     for rec in records:
@@ -49,13 +55,15 @@ def schedule_of(meta: Mapping[str, Any], records: Sequence[Mapping[str, Any]],
         steps.append((start, [float(a) for a in rec["alpha"]]))
     if not domains or not steps:
         raise DataError("the trajectory has no domains or no weights: is it a grape_stream trajectory JSONL?")
-    end = until if until is not None else steps[-1][0] + int(meta.get("alpha_every") or 1)
-    if end <= steps[-1][0]:
-        raise ConfigError(f"--until {end} must be after the last weight change (batch {steps[-1][0]})")
+    last_step = max(int(rec.get("step", 0) or 0) for rec in records)
+    end = until if until is not None else max(last_step, steps[0][0] + 1)
+    if end <= steps[0][0]:
+        raise ConfigError(f"--until {end} must be after the first weights' batch ({steps[0][0]})")
     total = [0.0] * len(domains)
     for (start, w), (nxt, _) in zip(steps, [*steps[1:], (end, [])]):
+        span = max(0, min(nxt, end) - start)
         for k, v in enumerate(w):
-            total[k] += v * (nxt - start)
+            total[k] += v * span
     span = end - steps[0][0]
     named = lambda w: {d: round(v, 8) for d, v in zip(domains, w)}  # noqa: E731
     return {"format": "grape_stream.schedule/1", "method": meta.get("method"), "domains": domains, "unit": "batch",
@@ -81,25 +89,28 @@ def export(schedule: Mapping[str, Any], fmt: str, at: str = "mean", paths: Mappi
     if fmt == "json":
         return json.dumps(schedule, indent=2) + "\n"
     weights: Mapping[str, float] = schedule[at]
-    assert paths is not None, "torchtitan and energon need a path per domain"
-    if fmt == "torchtitan":
-        return ",".join(f"{paths[d]}:{w:.6g}" for d, w in weights.items()) + "\n"
-    blend = [{"weight": float(f"{w:.6g}"), "path": paths[d]} for d, w in weights.items()]
-    doc = {"__module__": "megatron.energon", "__class__": "MetadatasetV2", "splits": {"train": {"blend": blend}}}
-    header = f"# grape_stream {schedule.get('method')} mixture ({at} over batches 0-{schedule['until']}), exported\n"
-    return header + yaml.safe_dump(doc, sort_keys=False)
+    assert paths is not None, "megatron needs a dataset prefix per domain"
+    spaced = [paths[d] for d in weights if not paths[d] or any(c.isspace() for c in paths[d])]
+    if spaced:  # Megatron splits --data-path (and a --data-args-path file) on whitespace
+        raise ConfigError(f"Megatron dataset prefixes cannot be empty or hold whitespace: {spaced}")
+    return " ".join(f"{w:.6g} {paths[d]}" for d, w in weights.items()) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="grape-stream export-schedule", description=__doc__.split("\n\n")[0])
     p.add_argument("trajectory", help="a run's grape_trajectory.jsonl")
-    p.add_argument("--format", "-f", choices=FORMATS, default="json")
+    p.add_argument("--format", "-f", choices=FORMATS, default="json",
+                   help="json: the whole schedule, its mean and final weights (default); megatron: Megatron-LM's "
+                        "--data-path blend 'w1 prefix1 w2 prefix2 ...' of one static mixture (--at)")
     p.add_argument("--at", choices=("mean", "final"), default="mean",
-                   help="torchtitan / energon: the mean mixture over the run (default) or the final weights")
-    p.add_argument("--path", action="append", default=[], metavar="DOMAIN=PATH", help="a domain's data path")
-    p.add_argument("--root", default=None, help="domain paths as ROOT/<domain> (--path overrides one)")
-    p.add_argument("--until", type=int, default=None, help="the batch the run ended at (for the mean)")
+                   help="megatron: the mean mixture over the run (default) or the final weights")
+    p.add_argument("--path", action="append", default=[], metavar="DOMAIN=PREFIX",
+                   help="megatron: a domain's dataset prefix (<prefix>.bin/.idx); repeatable")
+    p.add_argument("--root", default=None, help="megatron: dataset prefixes as ROOT/<domain> (--path overrides one)")
+    p.add_argument("--until", type=int, default=None,
+                   help="the batch the run ended at, for the mean (default: the last update's step)")
     p.add_argument("--out", "-o", default=None, help="write here instead of stdout")
+    add_console_arguments(p)
     args = p.parse_args(list(argv) if argv is not None else None)
     if not os.path.isfile(args.trajectory):
         raise DataError(f"no trajectory file {args.trajectory}")

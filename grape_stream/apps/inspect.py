@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from grape_stream.console import add_console_arguments
 from grape_stream.errors import DataError
 
 __all__ = ["summarize", "main"]
@@ -184,8 +185,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="grape-stream inspect",
         description="Summarise a converted MDS output directory, one MDS dataset, or a GRAPE trajectory JSONL.",
     )
-    parser.add_argument("path")
+    parser.add_argument("path",
+                        help="an output directory of grape-stream convert, one MDS dataset, or a trajectory JSONL")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_console_arguments(parser)
     args = parser.parse_args(list(argv) if argv is not None else None)
     summary = summarize(args.path)  # a DataError is one line under grape-stream (errors.run_cli)
     if args.json:

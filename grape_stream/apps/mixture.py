@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from grape_stream.atomic import atomic_write_text
+from grape_stream.console import add_console_arguments
 from grape_stream.errors import ConfigError
 
 __all__ = ["crisp_from_corpus", "main", "regmix_from_proxies", "run_proxies", "weights_document"]
@@ -113,19 +114,22 @@ def regmix_from_proxies(domains: Sequence[str], proxies: Sequence[dict[str, Any]
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="grape-stream mixture", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="method", required=True)
+    sub = p.add_subparsers(dest="method", required=True, help="crisp or regmix")
+    add_console_arguments(p)
     c = sub.add_parser("crisp", help="embedding importance sampling (CRISP)")
     c.add_argument("--data", required=True, help="corpus directory: <data>/<split>/<domain>.jsonl[.zst]")
     c.add_argument("--samples", type=int, default=256, help="documents embedded per domain and per target")
-    c.add_argument("--source-split", default="train")
-    c.add_argument("--target-split", default="probe")
+    c.add_argument("--source-split", default="train", help="the sources' split in --data (default: train)")
+    c.add_argument("--target-split", default="probe", help="the targets' split in --data (default: probe)")
     c.add_argument("--smoothing", type=float, default=1.0, help="added to every domain's nearest-centroid count")
     r = sub.add_parser("regmix", help="regression over proxy runs (RegMix)")
     r.add_argument("--mds", required=True, help="converted corpus (<domain>/<split>/ MDS shards)")
-    r.add_argument("--proxies", type=int, default=16)
+    r.add_argument("--proxies", type=int, default=16,
+                   help="proxy runs, each on a random Dirichlet mixture (the first uniform; default: 16)")
     r.add_argument("--steps", type=int, default=30, help="optimizer steps per proxy")
     r.add_argument("--jobs", type=int, default=1, help="proxies run in parallel (one CPU thread each)")
-    r.add_argument("--regressor", default="lightgbm", choices=("lightgbm", "linear"))
+    r.add_argument("--regressor", default="lightgbm", choices=("lightgbm", "linear"),
+                   help="what predicts a mixture's target loss from the proxies (default: lightgbm)")
     r.add_argument("--concentration", type=float, default=1.0, help="Dirichlet concentration of the proxy mixtures")
     r.add_argument("--workdir", default="runs/regmix", help="proxy run directories")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -133,8 +137,9 @@ def _parser() -> argparse.ArgumentParser:
     for q in (c, r):
         q.add_argument("--sources", required=True, help="comma-separated source domains (the mixture's order)")
         q.add_argument("--targets", required=True, help="comma-separated target tasks")
-        q.add_argument("--seed", type=int, default=0)
+        q.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: 0)")
         q.add_argument("--out", required=True, help="weights JSON to write")
+        add_console_arguments(q)
     return p
 
 

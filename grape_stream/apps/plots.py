@@ -10,6 +10,7 @@ import argparse
 import os
 from typing import Sequence
 
+from grape_stream.console import add_console_arguments
 from grape_stream.errors import DataError
 from grape_stream.integrations.trajectory_plot import plot_trajectory
 
@@ -20,6 +21,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="grape-stream plot", description="Plot GRAPE trajectories (JSONL) to PNG.")
     parser.add_argument("trajectories", nargs="+", help="trajectory JSONL file(s) written by a GRAPE run")
     parser.add_argument("-o", "--out", help="output PNG (only with one trajectory; default: beside the JSONL)")
+    add_console_arguments(parser)
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.out and len(args.trajectories) > 1:
         parser.error("--out takes one trajectory; omit it to write each PNG beside its JSONL")

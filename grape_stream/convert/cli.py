@@ -15,7 +15,7 @@ import sys
 from typing import Any, Sequence
 
 from grape_stream.config import ConvertConfig, field_default, field_names
-from grape_stream.console import is_quiet
+from grape_stream.console import add_console_arguments, is_quiet
 from grape_stream.convert.pipeline import convert
 from grape_stream.convert.readers import REGISTRY, reader_options
 from grape_stream.errors import ConfigError, DataError, StorageError, UserFacingError
@@ -108,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     _option(w, "--max-examples", "max_examples", "examples per bad-input kind and file in report.json", type=int)
     _option(w, "--no-progress", "progress",
             "no progress (bars on a terminal, else a line every 5 s; --quiet implies it)", action="store_false")
+    add_console_arguments(p)
     return p
 
 

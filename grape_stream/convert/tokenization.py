@@ -190,7 +190,15 @@ def _load_hf(spec: str, eos_id: int | None) -> HFTokenizer:
             "not installed to resolve it as a Hugging Face name"
         ) from e
     try:
-        hf = AutoTokenizer.from_pretrained(spec, use_fast=True)
+        hf = AutoTokenizer.from_pretrained(spec, use_fast=True, local_files_only=True)  # the cache: no network
+    except Exception:
+        hf = None
+    if hf is None and not hub_reachable():
+        raise ValueError(f"tokenizer {spec!r} is not in the local Hugging Face cache and the hub cannot be reached "
+                         "(offline?): download it where the hub is reachable (hf download "
+                         f"{spec} tokenizer.json) and give that tokenizer.json path, or use gpt2 / bytes")
+    try:
+        hf = hf or AutoTokenizer.from_pretrained(spec, use_fast=True)
     except Exception as e:
         raise ValueError(
             f"could not load tokenizer {spec!r}: not 'gpt2', 'bytes', a tokenizer.json file or directory, "
@@ -202,6 +210,38 @@ def _load_hf(spec: str, eos_id: int | None) -> HFTokenizer:
     if eos_id is None and hf.eos_token_id is not None:
         eos_id = int(hf.eos_token_id)
     return HFTokenizer(backend, name=spec, eos_id=eos_id)
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub answers a TCP connection within ``timeout`` seconds (``HF_HUB_OFFLINE=1``: no).
+
+    Why: offline, ``from_pretrained`` of a name that is not cached retried for 61 s and printed 45 warnings (twice:
+    the plan and a worker); this answers in ``timeout`` at most (name resolution included: it runs in a thread)."""
+    import socket
+    import threading
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return False
+    try:
+        from huggingface_hub import constants
+
+        endpoint = urlparse(constants.ENDPOINT)
+    except Exception:  # pragma: no cover - huggingface_hub comes with transformers
+        return True
+    result: list[bool] = []
+
+    def connect() -> None:
+        try:
+            with socket.create_connection((endpoint.hostname or "", endpoint.port or 443), timeout=timeout):
+                result.append(True)
+        except OSError:
+            result.append(False)
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(result and result[0])
 
 
 def load_tokenizer(spec: str, eos_id: int | None = None) -> Tokenizer:

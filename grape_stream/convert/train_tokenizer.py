@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
+from grape_stream.console import add_console_arguments
 from grape_stream.convert.formats import iter_jsonl, iter_parquet_rows
 from grape_stream.convert.records import BadInput
 from grape_stream.errors import ConfigError
@@ -85,6 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--vocab-size", type=int, default=4096, help="ids in all, EOS included (default 4096)")
     p.add_argument("--text-field", default="text", help="the record field holding the text (default: text)")
     p.add_argument("--out", required=True, help="the tokenizer.json to write")
+    add_console_arguments(p)
     args = p.parse_args(argv)
     paths = _expand(args.input)
     out = train_bpe(corpus_texts(paths, args.text_field), args.vocab_size, args.out)

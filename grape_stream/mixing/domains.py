@@ -148,17 +148,26 @@ def _as_domain(d: DomainStream | Mapping[str, Any] | str) -> DomainStream:
     raise TypeError(f"domains must be DomainStream objects, dicts or streaming Streams, got {type(d).__name__}")
 
 
+#: Folder names that name a split, not a domain (``grape-stream convert`` writes ``<domain>/<split>``).
+SPLIT_FOLDERS = frozenset({"train", "validation", "val", "valid", "dev", "test", "probe", "eval"})
+
+
 def _stream_name(s: Any) -> str:
-    """A streaming Stream's domain name: the last part of its remote (or local) path, e.g. ``s3://b/en`` -> en."""
-    path = str(s.remote or s._local or "").rstrip("/")
-    return path.rsplit("/", 1)[-1] or "stream"
+    """A streaming Stream's domain name: the last part of its remote (or local) path, e.g. ``s3://b/en`` -> en,
+    skipping a split folder: ``.../en/train`` -> en (``Stream(local=out/en/train)`` was named ``train``, and two
+    such streams ``train_1``, ``train_2``)."""
+    parts = [p for p in str(s.remote or s._local or "").rstrip("/").split("/") if p]
+    while len(parts) > 1 and parts[-1] in SPLIT_FOLDERS | ({s.split} if s.split else set()):
+        parts.pop()
+    return parts[-1] if parts else "stream"
 
 
 def _from_streams(streams: Sequence[Any]) -> tuple[list[Any], list[float] | None]:
     """mosaicml-streaming's ``Stream`` objects as domains, and their ``proportion`` as the initial weights.
 
-    A Stream has no name: each domain is named by the last part of its path (repeated names get ``_1``,
-    ``_2``, ...; pass DomainStream to choose names). ``repeat`` / ``choose`` (absolute epoch sizes, which the
+    A Stream has no name: each domain is named by the last part of its path that is not a split folder
+    (``.../en/train`` -> ``en``); names still repeated get ``_1``, ``_2``, ... and a warning line naming them (pass
+    DomainStream to choose names). ``repeat`` / ``choose`` (absolute epoch sizes, which the
     mixer does not plan) and per-stream download options are refused, each with what to use instead."""
     from streaming import Stream
 
@@ -181,6 +190,8 @@ def _from_streams(streams: Sequence[Any]) -> tuple[list[Any], list[float] | None
         name = _stream_name(s)
         if names.count(name) > 1:
             seen[name] = seen.get(name, 0) + 1
+            logger.warning("Stream(%r) named domain %r: %d streams end in %r (give DomainStream(name, ...) to name it)",
+                        s.remote or s._local, f"{name}_{seen[name]}", names.count(name), name)
             name = f"{name}_{seen[name]}"
         out.append(DomainStream(name, remote=s.remote, local=s._local, split=s.split or None))
         props.append(s._proportion)

@@ -8,19 +8,37 @@ recipe or its plain form (``load_recipe``'s dict).
 
 from __future__ import annotations
 
-from grape_stream.recipe.data import (
-    build_mixer,
-    check_local_data,
-    read_manifest,
-    recipe_streams,
-    resolved_sizes,
-    train_dataloader,
-)
-from grape_stream.recipe.load import bundled_recipes, load_config, load_recipe, resolve_recipe_path
-from grape_stream.recipe.model import build_model
-from grape_stream.recipe.overrides import apply_overrides
-from grape_stream.recipe.schema import as_recipe, base_config, recipe_dict
-from grape_stream.recipe.validate import validate
+from typing import TYPE_CHECKING
+
+from grape_stream.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from grape_stream.recipe.data import (
+        build_mixer,
+        check_local_data,
+        read_manifest,
+        recipe_streams,
+        resolved_sizes,
+        train_dataloader,
+    )
+    from grape_stream.recipe.load import bundled_recipes, load_config, load_recipe, resolve_recipe_path
+    from grape_stream.recipe.model import build_model
+    from grape_stream.recipe.overrides import apply_overrides
+    from grape_stream.recipe.schema import as_recipe, base_config, recipe_dict
+    from grape_stream.recipe.validate import validate
+
+# Lazy (grape_stream.lazy): reading and checking a recipe (load, overrides, validate) must not import torch's data
+# stack and streaming (seconds) before a mistake in it is reported; the data parts import them when used.
+_LAZY = {
+    **dict.fromkeys(["build_mixer", "check_local_data", "read_manifest", "recipe_streams", "resolved_sizes",
+                     "train_dataloader"], "grape_stream.recipe.data"),
+    **dict.fromkeys(["bundled_recipes", "load_config", "load_recipe", "resolve_recipe_path"],
+                    "grape_stream.recipe.load"),
+    "build_model": "grape_stream.recipe.model",
+    "apply_overrides": "grape_stream.recipe.overrides",
+    **dict.fromkeys(["as_recipe", "base_config", "recipe_dict"], "grape_stream.recipe.schema"),
+    "validate": "grape_stream.recipe.validate",
+}
 
 __all__ = [
     "apply_overrides",
@@ -40,3 +58,5 @@ __all__ = [
     "train_dataloader",
     "validate",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

@@ -195,7 +195,8 @@ class JSONLMetricsLogger(LoggerDestination):
     lines is part of the checkpoint (this logger's state), so a run resumed from a checkpoint first cuts
     the file back to the lines written when that checkpoint was saved: the steps between the checkpoint
     and the kill, which the resumed run trains (and logs) again, appear once, as in a run never killed.
-    A new run (no checkpoint loaded) on an existing file appends.
+    A run that starts from scratch (no checkpoint loaded) starts the file from scratch too: a run killed before
+    its first checkpoint and started again with the same command logs its first steps once, not twice.
     """
 
     def __init__(self, path: str) -> None:
@@ -204,15 +205,17 @@ class JSONLMetricsLogger(LoggerDestination):
         self._file: Any = None
         self._rows = 0  # lines in the file, once opened
         self._keep: int | None = None  # lines to keep when the file is opened (set by a resume)
+        self._resumed = False  # a checkpoint's state was loaded: keep (the first _keep) lines of the file
 
     def _open(self) -> Any:
         if not process_world().is_leader:
             return None
         if self._file is None:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-            lines = _read_lines(self.path)
-            if self._keep is not None and self._keep < len(lines):
-                lines = lines[: self._keep]  # the rows a resume replays are logged again by this run
+            on_disk = _read_lines(self.path) if self._resumed else []
+            # a resume keeps the rows its checkpoint counted (the rows it replays are logged again by this run)
+            lines = on_disk[: self._keep] if self._keep is not None else on_disk
+            if not self._resumed or len(lines) < len(on_disk):
                 atomic_write_text(self.path, "".join(lines))
             self._rows = len(lines)
             self._file = open(self.path, "a", encoding="utf-8")
@@ -235,11 +238,14 @@ class JSONLMetricsLogger(LoggerDestination):
         self._rows += 1
 
     def state_dict(self) -> dict[str, Any]:
-        if self._file is None and process_world().is_leader:
+        if self._file is None and process_world().is_leader:  # nothing logged yet by this run
+            if not self._resumed:
+                return {"rows": 0}
             return {"rows": self._keep if self._keep is not None else len(_read_lines(self.path))}
         return {"rows": self._rows}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resumed = True
         if "rows" in state:  # absent in checkpoints of earlier versions: the file is appended to, as then
             self._keep = int(state["rows"])
 

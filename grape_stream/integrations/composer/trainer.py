@@ -11,15 +11,12 @@ second without a GPU and without its data.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
-import yaml
 from composer import Trainer
 from composer import loggers as composer_loggers
 from composer.algorithms import GradientClipping
@@ -28,7 +25,6 @@ from composer.optim import DecoupledAdamW
 from composer.utils import dist, parse_uri, reproducibility
 
 from grape_stream.config import RecipeConfig
-from grape_stream.console import LEVELS, configure_logging, is_quiet, level_given
 from grape_stream.errors import ConfigError, did_you_mean
 from grape_stream.integrations.composer.algorithm import GrapeAlgorithm
 from grape_stream.integrations.composer.callbacks import GrapeTrajectoryCallback, JSONLMetricsLogger, TaskEvalSummary
@@ -37,6 +33,7 @@ from grape_stream.integrations.composer.checkpoints import (
     SAVE_LATEST_FILENAME,
     recover_before_autoresume,
 )
+from grape_stream.integrations.composer.console_log import GrapeConsoleLogger, composer_warnings_filtered
 from grape_stream.integrations.composer.model import ComposerGPT, composer_model
 from grape_stream.integrations.composer.recipe_callbacks import build_callbacks, check_callback_names
 from grape_stream.integrations.composer.schedulers import build_scheduler
@@ -45,23 +42,20 @@ from grape_stream.recipe import (
     build_mixer,
     build_model,
     check_local_data,
-    load_config,
     read_manifest,
-    recipe_dict,
     recipe_streams,
     resolved_sizes,
     train_dataloader,
 )
 from grape_stream.world import process_world
 
-__all__ = ["Built", "build", "build_algorithm", "build_optimizer", "composer_model", "main",
-           "recover_before_autoresume"]
+__all__ = ["Built", "build", "build_algorithm", "build_optimizer", "composer_model", "recover_before_autoresume"]
 
 DEVICES = ("cpu", "gpu", "mps")
 #: TrainerConfig fields that are Composer Trainer arguments of the same name and meaning, passed as they are.
 SAME_NAME_KEYS = ("max_duration", "eval_interval", "eval_subset_num_batches", "save_folder", "save_interval",
-                  "save_num_checkpoints_to_keep", "save_overwrite", "autoresume", "load_path", "log_to_console",
-                  "progress_bar")
+                  "save_num_checkpoints_to_keep", "save_overwrite", "autoresume", "load_path", "progress_bar")
+#: (train_cli.LOGGER_NAMES holds the names, checked before Composer is imported; a test keeps them equal)
 LOGGERS = {
     "file": composer_loggers.FileLogger,
     "tensorboard": composer_loggers.TensorboardLogger,
@@ -187,14 +181,16 @@ def build_optimizer(cfg: RecipeConfig | Mapping[str, Any], model: torch.nn.Modul
 
 def build(cfg: RecipeConfig | Mapping[str, Any], *, dry_run: bool = False, extra_callbacks: Sequence[Any] = (),
           extra_loggers: Sequence[Any] = (), model: Optional[torch.nn.Module] = None,
-          per_sample_loss: Optional[PerSampleLoss] = None, progress: bool = True) -> Built:
+          per_sample_loss: Optional[PerSampleLoss] = None, progress: bool = True, console: bool = True) -> Built:
     """Build a recipe. ``dry_run``: the model on the meta device and no data opened, no Trainer.
 
     ``model``: a decoder the recipe cannot name (llm-foundry's MPT, a custom class), used instead of the
     recipe's ``model`` section (see :func:`composer_model`; its vocabulary must cover the data's).
     ``per_sample_loss(model, batch) -> Tensor[B]``: what GRAPE probes, when the model's own
     ``per_sample_loss`` (ComposerGPT's) or the default for ComposerModels does not fit. ``progress``: GRAPE's
-    per-update lines (stderr, global rank 0).
+    per-update lines (stderr, global rank 0). ``console``: the training log on stderr when the recipe's
+    ``trainer.log_to_console`` asks for it (``--quiet`` turns it off), cut to what a person reads
+    (:class:`~grape_stream.integrations.composer.console_log.GrapeConsoleLogger`).
     """
     cfg = copy.deepcopy(as_recipe(cfg))
     world = process_world().size
@@ -209,8 +205,7 @@ def build(cfg: RecipeConfig | Mapping[str, Any], *, dry_run: bool = False, extra
     check_names(cfg)
     domains, tasks = recipe_streams(cfg)
     local_data = cfg.data.remote is None and cfg.data.local is not None and os.path.isdir(cfg.data.local)
-    if not dry_run or local_data:  # the data is there and fits the model, before anything is built (one line)
-        check_local_data(cfg, domains, tasks)
+    check_local_data(cfg, domains, tasks)  # local data is there, dry run too, before anything is built (one line)
     # a dry run reads a local manifest too (model.vocab_size may come from it), never a remote one (offline checks)
     manifest = read_manifest(cfg) if not dry_run or local_data else None
     vocab, seq = resolved_sizes(cfg, manifest)
@@ -227,11 +222,12 @@ def build(cfg: RecipeConfig | Mapping[str, Any], *, dry_run: bool = False, extra
                   optimizer=build_optimizer(cfg, model), scheduler=build_scheduler(cfg), per_rank_batch_size=per_rank,
                   model_kind=kind)
     if not dry_run:
-        _build_trainer(built, world, extra_callbacks, extra_loggers)
+        _build_trainer(built, world, extra_callbacks, extra_loggers, console=console)
     return built
 
 
-def _build_trainer(built: Built, world: int, extra_callbacks: Sequence[Any], extra_loggers: Sequence[Any]) -> None:
+def _build_trainer(built: Built, world: int, extra_callbacks: Sequence[Any], extra_loggers: Sequence[Any],
+                   console: bool = True) -> None:
     """Open the data (mixer, evaluators) and build the Trainer into ``built``."""
     cfg, t = built.cfg, built.cfg.trainer
     assert cfg.run_name is not None, "load_config names every run"
@@ -263,10 +259,22 @@ def _build_trainer(built: Built, world: int, extra_callbacks: Sequence[Any], ext
     callbacks.extend(build_callbacks(cfg.callbacks or {}))
     callbacks.extend(extra_callbacks)
     loggers = _loggers(cfg, output_dir) + list(extra_loggers)
+    if t.log_to_console and console and not t.progress_bar:
+        loggers.append(GrapeConsoleLogger(log_interval=t.log_interval, stream="stderr"))
+    with composer_warnings_filtered():
+        trainer = _trainer(built, cfg, train_dl, evaluators, callbacks, loggers, device)
+    built.mixer, built.train_dataloader, built.evaluators = mixer, train_dl, evaluators
+    built.callbacks, built.loggers, built.trainer = callbacks, loggers, trainer
+
+
+def _trainer(built: Built, cfg: RecipeConfig, train_dl: Any, evaluators: list[Any], callbacks: list[Any],
+             loggers: list[Any], device: str) -> Any:
+    """Composer's Trainer with the recipe's values (``log_to_console``: our console logger is in ``loggers``)."""
+    t = cfg.trainer
     algorithms: list[Any] = [built.algorithm]
     if t.grad_clip_norm is not None:
         algorithms.append(GradientClipping(clipping_type="norm", clipping_threshold=float(t.grad_clip_norm)))
-    trainer = Trainer(
+    return Trainer(
         run_name=cfg.run_name,
         model=built.model,
         train_dataloader=train_dl,
@@ -280,58 +288,9 @@ def _build_trainer(built: Built, world: int, extra_callbacks: Sequence[Any], ext
         precision=t.precision or ("amp_bf16" if device == "gpu" else "fp32"),
         device_train_microbatch_size=t.device_train_microbatch_size or built.per_rank_batch_size,
         seed=cfg.seed,
-        save_filename=save_filename,
-        save_latest_filename=latest_filename,
-        console_log_interval=t.log_interval,
+        save_filename=SAVE_FILENAME,
+        save_latest_filename=SAVE_LATEST_FILENAME,
         python_log_level=None,
+        log_to_console=False,
         **{key: getattr(t, key) for key in SAME_NAME_KEYS},
     )
-    built.mixer, built.train_dataloader, built.evaluators = mixer, train_dl, evaluators
-    built.callbacks, built.loggers, built.trainer = callbacks, loggers, trainer
-
-
-def _recipe_log_level(level: str | None) -> None:
-    """llm-foundry's ``python_log_level``: grape_stream's and Composer's level, unless --log-level was given."""
-    if level is None or level_given():
-        return
-    if str(level).lower() not in LEVELS:
-        raise ConfigError(f"recipe key 'python_log_level' must be one of {', '.join(LEVELS)}, got {level!r}")
-    configure_logging(str(level).lower(), quiet=is_quiet(), also=("composer",))
-
-
-# ---------------------------------------------------------------------------------------------------
-# CLI (run under grape_stream.cli / errors.run_cli: a ConfigError / DataError / StorageError is one line)
-# ---------------------------------------------------------------------------------------------------
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="grape-stream train",
-        description="Train from a YAML recipe (Composer). Overrides: omegaconf dotlist key=value, e.g. "
-                    "algorithm.method=uniform model.n_layers=4 (llm-foundry key names are accepted).",
-    )
-    parser.add_argument("recipe", help="a recipe YAML path, or the name of a bundled recipe (e.g. demo-cpu)")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides (values are YAML)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="validate and build (model on meta device), do not train")
-    parser.add_argument("--print-config", action="store_true",
-                        help="print the resolved recipe as YAML and exit (nothing is built or trained)")
-    parser.add_argument("--resume", metavar="PATH", help=argparse.SUPPRESS)  # answered below with the recipe keys
-    # intermixed: `grape-stream train RECIPE --dry-run key=value` works as well as options first
-    args = parser.parse_intermixed_args(list(argv) if argv is not None else None)
-    if args.resume is not None:
-        raise ConfigError(f"train has no --resume: to continue a run from its checkpoints set trainer.autoresume=true "
-                          f"(with trainer.save_folder), or start from one checkpoint with "
-                          f"trainer.load_path={args.resume}")
-    cfg = load_config(args.recipe, args.overrides)
-    _recipe_log_level(cfg.python_log_level)
-    if args.print_config:  # print and stop: a user asking to see the recipe did not ask to train
-        print(yaml.safe_dump(recipe_dict(cfg), sort_keys=False))
-        return 0
-    built = build(cfg, dry_run=args.dry_run, progress=not is_quiet())
-    print(json.dumps(built.describe(), indent=2))
-    if args.dry_run:
-        return 0
-    try:
-        built.trainer.fit()
-    finally:
-        built.close()
-    return 0

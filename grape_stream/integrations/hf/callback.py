@@ -26,6 +26,7 @@ from grape_stream.config import AlgorithmConfig
 from grape_stream.errors import ConfigError, DataError
 from grape_stream.integrations.common import find_mixer, logits_per_sample_loss
 from grape_stream.integrations.grape_loop import GrapeLoop, PerSampleLoss
+from grape_stream.mixing.mixer import WeightedStreamingMixer
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -74,6 +75,10 @@ class GrapeTrainerCallback(TrainerCallback):
     # -- events ----------------------------------------------------------------------------------------
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
+        if self._trainer is None and _batched_by_trainer(kwargs.get("train_dataloader")):
+            raise ConfigError("GrapeTrainerCallback in a plain transformers.Trainer, whose sampler and collator batch "
+                              "the mixer's samples (accelerate then fails): train with "
+                              "grape_stream.integrations.hf.GrapeTrainer(train_dataset=mixer, ...) (docs/hf.md)")
         mixer = find_mixer(kwargs.get("train_dataloader"), who="GrapeTrainerCallback")
         self.loop.default_trajectory(_output_dir(args))
         ctl = self.loop.attach(mixer)
@@ -144,3 +149,10 @@ class GrapeTrainerCallback(TrainerCallback):
 
     def load_state_dict(self, state: Mapping[str, Any], step: int | None = None) -> None:
         self.loop.load_state_dict(state, step=step)
+
+
+def _batched_by_trainer(dataloader: Any) -> bool:
+    """A Trainer's own DataLoader over the mixer (``train_dataset=mixer`` in a plain Trainer), not the mixer's
+    counting loader (``mixer.dataloader()``, ``MixerTrainLoader``: they keep it as ``.mixer``)."""
+    obj = getattr(dataloader, "base_dataloader", dataloader)  # accelerate's DataLoaderShard keeps the original
+    return getattr(obj, "mixer", None) is None and isinstance(getattr(obj, "dataset", None), WeightedStreamingMixer)

@@ -76,6 +76,10 @@ class GrapeTrainer(Trainer):
                               f"got {type(mixer).__name__}")
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None and training_args.per_device_train_batch_size == _HF_DEFAULT_BATCH:
+            if mixer.batch_size != _HF_DEFAULT_BATCH:  # TrainingArguments' default, or the caller's 8: say which wins
+                log.warning("GrapeTrainer: per_device_train_batch_size=%d (TrainingArguments' default) set to the "
+                            "mixer's batch_size=%d; pass per_device_train_batch_size=%d to say so",
+                            _HF_DEFAULT_BATCH, mixer.batch_size, mixer.batch_size)
             training_args.per_device_train_batch_size = mixer.batch_size  # before Trainer reads train_batch_size
         super().__init__(*args, **kwargs)
         if self.args.per_device_train_batch_size != mixer.batch_size:
