@@ -27,15 +27,15 @@ def free_port() -> int:
 
     The kernel's "bind port 0" alone lets two workers that ask at once both be given a port the first has not
     bound yet (a rendezvous of one job joining the other's); here each worker keeps to its own residue class
-    (port % workers == worker index) and never hands out a port twice, so only processes outside the suite can
-    still race for it.
+    (port // 2 % workers == worker index: Linux hands bind(0) odd ports only, so the parity says nothing) and
+    never hands out a port twice, so only processes outside the suite can still race for it.
     """
     index, count = worker_index(), worker_count()
     for _ in range(10_000):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if port % count == index and port not in _handed_out:
+        if port // 2 % count == index and port not in _handed_out:
             _handed_out.add(port)
             return port
     raise RuntimeError("no free TCP port on 127.0.0.1")
