@@ -41,12 +41,17 @@ $(DEV_STAMP): requirements/dev.txt pyproject.toml
 demo: $(DEMO_STAMP)
 	$(BIN)/grape-stream demo $(ARGS)
 
+# The suite on parallel workers (pytest-xdist; tests/conftest.py says what keeps a test safe there): one per core
+# of a 2-core CI machine (the tests that train spawn their own processes, so more workers only contend), each
+# test module whole on one worker (its module-scoped fixtures built once), the longest modules first.
+# XDIST= runs in one process (e.g. `make test XDIST= ARGS="-x tests/test_foo.py"`).
+XDIST ?= -n 2 --dist loadfile --no-loadscope-reorder
 test: $(DEV_STAMP)
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q $(XDIST) $(ARGS)
 
-# The fast unit tests only (no servers, processes, Spark or training runs): about a minute.
+# The fast unit tests only (no servers, processes, Spark or training runs).
 test-fast: $(DEV_STAMP)
-	$(BIN)/python -m pytest -q -m "not integration" $(ARGS)
+	$(BIN)/python -m pytest -q -m "not integration" $(XDIST) $(ARGS)
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check grape_stream tests bench scripts

@@ -7,13 +7,34 @@ Tests are split in two by marker, so a developer can run the fast half while edi
 (`make test-fast`, i.e. `pytest -m "not integration"`): a test is `integration` when it starts processes
 or servers or trains (S3 server, torch.distributed, SIGKILL, Spark, Composer Trainer runs), decided here
 from its fixtures and module rather than by hand in each file. `make test` runs both.
+
+`make test` and `make test-fast` run the suite on parallel pytest-xdist workers (`-n 2 --dist loadfile`: each
+test module runs whole on one worker, so its module-scoped fixtures are built once). Every test must stay
+correct beside any other test running at the same moment in another process (and beside other jobs on the
+machine), so:
+
+* Files: only under `tmp_path` / `tmp_path_factory` (one base folder per worker) or `tempfile.mkdtemp()`; never
+  a fixed path, never inside the repository (a CLI run with `cwd=REPO` gets `--out` under `tmp_path`).
+* Ports: the `free_port` fixture (`_parallel.free_port()` in helpers and spawned processes; no two workers are
+  handed the same port); never a fixed port or `29500 + pid`. `mp.spawn` tests rendezvous through a file in
+  `tmp_path` (`init_method=f"file://{tmp_path}/rendezvous"`), which needs no port at all.
+* Shared memory: streaming picks each dataset's `/dev/shm` prefix (the first free number, under
+  grape_stream's registration lock), so never assume a prefix; a test that checks what is left in `/dev/shm`
+  or the temp folder looks only at its own prefixes (`mixer.shm_prefixes`) or inodes, never at the whole
+  folder: other workers' segments come and go meanwhile.
+* Environment: `monkeypatch.setenv` (or restore in `finally`): workers are separate processes, but the tests
+  of one worker share one.
+* S3: `s3_server` is one moto_server per worker; `s3_bucket` gives each test its own bucket.
+* Threads: each worker, and what it spawns, runs torch with one thread (`OMP_NUM_THREADS=1`): the workers
+  are the parallelism.
+* Cost: a set-up several tests share is a module-scoped fixture; a module that takes minutes goes in
+  `SLOW_MODULES` (they start first, so no long module is left for the end while the other worker idles).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +44,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 import pytest
+
+import _parallel
 
 if TYPE_CHECKING:
     from grape_stream.testing import FaultProxy
@@ -39,6 +62,7 @@ INTEGRATION_MODULES = frozenset({
     "test_alignment_distributed",
     "test_composer",
     "test_composer_foundry",
+    "test_composer_fsdp",
     "test_composer_multiprocess",
     "test_convert_resume",
     "test_convert_s3",
@@ -49,17 +73,23 @@ INTEGRATION_MODULES = frozenset({
     "test_hf_docs",
     "test_hf_trainer",
     "test_index_docs",
+    "test_instep_composer",
+    "test_instep_distributed",
     "test_lightning",
     "test_lightning_docs",
+    "test_loss_composer",
+    "test_loss_distributed",
+    "test_loss_trainers",
     "test_mixer_dist",
     "test_mixer_elastic_dist",
     "test_mixer_s3",
     "test_mixer_shm",
     "test_mixer_workers",
+    "test_packaging",
     "test_plain_loop",
     "test_recipe_cli",
+    "test_rnb_composer",
     "test_run_ux",
-    "test_packaging",
     "test_s3_fixture",
 })
 _INTEGRATION_FIXTURES = frozenset({"s3_server", "s3_bucket", "fault_proxy"})
@@ -71,24 +101,50 @@ INTEGRATION_TESTS = frozenset({
     "test_fsdp_is_refused_with_a_clear_message",
     "test_lightning_fsdp2_doremi_resumes_after_sigkill_onto_the_same_trajectory",
     "test_a_sigkilled_dataloader_run_leaves_a_folder_that_is_then_swept",
+    "test_cli_train_runs_a_recipe_end_to_end",
+    "test_two_ranks_give_the_gram_of_all_samples",
+    "test_sigkill_then_autoresume_with_every_option_continues_the_same_trajectory",
 })
+
+
+#: The modules that take longest (roughly slowest first: each spawns several training or server processes),
+#: started first under xdist so that the short ones fill the end.
+SLOW_MODULES: tuple[str, ...] = (
+    "test_soak_short", "test_demo", "test_composer", "test_mixer_workers", "test_checkpoint_kill",
+    "test_hf_trainer", "test_lightning", "test_convert_spark", "test_composer_multiprocess",
+    "test_mixer_elastic_dist", "test_run_ux", "test_composer_foundry",
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # before torch is imported (collection): the worker and every process it starts
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(var, "1")
+
+
+def _module(item: pytest.Item) -> str:
+    return item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        module = item.module.__name__.rpartition(".")[2] if item.module else ""
         name = getattr(item, "originalname", item.name)
-        if (module in INTEGRATION_MODULES or name in INTEGRATION_TESTS
+        if (_module(item) in INTEGRATION_MODULES or name in INTEGRATION_TESTS
                 or _INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ()))):
             item.add_marker(pytest.mark.integration)
         else:
             item.add_marker(pytest.mark.unit)
+    # Longest modules first (a stable sort: each module's tests keep their order). xdist's loadfile hands out
+    # modules in this order when run with --no-loadscope-reorder (the Makefile does).
+    rank = {m: i for i, m in enumerate(SLOW_MODULES)}
+    items.sort(key=lambda item: rank.get(_module(item), len(rank)))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port free now that no other xdist worker of this run is handed (`_parallel.free_port`)."""
+    return _parallel.free_port()
 
 
 def _moto_server_cmd(port: int) -> list[str]:
@@ -101,7 +157,7 @@ def _moto_server_cmd(port: int) -> list[str]:
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[str]:
     """Start moto_server for the session; yield its endpoint URL with S3_ENDPOINT_URL / AWS_* set."""
-    port = _free_port()
+    port = _parallel.free_port()
     proc = subprocess.Popen(_moto_server_cmd(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.time() + 60

@@ -6,23 +6,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import numpy as np
 
 from _grape_data import write_dataset
+from _parallel import free_port
 from test_composer import tiny_recipe
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_ranks_share_identical_weights(tmp_path):
@@ -35,7 +30,7 @@ def test_two_ranks_share_identical_weights(tmp_path):
     launcher = shutil.which("composer", path=os.path.dirname(sys.executable)) or "composer"
     env = dict(os.environ, PYTHONPATH=REPO)
     proc = subprocess.run(
-        [launcher, "-n", "2", "--master_port", str(_free_port()), "--stderr", str(tmp_path / "rank{rank}.err"),
+        [launcher, "-n", "2", "--master_port", str(free_port()), "--stderr", str(tmp_path / "rank{rank}.err"),
          "--stdout", str(tmp_path / "rank{rank}.out"), os.path.join(HERE, "_grape_run.py"), str(path),
          "--dump", str(dump)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=500,

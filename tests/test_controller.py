@@ -244,13 +244,11 @@ def _fsdp_worker(rank: int, port: int, data_dir: str, q) -> None:
 
 
 def test_fsdp_is_refused_with_a_clear_message(data_dir):
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from _parallel import free_port
+
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=_fsdp_worker, args=(0, port, data_dir, q))

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from _grape_data import write_dataset
+from _parallel import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -147,7 +148,7 @@ def test_hf_trainer_ddp_two_ranks_agree_on_alpha_and_read_disjoint_samples(data,
     Gram is summed over the ranks' training steps (both ranks hold the same)."""
     out = str(tmp_path / "ddp")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    port = str(29900 + os.getpid() % 500)
+    port = str(free_port())
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                            port, os.path.join(HERE, "_hf_run.py"), data, out, "--steps", "8", "--save-every", "4",
                            *extra],

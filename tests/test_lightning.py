@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from _grape_data import write_dataset
+from _parallel import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -106,7 +107,7 @@ def test_lightning_ddp_two_ranks_agree_on_alpha_and_read_disjoint_samples(data, 
     """DDP on CPU (gloo, torchrun, 2 ranks): one mixture for both ranks, different samples, one checkpoint."""
     out = str(tmp_path / "ddp")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    port = str(29400 + os.getpid() % 500)
+    port = str(free_port())
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                            port, os.path.join(HERE, "_lightning_run.py"), data, out, "--devices", "2", "--steps", "8",
                            "--save-every", "4"], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)

@@ -6,22 +6,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import traceback
 
 import pytest
 import torch.multiprocessing as mp
 
 from _grape_data import write_dataset
+from _parallel import free_port
 from test_loss_mode import DOMAINS, _model, _slow_truth
 
 WORLD = 2
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, cfg: dict) -> None:
@@ -81,7 +76,7 @@ def _worker(rank: int, cfg: dict) -> None:
 def test_two_ranks_sum_every_sample_and_agree(tmp_path) -> None:
     data = str(tmp_path / "data")
     write_dataset(data, domains=3, tasks=(0,), n_domain=160, n_val=16, n_test=8)
-    cfg = {"data": data, "out": str(tmp_path), "port": _free_port(), "reference": str(tmp_path / "ref.pt")}
+    cfg = {"data": data, "out": str(tmp_path), "port": free_port(), "reference": str(tmp_path / "ref.pt")}
     mp.spawn(_worker, args=(cfg,), nprocs=WORLD, join=True)
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(WORLD)]
     for r in ranks:

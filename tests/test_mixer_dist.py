@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import traceback
 from collections import defaultdict
 
@@ -13,16 +12,12 @@ import pytest
 import torch.multiprocessing as mp
 
 from _mds_fixtures import write_domains
+from _parallel import free_port
 
 B = 8
 SIZES = [96, 64, 48]
 WORLD = 2
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, cfg: dict) -> None:
@@ -75,7 +70,7 @@ def test_two_ranks_two_workers_draw_disjoint_samples(tmp_path):
     dirs = write_domains(tmp_path / "mds", SIZES, samples_per_shard=16)
     copy = str(tmp_path / "copy_d0")
     shutil.copytree(dirs[0], copy)
-    cfg = {"dirs": dirs, "copy": copy, "port": _free_port(), "out": str(tmp_path), "batches": 40}
+    cfg = {"dirs": dirs, "copy": copy, "port": free_port(), "out": str(tmp_path), "batches": 40}
     mp.spawn(_rank_main, args=(cfg,), nprocs=WORLD, join=True)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     for r in results:

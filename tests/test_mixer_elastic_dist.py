@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 
 from _mds_fixtures import identity, write_domains
+from _parallel import free_port
 from grape_stream.mixing.mixer import DomainStream, WeightedStreamingMixer
 from test_mixer_s3 import upload
 
@@ -51,16 +51,11 @@ def _reference(dirs) -> list[list]:
     raise AssertionError("the reference ended early")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _launch(cfg: dict, world: int, tmp: Path, name: str) -> list[subprocess.Popen]:
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(cfg))
-    port = _free_port()
+    port = free_port()
     procs = []
     for r in range(world):
         env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
