@@ -36,6 +36,26 @@ def _kl(p: Sequence[float], q: Sequence[float]) -> float:
     return float(np.sum(pa[m] * np.log(pa[m] / qa[m])))
 
 
+def _spearman(x: np.ndarray, y: np.ndarray) -> float:
+    rx, ry = np.argsort(np.argsort(x)), np.argsort(np.argsort(y))
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def _spent_before_top(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The share of the run's alpha movement (summed per-update KL) spent before z first ranked the worst
+    target first and kept it there to the end (None: it never did)."""
+    total = sum(x["kl_alpha"] for x in rows)
+    top = None
+    for i in range(len(rows)):
+        if all(x["z_rank"] == 1 for x in rows[i:]):
+            top = i
+            break
+    if top is None:
+        return {"z_top_from_step": None, "share": None}
+    return {"z_top_from_step": rows[top]["step"], "share": sum(x["kl_alpha"] for x in rows[:top]) / total,
+            "lr_factor_then": rows[top]["lr_factor"]}
+
+
 def _records(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     meta: dict[str, Any] = {}
     recs: list[dict[str, Any]] = []
@@ -76,6 +96,12 @@ def analyse(run_dir: Path) -> dict[str, Any]:
         rows.append(row)
         prev = r
     upd = [x for x in rows if "a" in x]
+    a_all = [np.asarray(r["task_alignment"], dtype=np.float64) for r in recs[1:] if r.get("task_alignment")]
+    # how much of a_n is signal: the rank correlation of consecutive updates' task scores (1: the same order
+    # each time; ~0: a new order each update, noise), and of the alignment matrices' entries
+    rho = [_spearman(x, y) for x, y in zip(a_all, a_all[1:])]
+    mats = [np.asarray(r["alignment"], dtype=np.float64).ravel() for r in recs[1:] if r.get("alignment")]
+    rho_a = [_spearman(x, y) for x, y in zip(mats, mats[1:])]
     signs = [np.sign(x["a"] - np.mean([y["a"] for y in upd])) for x in upd]
     flips = sum(1 for s, t in zip(signs, signs[1:]) if s != t)
     z_up = [x for x, y in zip(rows[1:], rows[:-1]) if x["z"] is not None and y["z"] is not None and x["z"] > y["z"]]
@@ -89,9 +115,9 @@ def analyse(run_dir: Path) -> dict[str, Any]:
         "b_own_top3_in": sum(1 for x in rows if x.get("b_rank", 99) <= 3),
         "kl_z_mean": float(np.mean([x["kl_z"] for x in rows if x["kl_z"] is not None])),
         "kl_alpha_mean": float(np.mean([x["kl_alpha"] for x in rows])),
-        "a_sign_flips": flips, "probe_rse_median": (float(np.median([x["probe_rse"] for x in rows
-                                                                     if x["probe_rse"] is not None]))
-                                                    if any(x["probe_rse"] is not None for x in rows) else None),
+        "a_sign_flips": flips, "a_rank_corr_consecutive": float(np.mean(rho)) if rho else None,
+        "alignment_matrix_rank_corr_consecutive": float(np.mean(rho_a)) if rho_a else None,
+        "kl_alpha_spent_before_z_top": _spent_before_top(rows),
     }
     return {"run": str(run_dir.relative_to(REPO)) if run_dir.is_relative_to(REPO) else str(run_dir),
             "summary": summary, "updates": rows}
@@ -116,7 +142,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{s['a_lowest_in']} (mean rank from the lowest {s['a_rank_from_low_mean']}); b on its language in the "
               f"top 3 in {s['b_own_top3_in']} of {s['updates']} (mean rank {s['b_own_rank_mean']}); KL per update z "
               f"{s['kl_z_mean']:.4f} alpha {s['kl_alpha_mean']:.4f}; a_n sign flips {s['a_sign_flips']}; "
-              f"probe_rse median {s['probe_rse_median']}")
+              f"rank corr of consecutive a {s['a_rank_corr_consecutive']:.2f}, of consecutive A "
+              f"{s['alignment_matrix_rank_corr_consecutive']:.2f}; z ranks it first from step "
+              f"{s['kl_alpha_spent_before_z_top']['z_top_from_step']}, after "
+              f"{s['kl_alpha_spent_before_z_top']['share'] or 0:.0%} of alpha's movement")
         print("  step  lr   alpha_k*  z_n*  z rank  a_n*      a rank(low)  b_k*       b rank  KL z    KL alpha  rse")
         for x in an["updates"]:
             print(f"  {x['step']:>4} {x['lr_factor']:.2f}  {x['alpha_own']:.3f}    {x['z'] or math.nan:.3f}  "
