@@ -565,12 +565,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             for path in sorted(out.glob(f"{source}-seed*/result.json")):
                 runs.setdefault(source, {})[int(path.parent.name.rsplit("seed", 1)[1])] = json.loads(path.read_text())
     order = pairs or [(m, s) for m in methods for s in seeds]  # method-major: reuse methods need their sources
+    listed = len(order)
     if args.collect:  # only the runs that finished with this invocation's settings
         order = [(m, s) for m, s in order if _finished_run(m, s, args.steps, mds, out, docs, runs, args.extra)]
     for i, (m, s) in enumerate(order, 1):
         runs.setdefault(m, {})[s] = _run(m, s, args.steps, mds, out, docs, runs, args.fresh, args.extra)
         write(Path(args.results), runs, docs, args, partial=i < len(order))
-    doc = write(Path(args.results), runs, docs, args, partial=False)
+    # --collect while listed runs are still training (or missing): the file says it is partial
+    doc = write(Path(args.results), runs, docs, args, partial=len(order) < listed)
     print("\n" + doc["table"])
     print("\nclaims: " + json.dumps(doc["claims"], indent=1))
     print(f"wrote {args.results}")
