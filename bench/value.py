@@ -33,13 +33,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import resource
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
-
-import numpy as np
 
 # the setting is the demo's (one definition: grape_stream/apps/demo_pool.py)
 from grape_stream.apps.demo_pool import (
@@ -58,6 +56,8 @@ from grape_stream.apps.demo_pool import (
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
+from value_report import aggregate, claims, split_by_version, table  # noqa: E402
+
 RESULTS = REPO / "bench" / "results" / "value.json"
 
 _RUN: dict[str, Any] = {"steps": STEPS, "out": REPO / "runs" / "bench_value"}  # this invocation's (main sets it)
@@ -117,6 +117,11 @@ def _demo_step(lr: float) -> list[str]:
             "algorithm.options.clip_norm=1.0"]
 
 
+def _candidate(name: str) -> Callable[..., list[str]]:
+    """The overrides of the search candidate ``name`` scored as the search scores it (on the probe split)."""
+    return lambda lr, d, s, r: [f"algorithm.options.weights={_vec(_cand_weights(d, name))}", *CANDIDATE_SPLITS]
+
+
 #: bench method -> (registry method, overrides(lr, docs, seed, runs) -> list). ``docs``: the search's documents.
 METHODS: dict[str, tuple[str, Callable[..., list[str]]]] = {
     "uniform": ("uniform", lambda lr, d, s, r: []),
@@ -153,11 +158,25 @@ METHODS: dict[str, tuple[str, Callable[..., list[str]]]] = {
     "grape_replay": ("schedule", lambda lr, d, s, r: [f"algorithm.schedule_path={_prev(r, 'grape', s)['traj']}"]),
     "grape_final_static": ("static",
                            lambda lr, d, s, r: [f"algorithm.options.weights={_vec(_prev(r, 'grape', s)['alpha'])}"]),
+    # the oracle search's candidates re-scored on this library version (probe split, as the search scores them)
+    **{f"cand_{c}": ("static", _candidate(c)) for c in ("uniform", "regmix", "crisp")},
+    # uniform trained under its own shorter schedule (warm-up, cosine, curve points all scaled to the budget):
+    # the reference for "compute to uniform's final" (issue 32 part 4)
+    **{f"uniform_s{n}": ("uniform", lambda lr, d, s, r: []) for n in (200, 260, 320)},
 }
+#: Scored on the probe split (the split the search may use), tested on nothing else.
+CANDIDATE_SPLITS = ["data.task_test_split=probe", "data.task_probe_split=test"]
+#: Methods trained at a budget of their own (``uniform_s200`` -> 200 steps), not the invocation's ``--steps``.
+SHORT = {m: int(m.rsplit("_s", 1)[1]) for m in METHODS if m.startswith("uniform_s")}
 #: Methods whose weights come from the search (the others run before it has finished).
-NEEDS_SEARCH = {"oracle", "regmix", "crisp"}
+NEEDS_SEARCH = {"oracle", "regmix", "crisp", "cand_uniform", "cand_regmix", "cand_crisp"}
 DEFAULT_METHODS = ["uniform", "oracle", "grape", "grape_paper", "grape_demo_tuned", "doge", "regmix", "crisp",
                    "grape_adam", "grape_ema", "grape_replay", "grape_final_static"]
+
+
+def _cand_weights(docs: Mapping[str, Any], name: str) -> list[float]:
+    """A search candidate's weights: uniform, or the search document's RegMix argmin / CRISP weights."""
+    return [1.0 / len(SOURCES)] * len(SOURCES) if name == "uniform" else list(docs[name]["weights"])
 
 
 def _prev(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], method: str, seed: int) -> dict[str, Any]:
@@ -182,6 +201,11 @@ def prepare(out: Path, corpus: Path) -> Path:
 
 # ----------------------------------------------------------------------------- oracle search
 
+def _search_key(proxies: int, steps: int, candidates: int, mds: Path) -> dict[str, Any]:
+    """What identifies a search on disk (a search with other settings is redone)."""
+    return {"proxies": proxies, "steps": steps, "candidates": candidates, "mds": mds.name, "crisp_candidate": True}
+
+
 def search(out: Path, mds: Path, corpus: Path, *, proxies: int, steps: int, candidates: int,
            fresh: bool) -> dict[str, Any]:
     """RegMix proxies + full-budget candidates, all on the probe split (seed 0); also CRISP's weights."""
@@ -190,7 +214,7 @@ def search(out: Path, mds: Path, corpus: Path, *, proxies: int, steps: int, cand
     from grape_stream.mixture.regmix import dirichlet_mixtures
 
     path = out / "search.json"
-    key = {"proxies": proxies, "steps": steps, "candidates": candidates, "mds": mds.name, "crisp_candidate": True}
+    key = _search_key(proxies, steps, candidates, mds)
     if path.is_file() and not fresh:
         doc = json.loads(path.read_text())
         if doc.get("key") == key:
@@ -222,126 +246,49 @@ def search(out: Path, mds: Path, corpus: Path, *, proxies: int, steps: int, cand
     oracle = weights_document("oracle", SOURCES, best["weights"], time.perf_counter() - t0,
                               {"chosen": best["name"], "criterion": "probe-split average at the full budget, seed 0",
                                "candidates": scored})
-    doc = {"key": key, "regmix": regmix, "oracle": oracle, "crisp": crisp}
+    doc = {"key": key, "regmix": regmix, "oracle": oracle, "crisp": crisp,
+           "settings": {"proxy_steps": proxy_steps, "proxy_seed": 0, "candidate_seed": 0, "regressor": "lightgbm",
+                        "crisp_samples": 64, "criterion": "probe-split average at the full budget, seed 0",
+                        "code": dict(_CODE)}}
     path.write_text(json.dumps(doc, indent=1))
     return doc
 
 
-# ----------------------------------------------------------------------------- statistics
+# ----------------------------------------------------------------------------- provenance
 
-def mean_std(xs: Sequence[float]) -> tuple[float, float]:
-    n = len(xs)
-    if not n:
-        return float("nan"), float("nan")
-    m = sum(xs) / n
-    return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1)) if n > 1 else 0.0)
+def code_version() -> dict[str, Any]:
+    """What this process runs: the commit, whether the library or the bench scripts differ from it, and the
+    git tree hash of ``grape_stream/`` (the library version a table row is grouped by: a later commit that
+    touches only docs or the report keeps it). Read once at start: the modules are imported then."""
+    import subprocess
 
+    import torch
 
-def aggregate(runs: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> dict[str, Any]:
-    """Per method: avg / worst / per-target test loss (mean, std), oracle gain captured, tokens to uniform."""
-    from mixture_quality import tokens_to_reach  # the English / byte benchmarks' measure, unchanged
+    from grape_stream import __version__
 
-    u, o = runs.get("uniform", {}), runs.get("oracle", {})
-    out: dict[str, Any] = {}
-    if not u:
-        return out
-    u_avg = mean_std([r["final_avg"] for r in u.values()])
-    u_worst = mean_std([r["final_worst"] for r in u.values()])
-    o_avg = mean_std([r["final_avg"] for r in o.values()]) if o else None
-    o_worst = mean_std([r["final_worst"] for r in o.values()]) if o else None
-    for m, by_seed in runs.items():
-        seeds = sorted(by_seed)
-        avg = [by_seed[s]["final_avg"] for s in seeds]
-        worst = [by_seed[s]["final_worst"] for s in seeds]
-        st: dict[str, Any] = {"seeds": seeds, "avg": mean_std(avg), "worst": mean_std(worst),
-                              "avg_values": avg, "worst_values": worst,
-                              "per_target": {t: mean_std([by_seed[s]["final"][t] for s in seeds]) for t in TARGETS}}
-        if o_avg and o_worst:
-            # per seed: the method's gain over uniform's seed mean, as a share of the oracle's gain (seed means)
-            st["gain_captured_avg"] = mean_std([(u_avg[0] - a) / (u_avg[0] - o_avg[0]) for a in avg])
-            st["gain_captured_worst"] = mean_std([(u_worst[0] - w) / (u_worst[0] - o_worst[0]) for w in worst])
-            st["gain_captured_per_target"] = {
-                t: (u_t - st["per_target"][t][0]) / (u_t - o_t) if abs(u_t - o_t) > 1e-12 else None
-                for t in TARGETS
-                for u_t, o_t in [(mean_std([r["final"][t] for r in u.values()])[0],
-                                  mean_std([r["final"][t] for r in o.values()])[0])]}
-        reach = []
-        for s in seeds:
-            if s in u:
-                t = tokens_to_reach(by_seed[s]["curve"], u[s]["curve"]["avg"][-1])
-                reach.append(None if t is None else t / u[s]["train_tokens"])
-        got = [x for x in reach if x is not None]
-        st["tokens_to_uniform_final"] = {"values": reach, "mean": mean_std(got)[0] if got else None,
-                                         "reached": len(got), "of": len(reach)}
-        tv = []
-        for s in seeds:
-            traj = by_seed[s].get("trajectory") or []
-            if traj:
-                a0 = np.full(len(SOURCES), 1.0 / len(SOURCES))
-                tv.append(max(0.5 * float(np.abs(np.asarray(r["alpha"]) - a0).sum()) for r in traj))
-        st["alpha_moved_tv"] = mean_std(tv)[0] if tv else 0.0
-        finals = [by_seed[s]["trajectory"][-1]["alpha"] for s in seeds if by_seed[s].get("trajectory")]
-        st["final_alpha"] = dict(zip(SOURCES, np.mean(finals, axis=0).round(4).tolist())) if finals else None
-        st["seconds"] = mean_std([by_seed[s]["seconds"]["total"] for s in seeds])[0]
-        st["reweighting_seconds"] = mean_std([by_seed[s]["seconds"]["reweighting"] for s in seeds])[0]
-        out[m] = st
-    return out
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=60,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return "unknown"
+
+    lib = git("status", "--porcelain", "--untracked-files=no", "--", "grape_stream", "pyproject.toml")
+    bench = git("status", "--porcelain", "--untracked-files=no", "--", "bench/value.py", "bench/value_report.py")
+    return {"commit": git("rev-parse", "HEAD"), "dirty": None if "unknown" in (lib, bench) else bool(lib or bench),
+            "library_tree": git("rev-parse", "HEAD:grape_stream") + ("+dirty" if lib and lib != "unknown" else ""),
+            "library_version": __version__, "torch": torch.__version__}
 
 
-def claims(agg: Mapping[str, Any], method: str = "grape") -> dict[str, Any]:
-    """The issue's acceptance figures for ``method`` (the default GRAPE), computed from the runs."""
-    if "uniform" not in agg or "oracle" not in agg:
-        return {}
-    u, o = agg["uniform"], agg["oracle"]
-    c: dict[str, Any] = {
-        "oracle_margin_in_uniform_std": {
-            k: ((u[k][0] - o[k][0]) / u[k][1] if u[k][1] > 0 else None) for k in ("avg", "worst")},
-        "uniform_seed_std": {"avg": u["avg"][1], "worst": u["worst"][1]},
-    }
-    if method in agg:
-        g = agg[method]
-        c["method"] = method
-        c["oracle_gain_captured"] = {
-            "avg": {"mean": g["gain_captured_avg"][0], "std": g["gain_captured_avg"][1]},
-            "worst": {"mean": g["gain_captured_worst"][0], "std": g["gain_captured_worst"][1]}}
-        c["tokens_to_uniform_final"] = {"mean": g["tokens_to_uniform_final"]["mean"],
-                                        "reached": g["tokens_to_uniform_final"]["reached"],
-                                        "of": g["tokens_to_uniform_final"]["of"]}
-        ok = [g[k][0] - g[k][1] > 0 and g[k][0] >= 0.5 for k in ("gain_captured_avg", "gain_captured_worst")]
-        t = c["tokens_to_uniform_final"]
-        c["goal_met"] = {"gain_captured_ge_0.5_and_mean_minus_std_gt_0": all(ok),
-                         "tokens_le_0.6x": bool(t["mean"] is not None and t["reached"] == t["of"] and t["mean"] <= 0.6)}
-    return c
+_CODE: dict[str, Any] = {}  # main fills it: code_version() at the start of this process
 
 
-def table(agg: Mapping[str, Any]) -> str:
-    def pm(x: tuple[float, float], d: int = 4) -> str:
-        return f"{x[0]:.{d}f} +- {x[1]:.{d}f}"
-
-    rows = [("method", "seeds", "avg test loss", "worst test loss", "gain captured avg", "gain captured worst",
-             "tokens to uniform", "alpha moved", "s/run")]
-    for m, st in agg.items():
-        t = st["tokens_to_uniform_final"]
-        part = "" if t["reached"] == t["of"] else f" ({t['reached']}/{t['of']})"
-        reach = "-" if not t["of"] else ("not reached" if not t["reached"] else f"{t['mean']:.2f}x{part}")
-        rows.append((m, str(len(st["seeds"])), pm(st["avg"]), pm(st["worst"]),
-                     pm(st["gain_captured_avg"], 2) if "gain_captured_avg" in st else "-",
-                     pm(st["gain_captured_worst"], 2) if "gain_captured_worst" in st else "-",
-                     reach, f"{st['alpha_moved_tv']:.2f}", f"{st['seconds']:.0f}"))
-    w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(x) for c, x in zip(r, w)) for r in rows]
-    lines.insert(1, "-" * len(lines[0]))
-    lines += ["", "per-target test loss (nats/token, mean over seeds; * = best):",
-              f"{'method':<20}" + "".join(f"{t:>8}" for t in TARGETS)]
-    best = {t: min(st["per_target"][t][0] for st in agg.values()) for t in TARGETS}
-    for m, st in agg.items():
-        lines.append(f"{m:<20}" + "".join(
-            f"{st['per_target'][t][0]:>7.3f}{'*' if st['per_target'][t][0] == best[t] else ' '}" for t in TARGETS))
-    lines += ["", "final alpha (mean over seeds):"]
-    for m, st in agg.items():
-        if st.get("final_alpha"):
-            lines.append(f"{m:<20}" + " ".join(f"{k} {v:.2f}" for k, v in st["final_alpha"].items()))
-    return "\n".join(lines)
+def search_from(path: Path, out: Path, key: Mapping[str, Any]) -> None:
+    """``--search-from``: take the oracle search of an earlier run (a JSON holding ``regmix``, ``crisp``,
+    ``oracle`` documents, their settings and candidate scores) as this run's, without retraining its proxies.
+    Its figures keep the provenance the file states; ``cand_*`` runs re-score its candidates on this version."""
+    doc = json.loads(path.read_text())
+    (out / "search.json").write_text(json.dumps({**doc, "key": dict(key)}, indent=1))
 
 
 # ----------------------------------------------------------------------------- main
@@ -352,7 +299,7 @@ def _plan(method: str, seed: int, steps: int, mds: Path, out: Path, docs: Mappin
     from grape_stream.apps.demo_run import recipe_overrides
 
     base, make = METHODS[method]
-    s = settings(steps)
+    s = settings(SHORT.get(method, steps))
     extra_o = [*MODEL, *DATA, *make(LR, docs, seed, runs), *extra]
     run_dir = out / f"{method}-seed{seed}"
     return {"base": base, "settings": s, "extra": extra_o, "run_dir": run_dir,
@@ -380,7 +327,9 @@ def _run(method: str, seed: int, steps: int, mds: Path, out: Path, docs: Mapping
     t0 = time.perf_counter()
     res = run_method(plan["base"], mds=mds, out_dir=run_dir, settings=plan["settings"], seed=seed, progress=False,
                      extra_overrides=plan["extra"])
-    res["method"], res["run_dir"] = method, str(run_dir)
+    res["method"], res["run_dir"], res["code"] = method, str(run_dir), dict(_CODE)
+    # process-wide (runs share the process): the high-water mark so far, an upper bound for this run
+    res["process_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     res_path.write_text(json.dumps(res, indent=1))
     print(f"{method} seed {seed}: avg {res['final_avg']:.4f} worst {res['final_worst']:.4f} "
           f"({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -431,26 +380,118 @@ def kept_runs(path: Path, steps: int, exclude: Sequence[str]) -> dict[str, dict[
 _KEPT_SEARCH: dict[str, Any] = {}  # --add: the search section of the results file the kept runs come from
 
 
+def _search_section(docs: Mapping[str, Any], runs: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> dict[str, Any]:
+    """The oracle search as the JSON shows it: each answer's weights, the candidates and their probe scores
+    (as the search found them, with its provenance) and the candidates re-scored by ``cand_*`` runs here."""
+    sec: dict[str, Any] = {k: {kk: v for kk, v in d.items() if kk != "details"}
+                           | {"chosen": d["details"].get("chosen"), "criterion": d["details"].get("criterion"),
+                              "candidates": [{k2: c.get(k2) for k2 in ("name", "probe_avg", "probe_worst", "weights")}
+                                             for c in d["details"].get("candidates", [])] or None}
+                           for k, d in docs.items() if isinstance(d, dict) and "weights" in d} or dict(_KEPT_SEARCH)
+    here = [{"name": m[5:], "seed": s, "probe_avg": r["final_avg"], "probe_worst": r["final_worst"],
+             "commit": (r.get("code") or {}).get("commit")}
+            for m, by_seed in runs.items() if m.startswith("cand_") for s, r in sorted(by_seed.items())]
+    if here:
+        sec["candidates_rescored_this_version"] = {
+            "criterion": "probe-split average at the full budget, seed 0", "candidates": here,
+            "best": min(here, key=lambda c: c["probe_avg"])["name"]}
+    return sec
+
+
+def _earlier(path: Path | None, methods: Sequence[str]) -> dict[str, Any] | None:
+    """The rows of an earlier library version's results file (``--earlier``), summarised and labelled, for
+    a block apart from the table: never merged with this version's rows."""
+    if path is None or not path.is_file():
+        return None
+    prev = json.loads(path.read_text())
+    rows = {m: {"n": len(st["seeds"]), "avg": st["avg"], "worst": st["worst"]}
+            for m, st in prev.get("methods", {}).items()}
+    return {"file": str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path),
+            "note": "an earlier library version (before the elastic stream, issue 20, for uniform / grape / doge / "
+                    "regmix / oracle / crisp / grape_final_static / grape_steps; after it for the others): other "
+                    "data streams per seed, mean +- std as that file states them; not comparable row by row",
+            "not_rerun_here": sorted(set(rows) - set(methods)), "rows": rows}
+
+
 def write(path: Path, runs: Mapping[str, Mapping[int, Mapping[str, Any]]], docs: Mapping[str, Any], args: Any,
           partial: bool) -> dict[str, Any]:
-    agg = aggregate(runs)
+    """The results file: the table of ONE library version (the one most runs recorded, or ``--version``);
+    runs of other versions listed apart; the search with its candidates; the claims."""
+    main_runs = {m: r for m, r in runs.items() if not m.startswith("cand_")}
+    same, other, version = split_by_version(main_runs, getattr(args, "version", None))
+    agg = aggregate(same, TARGETS, SOURCES)
+    earlier = _earlier(Path(args.earlier) if getattr(args, "earlier", None) else None, list(agg))
+    text = table(agg, TARGETS) if agg else ""
+    if earlier and text:
+        def ms(x: Sequence[float], n: int) -> str:
+            return f"{x[0]:.4f} +- {x[1]:.4f} (std)" if n > 1 else f"{x[0]:.4f} (n=1)"
+
+        text += ("\n\nearlier library version, NOT re-run on this one (" + earlier["file"] + "; other data streams, "
+                 "not comparable row by row with the table above):\n"
+                 + "\n".join(f"{m:<20} n={r['n']}  avg {ms(r['avg'], r['n'])}  worst {ms(r['worst'], r['n'])}"
+                             for m, r in earlier["rows"].items() if m in earlier["not_rerun_here"]))
+    commits = sorted({(r.get("code") or {}).get("commit", "unrecorded") for b in same.values() for r in b.values()})
     doc = {"bench": "value", "partial": partial, "command": "python bench/value.py " + " ".join(sys.argv[1:]),
+           "version": {"library_tree": version, "commits": commits, "collected_by": dict(_CODE)},
            "setting": {"sources": SOURCES, "targets": TARGETS, "vocab": VOCAB, "seq_len": SEQ_LEN, "steps": args.steps,
                        "batch": BATCH, "train_tokens": args.steps * BATCH * SEQ_LEN, "lr": LR, "model": MODEL,
-                       "metric": "token-level test cross-entropy (nats/token), 256 strided test sequences per target"},
-           "claims": claims(agg), "table": table(agg) if agg else "",
-           "search_settings": docs.get("key"),  # proxies, proxy/candidate budget (the demo prints them)
-           "search": {k: {kk: v for kk, v in d.items() if kk != "details"} | {"chosen": d["details"].get("chosen")}
-                      for k, d in docs.items() if isinstance(d, dict) and "weights" in d} or dict(_KEPT_SEARCH),
+                       "metric": "token-level test cross-entropy (nats/token), 256 strided test sequences per target",
+                       "ci": "95% two-sided Student t interval of the mean over seeds, half-width (n - 1 df)"},
+           "claims": claims(agg), "table": text,
+           "search_settings": ({**docs["key"], **(docs.get("settings") or {})} if docs.get("key") else None),
+           "search": _search_section(docs, runs),
            "methods": agg,
+           "other_versions": {m: {str(s): {"code": r.get("code"), "final_avg": r["final_avg"],
+                                           "final_worst": r["final_worst"]} for s, r in b.items()}
+                              for m, b in other.items()},
+           "earlier_version": earlier,
            "runs": {m: {str(s): {k: r[k] for k in ("final", "final_avg", "final_worst", "curve", "trajectory",
-                                                     "seconds", "train_loss", "train_tokens") if k in r}
+                                                     "seconds", "train_loss", "train_tokens", "steps", "code",
+                                                     "process_peak_rss_mb", "same_run_as") if k in r}
                         for s, r in by_seed.items()} for m, by_seed in runs.items()}}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(doc, indent=1, default=list))
     tmp.replace(path)
     return doc
+
+
+DOCS_BEGIN, DOCS_END = "<!-- value-table:begin -->", "<!-- value-table:end -->"
+
+
+def write_docs(path: Path, doc: Mapping[str, Any]) -> None:
+    """The table (and the claims it supports) between the page's markers: the page's figures are the JSON's,
+    regenerated by the script, never typed by hand."""
+    text = path.read_text()
+    if DOCS_BEGIN not in text or DOCS_END not in text:
+        raise SystemExit(f"{path}: no {DOCS_BEGIN} ... {DOCS_END} block to write the table into")
+    v, c = doc["version"], doc["claims"]
+    w = c.get("worst_target_improved_seeds") or {}
+    t = c.get("targets_improved_per_seed") or {}
+    g = c.get("oracle_gain_captured") or {}
+    cu = (c.get("compute_to_uniform_final") or {}).get("fraction_of_uniform_steps") or {}
+    lines = [DOCS_BEGIN, "",
+             f"Library tree `{(v['library_tree'] or '')[:12]}` (`git rev-parse HEAD:grape_stream`), runs of commit(s) "
+             + ", ".join(f"`{x[:10]}`" for x in v["commits"]) + ("; **partial** (runs still going)"
+                                                                if doc["partial"] else "") + ".", "",
+             "```", doc["table"], "```", ""]
+    if w:
+        lines.append(f"- `worst_target_improved_seeds` (GRAPE default, worst-target test loss below uniform's seed "
+                     f"mean): {w['improved']} of {w['n']}")
+    if t:
+        lines.append("- `targets_improved_per_seed` (of 7, against uniform's seed mean per target): "
+                     + "; ".join(f"{m} {','.join(map(str, x['per_seed'].values()))}" for m, x in t.items()))
+    for k in ("avg", "worst"):
+        if k in g:
+            ci = "" if g[k]["ci"] is None else f" +- {g[k]['ci']:.2f}"
+            lines.append(f"- oracle gain captured by GRAPE, {k}: {g[k]['mean']:.2f}{ci} (95% t, n={g[k]['n']})")
+    if cu.get("n"):
+        ci = "" if cu.get("ci") is None else f" +- {cu['ci']:.2f}"
+        lines.append(f"- `compute_to_uniform_final` (GRAPE, probe cost included, / uniform's 400 steps): "
+                     f"{cu['mean']:.2f}{ci} (n={cu['n']})")
+    lines += ["", DOCS_END]
+    a, b = text.index(DOCS_BEGIN), text.index(DOCS_END) + len(DOCS_END)
+    path.write_text(text[:a] + "\n".join(lines) + text[b:])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -472,6 +513,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="train only --methods; every other method's runs are kept from the existing --results file "
                         "(runs are deterministic: same settings, same numbers), so a new method joins the table "
                         "without retraining the oracle search, uniform and the others")
+    p.add_argument("--runs", default="",
+                   help="an explicit run list in priority order, e.g. uniform:0,grape:0,oracle:0,uniform:1 "
+                        "(instead of --methods x --seeds, which runs method by method)")
+    p.add_argument("--search-from", default="",
+                   help="a JSON of an earlier oracle search (weights, settings, candidate scores, provenance) used "
+                        "as this run's search instead of retraining its proxies")
+    p.add_argument("--version", default=None,
+                   help="the library tree (git rev-parse HEAD:grape_stream) whose runs make the table "
+                        "(default: the one most runs recorded)")
+    p.add_argument("--earlier", default="",
+                   help="an earlier version's results file, listed apart under the table (its rows not re-run)")
+    p.add_argument("--docs", default="",
+                   help="also write the table into this Markdown file between its '<!-- value-table:begin -->' and "
+                        "'<!-- value-table:end -->' lines (docs/results.md), with the commit and the claims")
     p.add_argument("--quick", action="store_true", help="smoke run: 32 steps, seed 0, uniform + grape, 4 proxies")
     args = p.parse_args(argv)
     if args.quick:
@@ -479,13 +534,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out, args.results = args.out + "_quick", str(Path(args.results).with_name("value_quick.json"))
     import torch
 
+    _CODE.update(code_version())
+    print(f"code: {json.dumps(_CODE)}", flush=True)
     _RUN["steps"], _RUN["out"] = args.steps, Path(args.out)
     torch.set_num_threads(1)
     out, corpus = Path(args.out), Path(args.data)
     out.mkdir(parents=True, exist_ok=True)
     mds = prepare(out, corpus)
-    methods = [m for m in args.methods.split(",") if m]
+    pairs = [(x.split(":")[0], int(x.split(":")[1])) for x in args.runs.split(",") if x]
+    methods = list(dict.fromkeys(m for m, _ in pairs)) if pairs else [m for m in args.methods.split(",") if m]
     docs: dict[str, Any] = {}
+    if args.search_from:
+        search_from(Path(args.search_from), out, _search_key(args.proxies, args.steps, args.candidates, mds))
     if args.stage == "search" or set(methods) & NEEDS_SEARCH or (out / "search.json").is_file():
         docs = search(out, mds, corpus, proxies=args.proxies, steps=args.steps, candidates=args.candidates,
                       fresh=args.fresh)
@@ -504,16 +564,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         if reuse & set(methods) and (source not in methods or args.collect):
             for path in sorted(out.glob(f"{source}-seed*/result.json")):
                 runs.setdefault(source, {})[int(path.parent.name.rsplit("seed", 1)[1])] = json.loads(path.read_text())
-    order = [(m, s) for m in methods for s in seeds]  # method-major: reuse methods need their source runs
+    order = pairs or [(m, s) for m in methods for s in seeds]  # method-major: reuse methods need their sources
+    listed = len(order)
     if args.collect:  # only the runs that finished with this invocation's settings
         order = [(m, s) for m, s in order if _finished_run(m, s, args.steps, mds, out, docs, runs, args.extra)]
     for i, (m, s) in enumerate(order, 1):
         runs.setdefault(m, {})[s] = _run(m, s, args.steps, mds, out, docs, runs, args.fresh, args.extra)
         write(Path(args.results), runs, docs, args, partial=i < len(order))
-    doc = write(Path(args.results), runs, docs, args, partial=False)
+    # --collect while listed runs are still training (or missing): the file says it is partial
+    doc = write(Path(args.results), runs, docs, args, partial=len(order) < listed)
     print("\n" + doc["table"])
     print("\nclaims: " + json.dumps(doc["claims"], indent=1))
     print(f"wrote {args.results}")
+    if args.docs:
+        write_docs(Path(args.docs), doc)
+        print(f"wrote the table into {args.docs}")
     return 0
 
 

@@ -190,20 +190,76 @@ def test_the_printed_command_trains_what_the_demo_run_trained(quick: bool) -> No
             assert cmd == f"grape-stream train demo-cpu run_name=demo-{method}{other}"
         printed = shlex.split(cmd)[3:]
         assert _training_keys(printed) == _training_keys(overrides)
+def _bench_module(name: str):  # type: ignore[no-untyped-def]
+    """A bench/ script as a module (bench/ is not a package; its scripts import each other by name)."""
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(REPO / "bench"))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _fake_run(level: float, seed: int, tree: str = "t1") -> dict:
+    """A finished value-benchmark run whose every target sits at ``level`` (+ 0.1 on pt, the worst)."""
+    final = {t: level + (0.1 if t == "pt" else 0.0) for t in demo_pool.TARGETS}
+    avg = sum(final.values()) / len(final)
+    return {"final": final, "final_avg": avg, "final_worst": max(final.values()), "steps": 400,
+            "train_tokens": 400 * 4096, "trajectory": [], "code": {"commit": f"c{tree}", "library_tree": tree},
+            "curve": {"step": [0, 200, 400], "tokens": [0, 200 * 4096, 400 * 4096], "avg": [8.0, avg + 0.3, avg]},
+            "seconds": {"total": 100.0 + seed, "curve_eval": 10.0, "reweighting": 9.0}}
+
+
+def test_value_report_rows_are_one_version_with_t_intervals() -> None:
+    """n, the 95% t half-width (against scipy), 'n=1' for one run, other versions kept out of the rows."""
+    from scipy import stats
+
+    report = _bench_module("value_report")
+    runs = {"uniform": {s: _fake_run(5.3 + 0.02 * s, s) for s in range(3)},
+            "oracle": {s: _fake_run(4.9 + 0.01 * s, s) for s in range(3)},
+            "grape": {0: _fake_run(5.0, 0), 1: _fake_run(5.6, 1, tree="t0")}}
+    same, other, version = report.split_by_version(runs, None)
+    assert version == "t1" and list(other) == ["grape"] and list(same["grape"]) == [0]
+    agg = report.aggregate(same, demo_pool.TARGETS, demo_pool.SOURCES)
+    xs = agg["uniform"]["avg"]["values"]
+    want = stats.t.ppf(0.975, len(xs) - 1) * stats.sem(xs)
+    assert agg["uniform"]["avg"]["n"] == 3 and math.isclose(agg["uniform"]["avg"]["ci"], want, rel_tol=1e-3)
+    assert agg["grape"]["avg"]["ci"] is None and agg["grape"]["targets_better_than_uniform"] == [7]
+    text = report.table(agg, demo_pool.TARGETS)
+    assert "(n=1)" in text and "+- 0.0000" not in text
+    c = report.claims(agg)
+    assert c["worst_target_improved_seeds"] == {"improved": 1, "n": 1, "reference": c["worst_target_improved_seeds"][
+        "reference"]}
+    assert c["targets_improved_per_seed"]["grape"] == {"per_seed": {"0": 7}, "of": 7}
+    # probe cost: 9 s of reweighting against (100 - 10 - 9) / 400 s per training step
+    assert math.isclose(agg["grape"]["probe_step_equivalents"]["mean"], 9.0 / (81.0 / 400))
 
 
 def test_reference_lines_read_the_benchmark_json(tmp_path: Path) -> None:
-    doc = json.loads(demo_pool.reference_path().read_text())
-    lines = demo_pool.reference_lines(["uniform", "grape", "nosuch"], seed=0)
-    for name, key in (("uniform", "uniform"), ("grape", "grape"), ("best static", "oracle")):
-        st = doc["methods"][key]
-        mean = sum(st["avg_values"]) / len(st["avg_values"])  # recomputed, not the JSON's summary
-        line = next(x for x in lines if x.startswith(f"  {name} "))
-        assert f"average {mean:.4f} +- " in line and f"worst {st['worst'][0]:.4f}" in line, line
-    assert f"seed 0: average {doc['methods']['grape']['avg_values'][0]:.4f}" in "\n".join(lines)
-    assert not any("nosuch" in x for x in lines)
+    report = _bench_module("value_report")
+    runs = {"uniform": {s: _fake_run(5.3 + 0.02 * s, s) for s in range(2)},
+            "oracle": {s: _fake_run(4.9 + 0.01 * s, s) for s in range(3)}, "grape": {0: _fake_run(5.0, 0)}}
+    agg = report.aggregate(runs, demo_pool.TARGETS, demo_pool.SOURCES)
+    doc = {"methods": agg, "version": {"commits": ["ct1"]}, "search_settings": {"proxies": 24},
+           "search": {"oracle": {"chosen": "crisp"}}}
+    (tmp_path / "value.json").write_text(json.dumps(doc))
+    lines = demo_pool.reference_lines(["uniform", "grape", "nosuch"], seed=0, path=tmp_path / "value.json")
+    u = agg["uniform"]["avg"]
+    mean = sum(u["values"]) / 2  # recomputed, not the JSON's summary
+    line = next(x for x in lines if x.startswith("  uniform "))
+    assert f"average {mean:.4f} +- {u['ci']:.4f}" in line and "(n=2; seed 0: average" in line, line
+    line = next(x for x in lines if x.startswith("  grape "))
+    assert f"average {agg['grape']['avg']['mean']:.4f} (n=1)" in line, line
+    assert next(x for x in lines if x.startswith("  best static ")).endswith("(n=3)")
+    assert "commit ct1" in lines[0] and "24-proxy" in lines[-1] and not any("nosuch" in x for x in lines)
     assert demo_pool.reference_lines(["uniform"], path=tmp_path / "absent.json") == []
-    (tmp_path / "v.json").write_text(json.dumps({"methods": {}}))
+    # the older format (no recorded library version: rows of two data streams) is not shown as a reference
+    (tmp_path / "old.json").write_text(json.dumps({"methods": {"uniform": {"seeds": [0], "avg": [5.3, 0.0]}}}))
+    assert demo_pool.reference_lines(["uniform"], path=tmp_path / "old.json") == []
+    (tmp_path / "v.json").write_text(json.dumps({"methods": {}, "version": {}}))
     assert demo_pool.reference_lines(["uniform"], path=tmp_path / "v.json") == []
 
 

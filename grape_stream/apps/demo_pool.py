@@ -87,14 +87,15 @@ def reference_path() -> Path:
 
 
 def reference_lines(methods: Sequence[str], seed: int | None = None, path: Path | None = None) -> list[str]:
-    """Where a run at the benchmark's exact settings sits, read from the benchmark's JSON: its seed means of
-    ``methods``, its run at ``seed`` (same seed and overrides; measured 0.015 apart on uniform's average) and the
-    best static mixture's (found by its search on the probe split, not retrained here). [] when the file is
-    absent or holds none of them."""
+    """Where a run at the benchmark's exact settings sits, read from the benchmark's JSON: the seed means of
+    ``methods`` with n and their 95% t interval, the benchmark's run at ``seed`` (same seed and overrides) and
+    the best static mixture's (found by its search on the probe split, not retrained here). Only a file that
+    records the library version its runs ran on is read (rows of an older format mixed data streams): [] when
+    the file is absent, of the older format, or holds none of the methods."""
     path = reference_path() if path is None else path
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
-        agg = doc["methods"]
+        agg, version = doc["methods"], doc["version"]
     except (OSError, ValueError, KeyError, TypeError):
         return []
     rows: list[tuple[str, Mapping[str, Any]]] = [(m, agg[m]) for m in methods if m in agg]
@@ -102,13 +103,14 @@ def reference_lines(methods: Sequence[str], seed: int | None = None, path: Path 
         rows.append(("best static", agg["oracle"]))
     if not rows:
         return []
-    lines = [f"The value benchmark at these exact settings (bench/results/{path.name}; mean +- std over its seeds):"]
+    commits = ",".join(c[:10] for c in version.get("commits", []))
+    lines = [f"The value benchmark at these exact settings (bench/results/{path.name}, commit {commits}; "
+             "mean +- 95% t interval over its seeds, n seeds):"]
     for name, st in rows:
-        avg, worst, seeds = st["avg"], st["worst"], list(st["seeds"])
-        at = (f"; seed {seed}: average {st['avg_values'][seeds.index(seed)]:.4f}"
-              if name != "best static" and seed in seeds and "avg_values" in st else "")
-        lines.append(f"  {name:<12} average {avg[0]:.4f} +- {avg[1]:.4f}   worst {worst[0]:.4f} +- {worst[1]:.4f}"
-                     f"   (seeds {','.join(map(str, seeds))}{at})")
+        seeds = list(st["seeds"])
+        at = (f"; seed {seed}: average {st['avg']['values'][seeds.index(seed)]:.4f}"
+              if name != "best static" and seed in seeds else "")
+        lines.append(f"  {name:<12} average {_ci(st['avg'])}   worst {_ci(st['worst'])}   (n={len(seeds)}{at})")
     if "oracle" in agg:
         search = doc.get("search_settings") or {}
         chosen = (doc.get("search", {}).get("oracle") or {}).get("chosen")
@@ -116,3 +118,8 @@ def reference_lines(methods: Sequence[str], seed: int | None = None, path: Path 
         lines.append(f"  best static = the fixed mixture the benchmark's {how} found on the probe split"
                      + (f" ({chosen}'s weights)" if chosen else "") + ", trained at this budget; not run by the demo.")
     return lines
+
+
+def _ci(st: Mapping[str, Any]) -> str:
+    """'mean +- half-width', or 'mean (n=1)' (one run has no interval)."""
+    return f"{st['mean']:.4f} (n=1)" if st.get("ci") is None else f"{st['mean']:.4f} +- {st['ci']:.4f}"
