@@ -33,6 +33,7 @@ machine), so:
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import subprocess
@@ -139,6 +140,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # modules in this order when run with --no-loadscope-reorder (the Makefile does).
     rank = {m: i for i, m in enumerate(SLOW_MODULES)}
     items.sort(key=lambda item: rank.get(_module(item), len(rank)))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _collect_cycles_after_module() -> Iterator[None]:
+    """Mixers, datasets and loaders left in reference cycles by a module's tests hold open files and shared-memory
+    mappings until the garbage collector runs: in one worker that ran a long stretch of modules the count reached
+    the 20,000 open-file limit. Collect at every module's end."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture
