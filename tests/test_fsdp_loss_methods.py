@@ -174,14 +174,16 @@ def _hf_case(mixer, out: str, world: int, method: str = "odm", data: str = "") -
 
 
 def _step_gram_refusal(mixer) -> str:
-    """R&B (the in-step engine) on a sharded model: one line, at the callbacks' train begin (GrapeLoop.check_model)."""
+    """R&B (the in-step engine) at the callbacks' train begin (GrapeLoop.check_model): an FSDP2 model is taken
+    (tests/test_instep_fsdp.py checks it exactly), FSDP1 is refused in one line."""
     from grape_stream.errors import ConfigError
     from grape_stream.integrations.grape_loop import GrapeLoop
 
     loop = GrapeLoop(method="rnb", alpha_every=EVERY, trajectory=False)
     loop.attach(mixer)
+    loop.check_model(shard(_model(0), "fsdp2", WORLD))
     with pytest.raises(ConfigError) as err:
-        loop.check_model(shard(_model(0), "fsdp2", WORLD))
+        loop.check_model(shard(_model(0), "fsdp1", WORLD))
     return str(err.value)
 
 
@@ -273,4 +275,4 @@ def test_loss_driven_methods_on_fsdp_equal_the_unsharded_computation(tmp_path) -
     assert all(len(rec["domain_alignment"]) == 3 for rec in grape[0][1:])
     assert grape[0][-1]["alpha"] != grape[0][0]["alpha"]
     msg = ranks[0]["refusal"]
-    assert "\n" not in msg and "R&B's step Gram do not run on sharded parameters" in msg and "DTensor" in msg, msg
+    assert "\n" not in msg and "R&B's step Gram run under FSDP2 (fully_shard) only, not FSDP1" in msg, msg

@@ -33,6 +33,7 @@ from grape_stream.config import AlgorithmConfig
 from grape_stream.errors import ConfigError
 from grape_stream.grape.gram.instep import StepAlignments
 from grape_stream.grape.gram.instep_grads import PartStore
+from grape_stream.grape.gram.instep_shards import local_of, sharded_gram, whole_of
 from grape_stream.grape.instep_mode import InstepMode
 from grape_stream.grape.probes import unwrap_for_probe
 from grape_stream.world import dist_active
@@ -42,11 +43,15 @@ __all__ = ["STEP_GRAM_FORMAT", "StepGramMode", "gram_of_sums", "kept_parameters"
 STEP_GRAM_FORMAT = "grape_stream.step_gram/1"
 
 
-def gram_of_sums(sums: Mapping[Any, torch.Tensor], weights: torch.Tensor) -> np.ndarray:
-    """(K, K) float64: sum over parameters of <A_i, A_j>, divided by W_i W_j (NaN where a W is 0)."""
+def gram_of_sums(sums: Mapping[Any, torch.Tensor], weights: torch.Tensor, squared: bool = False) -> np.ndarray:
+    """(K, K) float64: sum over parameters of <A_i, A_j>, divided by W_i W_j (NaN where a W is 0);
+    ``squared``: ``sums`` holds that sum of dots already (one (K, K) tensor)."""
     k = int(weights.shape[0])
     g = torch.zeros((k, k), dtype=torch.float64)
     for t in sums.values():
+        if squared:
+            g += t.to(torch.float64).cpu()
+            continue
         flat = t.reshape(k, -1).to(torch.float64)
         g += (flat @ flat.t()).cpu()
     w = weights.to(torch.float64).cpu()
@@ -98,7 +103,7 @@ class StepGramMode(InstepMode):
 
     # ------------------------------------------------------------------------------------------ steps
     def _engine(self, model: nn.Module) -> StepAlignments:
-        inner = unwrap_for_probe(model)
+        inner = unwrap_for_probe(model, sharded_ok=True)
         if self.alignments is None or self.alignments.model is not inner:
             named = self._pending_named if self.alignments is None else self._named_sums()
             self.alignments = StepAlignments(model, self.per_sample_loss, self.num_domains)
@@ -106,8 +111,7 @@ class StepGramMode(InstepMode):
             self.keep = kept_parameters(inner, self.reweighter.options.get("rnb_params"))
             self.store = PartStore(self.num_domains, self.keep)
             if named:
-                params = dict(inner.named_parameters())
-                self.store.grads = {id(params[n]): t.to(params[n].device) for n, t in named.items()}
+                self._load_sums(named)
             self._pending_named = None
         return self.alignments
 
@@ -118,8 +122,9 @@ class StepGramMode(InstepMode):
             return
         sa = self._engine(model)
         self.end()  # a micro-batch whose end was never signalled (an exception in the trainer) is dropped
-        if self._step_store is None:  # one process: the parts go straight into the interval's sums
-            self._step_store = PartStore(self.num_domains, self.keep) if dist_active() else self.store
+        if self._step_store is None:  # one process or FSDP2 (parts summed over ranks as formed): straight in
+            self._step_store = PartStore(self.num_domains, self.keep) if dist_active() and not sa.sharded else \
+                self.store
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(sa.observe(batch, domains, store=self._step_store))
         self._step_observed = True
@@ -138,6 +143,8 @@ class StepGramMode(InstepMode):
             for key, t in step_store.grads.items():
                 mine = self.store.grads.get(key)
                 self.store.grads[key] = t if mine is None else mine.add_(t)
+        elif sa.sharded and dist_active():  # FSDP2: the parts are summed already, the weights not yet
+            w, n = self._reduce(PartStore(self.num_domains), w, n)
         self.weights += w.cpu()
         self.samples += n.cpu()
         self.observed_steps += 1
@@ -150,9 +157,7 @@ class StepGramMode(InstepMode):
         from grape_stream.grape.collectives import collective_device
 
         keys = sorted(store.grads, key=lambda k: self._order()[k])
-        if not keys:
-            raise RuntimeError("an observed step kept no gradient part")
-        dtype = store.grads[keys[0]].dtype
+        dtype = store.grads[keys[0]].dtype if keys else torch.float64
         packed = torch.cat([*(store.grads[k].reshape(-1) for k in keys), w.to(dtype), n.to(dtype)])
         device = collective_device(None, None)
         out = packed.to(device)
@@ -174,13 +179,26 @@ class StepGramMode(InstepMode):
     def _named_sums(self) -> dict[str, torch.Tensor]:
         if self.alignments is None:
             return dict(self._pending_named or {})
-        names = {id(p): n for n, p in self.alignments.model.named_parameters()}
+        named = dict(self.alignments.model.named_parameters())
+        names = {id(p): n for n, p in named.items()}
+        if self.alignments.sharded:  # FSDP2: each sum gathered whole (an all-gather: every rank calls this)
+            return {names[k]: whole_of(named[names[k]], t) for k, t in self.store.grads.items()}
         return {names[k]: t for k, t in self.store.grads.items()}
+
+    def _load_sums(self, named: Mapping[str, torch.Tensor]) -> None:
+        """Whole sums by name into the store (FSDP2: this rank's shard of each)."""
+        assert self.alignments is not None
+        params = dict(self.alignments.model.named_parameters())
+        sharded = self.alignments.sharded
+        self.store.grads = {id(params[n]): local_of(params[n], t) if sharded else t.to(params[n].device)
+                            for n, t in named.items()}
 
     # ------------------------------------------------------------------------------------------ the update
     def gram(self) -> np.ndarray:
         """The interval's (K, K) Gram of the domains' mean gradients (NaN rows for unseen domains)."""
         sums = self.store.grads if self.alignments is not None else (self._pending_named or {})
+        if self.alignments is not None and self.alignments.sharded:  # FSDP2: local dots + one K x K all-reduce
+            return gram_of_sums({0: sharded_gram(sums, self.num_domains)}, self.weights, squared=True)
         return gram_of_sums(sums, self.weights)
 
     def update(self, model: nn.Module, step: int, lr: float, optimizer: Any,
@@ -222,5 +240,4 @@ class StepGramMode(InstepMode):
         if self.alignments is None:
             self._pending_named = named
         else:
-            params = dict(self.alignments.model.named_parameters())
-            self.store.grads = {id(params[n]): t.to(params[n].device) for n, t in named.items()}
+            self._load_sums(named)

@@ -32,6 +32,7 @@ from grape_stream.config import AlgorithmConfig
 from grape_stream.errors import ConfigError
 from grape_stream.grape.geometry import adam_preconditioner
 from grape_stream.grape.gram.instep import StepAlignments
+from grape_stream.grape.gram.instep_scope import refuse_sharded_task_probe
 from grape_stream.grape.instep_probe import task_probe
 from grape_stream.grape.probes import module_device, unwrap_for_probe
 from grape_stream.world import dist_active
@@ -120,6 +121,7 @@ class InstepMode:
         return (offset * self.steps) // self.period != ((offset - 1) * self.steps) // self.period
 
     def _engine(self, model: nn.Module) -> StepAlignments:
+        refuse_sharded_task_probe(model)
         inner = unwrap_for_probe(model)
         if self.alignments is None or self.alignments.model is not inner:
             if self.alignments is not None:  # another module object trains now (re-wrapped): keep the direction

@@ -38,6 +38,7 @@ from grape_stream.grape.gram.batches import MicroBatch, batch_signature, map_ten
 from grape_stream.grape.gram.hooks import FusedGramEngine, Use
 from grape_stream.grape.gram.instep_grads import DomainParts, GradUse, PartStore, use_grads
 from grape_stream.grape.gram.instep_scope import check_model, hooked_modules, stray_uses
+from grape_stream.grape.gram.instep_shards import fsdp2_scope, gather, scatter_parts, shard_like
 from grape_stream.grape.gram.layout_probe import probe_layouts
 from grape_stream.loss_watch import watching_losses
 
@@ -78,6 +79,7 @@ class _StepUse(Use):
 
     grad_use: Optional[GradUse] = None
     param_order: tuple[str, ...] = ()
+    live: Optional[dict[str, Any]] = None  # the tensors the call computed with (FSDP2: the gathered ones)
 
 
 class _AlignedGrad(torch.autograd.Function):
@@ -99,10 +101,10 @@ class _Engine(FusedGramEngine):
     """The fused Gram's hooks (layouts, capability checks, parameter aliasing), with the per-group Gram
     replaced by per-domain alignments and the parameters' gradients handed back to autograd."""
 
-    def __init__(self, modules: list, num_domains: int, device: torch.device) -> None:
-        super().__init__(modules, num_domains, device, _compute_dtype)
+    def __init__(self, modules: list, num_domains: int, device: torch.device, sharded: bool = False) -> None:
+        super().__init__(modules, num_domains, device, _compute_dtype, sharded=sharded)
         self.num_domains = num_domains
-        self.directions: dict[int, Tensor] = {}  # id(param) -> (D, *shape)
+        self.directions: dict[int, Tensor] = {}  # id(param) -> (D, *shape); FSDP2: a DTensor sharded like it
         self.sums: Optional[Tensor] = None  # (K, D) float64: sum_{s in k} w_s <grad l_s, u_d>
         self.parts: Optional[DomainParts] = None
         self.errors: list[str] = []
@@ -144,7 +146,11 @@ class _Engine(FusedGramEngine):
             gu.normalized_shape = tuple(mod._parameters["weight"].shape)
         use = _StepUse(name=name, kind=kind, module=mod, params=params, inp=None, rows_per_sample=rows or 0,
                        grad_use=gu, param_order=tuple(params))
-        out = _AlignedGrad.apply(self, use, output, *[params[n] for n in use.param_order])
+        # FSDP2: the gradient goes to the unit's gathered parameter (back on the module since _restore), which
+        # FSDP reduce-scatters into the sharded one as usual
+        live = {n: mod._parameters[n] for n in use.param_order} if self.sharded else params
+        use.live = live
+        out = _AlignedGrad.apply(self, use, output, *[live[n] for n in use.param_order])
         use.node = out.grad_fn
         self.uses.append(use)
         self.handled = True
@@ -173,10 +179,17 @@ class _Engine(FusedGramEngine):
         gu = use.grad_use
         assert gu is not None, "_capture sets it"
         with torch.autocast(device_type=grad.device.type, enabled=False):
-            dirs = {n: self.directions.get(id(p)) for n, p in use.params.items()}
             parts = self.parts if self.processing else None
-            grads, dots = use_grads(gu, grad, dict(use.params), parts, dirs, self.compute_dtype(grad.dtype),
-                                    self.store if parts is not None else None)
+            # FSDP2: each direction all-gathered for this call only (every rank runs the same calls in order)
+            dirs = {n: None if (u := self.directions.get(id(p))) is None or parts is None else gather(u)
+                    for n, p in use.params.items()}
+            live = use.live or use.params
+            store = self.store if parts is not None else None
+            local = PartStore(self.num_domains) if self.sharded and store is not None else store
+            grads, dots = use_grads(gu, grad, dict(live), parts, {n: dirs[n] for n in live},
+                                    self.compute_dtype(grad.dtype), local)
+            if local is not store and store is not None:
+                scatter_parts(use.params, live, local, store, self.num_domains, self.compute_dtype)
         if dots is not None and self.sums is not None and parts is not None:
             self.sums.index_add_(0, parts.domains, dots.to(torch.float64))
         if not self.keep_inputs:
@@ -205,7 +218,8 @@ class StepAlignments:
         modules, scope = hooked_modules(self.model)
         self.scope = scope
         self.device = scope[0].device
-        self.engine = _Engine(modules, self.num_domains, self.device)
+        self.sharded = fsdp2_scope(self.model)  # FSDP2: directions and kept parts sharded (instep_shards.py)
+        self.engine = _Engine(modules, self.num_domains, self.device, sharded=self.sharded)
         self.sums = torch.zeros((self.num_domains, 0), dtype=torch.float64, device=self.device)
         self.weights = torch.zeros(self.num_domains, dtype=torch.float64, device=self.device)
         self.samples = torch.zeros(self.num_domains, dtype=torch.float64, device=self.device)
@@ -232,8 +246,10 @@ class StepAlignments:
         for p in self.scope:
             ts = stacks[id(p)]
             if any(t is not None for t in ts):
-                self.engine.directions[id(p)] = torch.stack(
-                    [torch.zeros_like(p) if t is None else t.detach().to(p.device, p.dtype) for t in ts])
+                full = torch.stack([torch.zeros(p.shape, dtype=p.dtype, device=p.device) if t is None
+                                    else (gather(t) if self.sharded else t).detach().to(p.device, p.dtype)
+                                    for t in ts])
+                self.engine.directions[id(p)] = shard_like(p, full) if self.sharded else full
         self.num_directions = len(directions)
         self.reset()
 
@@ -364,7 +380,8 @@ class StepAlignments:
             "format": INSTEP_STATE_FORMAT,
             "num_domains": self.num_domains,
             "num_directions": getattr(self, "num_directions", 0),
-            "directions": {names[k]: t.detach().cpu().clone() for k, t in self.engine.directions.items()},
+            # FSDP2: gathered whole (an all-gather per parameter: call it on every rank)
+            "directions": {names[k]: gather(t).detach().cpu().clone() for k, t in self.engine.directions.items()},
             "sums": self.sums.cpu().clone(), "weights": self.weights.cpu().clone(),
             "samples": self.samples.cpu().clone(),
         }
@@ -382,7 +399,9 @@ class StepAlignments:
 
     def memory_elements(self) -> int:
         """Elements held for the directions (D gradient-sized copies)."""
-        return sum(t.numel() for t in self.engine.directions.values())
+        held: list[Tensor] = [t.to_local() if self.sharded else t  # type: ignore[attr-defined]
+                              for t in self.engine.directions.values()]
+        return sum(t.numel() for t in held)
 
 
 

@@ -17,18 +17,36 @@ from grape_stream.grape.gram.graph import graph_nodes
 from grape_stream.grape.gram.plan import _classify, check_batch_coupling
 from grape_stream.grape.probes import sharded_parameter, unwrap_for_probe
 
-__all__ = ["check_model", "hooked_modules", "refuse_sharded", "stray_uses"]
+__all__ = ["check_model", "hooked_modules", "refuse_sharded", "refuse_sharded_task_probe", "stray_uses"]
 
 _WHERE = "docs/alignment.md, 'In-step alignments'"
 
 
 def refuse_sharded(model: nn.Module) -> None:
-    """One line for a sharded model (FSDP1, FSDP2): not supported yet by the in-step engine."""
+    """One line for sharding the in-step engine cannot take exactly: FSDP1 (any), tensor parallel, FSDP1's
+    FlatParameter. FSDP2 (``fully_shard``) runs (``instep_shards.py``)."""
+    from grape_stream.grape.gram.sharding import ShardedGramError, check_sharded
+
+    try:
+        kind = check_sharded(model)
+    except ShardedGramError as exc:
+        raise ConfigError(f"alignments: steps and R&B's step Gram: {exc}") from exc
+    why = sharded_parameter(model) if kind is None else None
+    if kind == "fsdp1" or why is not None:
+        raise ConfigError(f"alignments: steps and R&B's step Gram run under FSDP2 (fully_shard) only, not FSDP1 "
+                          f"({why or 'FullyShardedDataParallel'}): FSDP1's modules compute with views of a "
+                          "FlatParameter, so the gradient the engine hands back is not the one FSDP1 reduce-scatters "
+                          f"per parameter; shard with fully_shard, or use alignments: probe ({_WHERE})")
+
+
+def refuse_sharded_task_probe(model: nn.Module) -> None:
+    """One line for ``alignments: steps`` (GRAPE / DoGE with in-step alignments) on any sharded model: the
+    engine itself runs under FSDP2, but its task probe keeps every task's full gradient (N copies) on each rank."""
     why = sharded_parameter(model)
     if why is not None:
-        raise ConfigError(f"alignments: steps and R&B's step Gram do not run on sharded parameters yet ({why}): their "
-                          "hooks split each weight gradient by domain inside the backward, where FSDP holds a gathered "
-                          f"unit whose gradient it reduce-scatters; use alignments: probe, or DDP ({_WHERE})")
+        raise ConfigError(f"alignments: steps does not run on sharded parameters yet ({why}): its task probe keeps "
+                          "each task's whole gradient on every rank (not sharded yet); use alignments: probe, which "
+                          f"runs under FSDP layer by layer (R&B's step Gram runs under FSDP2) ({_WHERE})")
 
 
 def check_model(model: nn.Module) -> nn.Module:
@@ -40,7 +58,7 @@ def check_model(model: nn.Module) -> nn.Module:
                           "with graph breaks and recompiles at every observed step (exact, but no longer compiled); "
                           f"compile nothing or use alignments: probe ({_WHERE})")
     try:
-        inner = unwrap_for_probe(model)
+        inner = unwrap_for_probe(model, sharded_ok=True)
         check_batch_coupling(inner)
     except (NotImplementedError, ValueError) as exc:
         raise ConfigError(f"in-step alignments: {str(exc).splitlines()[0]}") from exc
