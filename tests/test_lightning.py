@@ -125,20 +125,33 @@ def test_lightning_ddp_two_ranks_agree_on_alpha_and_read_disjoint_samples(data, 
     assert [t[1] for t in _trajectory(out)] == [a for _, a in r0]
 
 
-def test_lightning_fsdp2_grape_probes_the_sharded_module(data, tmp_path):
+def _fsdp2_run(data: str, out: str, *extra: str) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), os.path.join(HERE, "_lightning_run.py"), data, out, "--devices", "2",
+                           "--steps", "8", "--save-every", "3", "--strategy", "model_parallel", *extra], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0 or "--kill-at" in extra, proc.stderr[-4000:]
+
+
+def test_lightning_fsdp2_grape_probes_the_sharded_module_and_resumes_after_sigkill(data, tmp_path):
     """ModelParallelStrategy (FSDP2 in configure_model, 2 gloo ranks under torchrun): GRAPE's probe runs on the
     sharded module (the layer-by-layer Gram, grape/gram/sharding.py) through the callback; both ranks hold the same
-    records and alpha moves at the update of step 4 (the run script asserts the module was sharded)."""
-    out = str(tmp_path / "fsdp2")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
-    port = str(29400 + (os.getpid() + 211) % 500)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           port, os.path.join(HERE, "_lightning_run.py"), data, out, "--devices", "2", "--steps", "5",
-                           "--save-every", "100", "--strategy", "model_parallel"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    h0, h1 = (json.load(open(os.path.join(out, f"history-rank{r}.json"), encoding="utf-8")) for r in (0, 1))
-    untimed = [[{k: v for k, v in r.items() if k != "seconds"} for r in h] for h in (h0, h1)]
-    assert untimed[0] == untimed[1] and [r["step"] for r in h0] == [0, 4]
+    records and alpha moves at the update of step 4 (the run script asserts the module was sharded). SIGKILLed at
+    step 7 (checkpoints at 3 and 6: mid-interval) and resumed, both ranks hold the straight run's update records:
+    alignments, alpha and z."""
+    straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
+    _fsdp2_run(data, straight)
+    _fsdp2_run(data, killed, "--kill-at", "7")
+    assert not os.path.exists(os.path.join(killed, "history-rank0.json"))  # the kill happened
+    _fsdp2_run(data, killed, "--resume")
+
+    def records(out: str, rank: int) -> list:
+        with open(os.path.join(out, f"history-rank{rank}.json"), encoding="utf-8") as f:
+            return [{k: v for k, v in r.items() if k != "seconds"} for r in json.load(f)]
+
+    h0 = records(straight, 0)
+    assert records(straight, 1) == h0 and [r["step"] for r in h0] == [0, 4, 8]
     assert h0[1]["alpha"] != h0[0]["alpha"] and len(h0[1]["domain_alignment"]) == 3
+    assert records(killed, 0) == h0 and records(killed, 1) == h0
 

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from _grape_data import SHORT_RUN, write_dataset
+from _parallel import free_port
 from grape_stream.grape.reweighting import REWEIGHTERS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -119,9 +120,8 @@ def test_hf_model_without_logits_is_refused_in_one_line(data, tmp_path, method) 
 def _torchrun(script: str, data: str, out: str, *extra: str) -> None:
     """2 ranks under torchrun (gloo on CPU); a SIGKILLed run (``--kill-at``) may exit non-zero."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
-    port = str(29000 + (os.getpid() + len(extra) * 37) % 900)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           port, os.path.join(HERE, script), data, out, "--devices", "2", *extra], cwd=REPO,
+                           str(free_port()), os.path.join(HERE, script), data, out, "--devices", "2", *extra], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0 or "--kill-at" in extra, f"torchrun failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
 
