@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 from _mds_fixtures import identity, write_domains
+from _parallel import free_port
 from grape_stream.mixing.mixer import DomainStream, WeightedStreamingMixer
-from test_mixer_elastic_dist import _free_port, _kill_when, _phase_rows
+from test_mixer_elastic_dist import _kill_when, _phase_rows
 from test_mixer_s3 import upload
 
 HERE = Path(__file__).resolve().parent
@@ -69,7 +70,7 @@ def _launch(cfg: dict, world: int, local: int, tmp: Path, name: str) -> list[sub
     two nodes' leaders on one /dev/shm would pick the same names); node n signs with access key ``node<n>``."""
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(cfg))
-    port = _free_port()
+    port = free_port()
     procs = []
     for node in range(world // local):
         (tmp / f"tmp{node}").mkdir(exist_ok=True)
