@@ -60,7 +60,7 @@ class DomainOrder:
         self.epoch_len = self.num_samples
         self._layouts: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._blocks: OrderedDict[tuple[int, int, int], np.ndarray] = OrderedDict()
-        self._cache_blocks = max(2, int(cache_blocks))
+        self._cache_blocks_base = max(2, int(cache_blocks))
         self.window = 4096
         self._windows: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}
         self.set_lanes(lanes)
@@ -73,6 +73,8 @@ class DomainOrder:
         self.lanes = int(lanes)
         self.span_starts = (np.arange(lanes + 1, dtype=np.int64) * self.num_samples) // lanes
         self.lane_lens = np.diff(self.span_starts)
+        # a process reading many lanes (one rank of a many-node stream) keeps a block of each: no thrashing
+        self._cache_blocks = max(self._cache_blocks_base, 2 * self.lanes)
         self._blocks.clear()
         self._windows.clear()
 
@@ -160,7 +162,8 @@ class DomainOrder:
         win_start, win_ids, win_epochs = self._windows.get(lane, (0, np.empty(0, np.int64), np.empty(0, np.int64)))
         i = start - win_start
         if not (0 <= i and i + count <= len(win_ids)):
-            win_ids, win_epochs = self.sample_ids(start, max(count, self.window), lane)
+            # a window of up to 16 reads ahead: one rank reading many lanes needs a few positions of each
+            win_ids, win_epochs = self.sample_ids(start, max(count, min(self.window, 16 * count)), lane)
             win_ids.flags.writeable = False
             win_epochs.flags.writeable = False
             self._windows[lane] = (start, win_ids, win_epochs)
