@@ -153,6 +153,20 @@ def _run_job(cfg_path: Path, env: dict[str, str], on_progress: Any) -> subproces
     return proc
 
 
+def _tmp_entries(job_tmp: Path) -> list[str]:
+    """What the job left in its temp folder. grape_stream's own per-user folder there (``grape_stream-<uid>``:
+    the registration lock and the default remote cache, kept across runs by design) counts by what it holds
+    beyond those two, so a killed run's litter inside it still shows."""
+    out = []
+    for name in sorted(os.listdir(job_tmp)):
+        if name == f"grape_stream-{os.getuid()}":
+            kept = {"registration.lock", "cache"}
+            out += [f"{name}/{inner}" for inner in sorted(os.listdir(job_tmp / name)) if inner not in kept]
+        else:
+            out.append(name)
+    return out
+
+
 def _shm_names() -> set[str]:
     from grape_stream.streaming_compat.shm import _OWNER_RE, _SHM_RE
 
@@ -293,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg_path = Path(tmp) / "job.json"
             cfg_path.write_text(json.dumps(cfg))
             env = dict(os.environ, S3_ENDPOINT_URL=px.url, TMPDIR=str(job_tmp), PYTHONPATH=str(ROOT))
-            shm_before, tmp_before = _shm_names(), sorted(os.listdir(job_tmp))
+            shm_before, tmp_before = _shm_names(), _tmp_entries(job_tmp)
             px.set_faults(error_rate=args.error_rate, reset_rate=args.reset_rate, error_status=500)
             events: dict[str, Any] = {"prefixes": set(), "killed_at": None, "resumed_from": None, "outages": [],
                                       "runs": [], "last_checkpoint": {}}
@@ -330,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             seconds = time.time() - t_start
             time.sleep(1.0)
             left = _left_behind(events["runs"])
-            tmp_after = sorted(os.listdir(job_tmp))
+            tmp_after = _tmp_entries(job_tmp)
             faults = {"errors": px.stats.errors, "resets": px.stats.resets, "outages": px.stats.refused_windows,
                       "forwarded": px.stats.forwarded}
             px.clear()
