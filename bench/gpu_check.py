@@ -215,22 +215,8 @@ def section_m125(quick: bool) -> dict[str, Any]:
     vocab = int(M125["vocab_size"])
     model = GPT(GPTConfig(seq_len=seq, **M125)).to(DEV)
     out["params"] = model.num_params()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    gen = torch.Generator().manual_seed(0)
-    train_batch = {"tokens": torch.randint(0, vocab, (batch_size, seq + 1), generator=gen).to(DEV)}
-
-    def step() -> None:
-        with torch.autocast(DEV.type, dtype=torch.bfloat16):
-            loss = per_sample_lm_loss(model, train_batch).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    for _ in range(3):
-        step()
-    peak_reset()
-    t_step, _ = timed(step, 10)
-    peak_step = peak()
+    t_step, peak_step = _train_steps(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True),
+                                     batch_size, seq, vocab, autocast=True, repeats=10)
     out.update(seq=seq, batch=batch_size, probe_samples_per_group=per_group, seconds_per_step=t_step,
                peak_step_gib=gib(peak_step))
     for k, n in ((7, 6), (20, 6)):
@@ -247,6 +233,26 @@ def section_m125(quick: bool) -> dict[str, Any]:
             if DEV.type == "cuda":
                 torch.cuda.empty_cache()
     return out
+
+
+def _train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, batch_size: int, seq: int, vocab: int, *,
+                 autocast: bool, repeats: int) -> tuple[float, int]:
+    """A training step's median time and peak memory (after 3 warm-up steps), on random tokens."""
+    gen = torch.Generator().manual_seed(0)
+    train_batch = {"tokens": torch.randint(0, vocab, (batch_size, seq + 1), generator=gen).to(DEV)}
+
+    def step() -> None:
+        with torch.autocast(DEV.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = per_sample_lm_loss(model, train_batch).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    peak_reset()
+    t_step, _ = timed(step, repeats)
+    return t_step, peak()
 
 
 def _probe_cost(model: torch.nn.Module, groups: list[dict], mbs: Any, t_step: float, peak_step: int,
@@ -332,20 +338,8 @@ def _m125_fsdp2() -> dict[str, Any]:
     for block in model.blocks:
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(0)
-    train_batch = {"tokens": torch.randint(0, vocab, (batch_size, seq + 1), generator=gen).to(DEV)}
-
-    def step() -> None:
-        per_sample_lm_loss(model, train_batch).mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    for _ in range(3):
-        step()
-    peak_reset()
-    t_step, _ = timed(step, 5)
-    peak_step = peak()
+    t_step, peak_step = _train_steps(model, torch.optim.AdamW(model.parameters(), lr=1e-4), batch_size, seq, vocab,
+                                     autocast=False, repeats=5)
     out: dict[str, Any] = {"seconds_per_step": t_step, "peak_step_gib": gib(peak_step)}
     for per_group in (4, 8):
         groups = token_groups(13, per_group, seq, vocab, seed=per_group)
