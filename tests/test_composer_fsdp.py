@@ -17,24 +17,6 @@ from _alignment_helpers import gpt
 from grape_stream.grape.gram.sharding import is_sharded
 
 
-def _shard(model: torch.nn.Module, kind: str, world: int) -> torch.nn.Module:
-    block = type(model.blocks[0])
-    if kind == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-        return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({block}), use_orig_params=True,
-                                        device_id=torch.device("cpu"), sharding_strategy=ShardingStrategy.FULL_SHARD)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world,))
-    for b in model.blocks:
-        fully_shard(b, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
 def _algorithm_run(data: str, sharded: bool) -> dict:
     """GrapeAlgorithm driven through Composer's events on a real State: the model wrapped by torch's FSDP1 as
     Composer wraps it, FIT_START, then one update at BATCH_END (probing the sharded model: no replica)."""
