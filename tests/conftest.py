@@ -99,7 +99,7 @@ INTEGRATION_TESTS = frozenset({
     "test_sigkill_during_a_save_then_autoresume_continues_the_same_trajectory",
     "test_subprocess_stderr_is_exactly_one_line",
     "test_same_output_for_one_and_two_workers",
-    "test_fsdp_is_refused_with_a_clear_message",
+    "test_the_controller_probes_an_fsdp2_model_as_it_is",
     "test_lightning_fsdp2_doremi_resumes_after_sigkill_onto_the_same_trajectory",
     "test_a_sigkilled_dataloader_run_leaves_a_folder_that_is_then_swept",
     "test_cli_train_runs_a_recipe_end_to_end",

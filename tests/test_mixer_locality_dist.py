@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +66,16 @@ def _own_shm_works() -> bool:
         return False
 
 
+_NODE_TMPS: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def _remove_node_tmps():
+    yield
+    while _NODE_TMPS:
+        shutil.rmtree(_NODE_TMPS.pop(), ignore_errors=True)
+
+
 def _launch(cfg: dict, world: int, local: int, tmp: Path, name: str) -> list[subprocess.Popen]:
     """``world`` ranks in nodes of ``local`` (torchrun's variables), one process tree a node with its own
     /dev/shm and temp folder, as separate machines have (streaming registers its shared memory per machine:
@@ -73,10 +85,13 @@ def _launch(cfg: dict, world: int, local: int, tmp: Path, name: str) -> list[sub
     port = free_port()
     procs = []
     for node in range(world // local):
-        (tmp / f"tmp{node}").mkdir(exist_ok=True)
+        # a short temp folder: multiprocessing's AF_UNIX sockets live there, and a socket path may hold 107 bytes
+        # (under xdist tmp_path alone is ~70)
+        node_tmp = tempfile.mkdtemp(prefix=f"gs{name}{node}-", dir="/tmp")
+        _NODE_TMPS.append(node_tmp)
         ranks = []
         for r in range(node * local, (node + 1) * local):
-            env = {"TMPDIR": str(tmp / f"tmp{node}"), "RANK": r, "WORLD_SIZE": world, "LOCAL_RANK": r % local,
+            env = {"TMPDIR": node_tmp, "RANK": r, "WORLD_SIZE": world, "LOCAL_RANK": r % local,
                    "LOCAL_WORLD_SIZE": local, "GROUP_RANK": node, "AWS_ACCESS_KEY_ID": f"node{node}",
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": 1,
                    "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}

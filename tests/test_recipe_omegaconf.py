@@ -46,10 +46,17 @@ def foundry_yaml(tmp_path):
     return str(path)
 
 
-def test_llm_foundry_key_names_and_interpolation(foundry_yaml):
+def test_llm_foundry_key_names_and_interpolation(foundry_yaml, tmp_path):
     from composer.optim import CosineAnnealingWithWarmupScheduler, DecoupledAdamW
 
-    cfg = load_recipe(foundry_yaml, ["model.n_layers=4", "output_dir=/out/${run_name}"])
+    from _grape_data import RULES, write_domain, write_task
+
+    data = tmp_path / "data"  # the dry run checks that local data exists (its index files), opens nothing
+    for k, name in enumerate(("a", "b")):
+        write_domain(str(data), name, RULES[k], 8, seq_len=64)
+    write_task(str(data / "tasks"), "t", RULES[0], 4, 4, seq_len=64)
+    cfg = load_recipe(foundry_yaml, ["model.n_layers=4", "output_dir=/out/${run_name}", f"data.local={data}",
+                                     f"data.task_local={data / 'tasks'}"])
     m, t = cfg["model"], cfg["trainer"]
     assert (m["n_layer"], m["n_head"], m["d_model"], m["d_ff"], m["seq_len"]) == (4, 2, 64, 64, 64)
     assert "n_layers" not in m and "max_seq_len" not in m and "max_duration" not in cfg
@@ -68,7 +75,7 @@ def test_llm_foundry_key_names_and_interpolation(foundry_yaml):
 def test_plain_adamw_is_torch_adamw():
     cfg = load_recipe("demo-cpu")
     opt = build_optimizer(cfg, torch.nn.Linear(2, 2))
-    assert type(opt) is torch.optim.AdamW and opt.defaults["lr"] == 2e-3
+    assert type(opt) is torch.optim.AdamW and opt.defaults["lr"] == cfg["optimizer"]["lr"] == 1e-3
 
 
 def test_alias_and_our_key_together_is_one_error(foundry_yaml):
