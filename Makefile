@@ -44,11 +44,8 @@ demo: $(DEMO_STAMP)
 # The suite on parallel workers (pytest-xdist; tests/conftest.py says what keeps a test safe there): one per core
 # of a 2-core CI machine (the tests that train spawn their own processes, so more workers only contend), each
 # test module whole on one worker (its module-scoped fixtures built once), the longest modules first.
-# `make test XDIST="-n 2 --dist loadfile --no-loadscope-reorder"` runs it there. Off by default for now: in one of
-# two full runs, two workers' streaming jobs took the same shared-memory prefix (the registration lock sits under
-# each job's TMPDIR, so jobs with different TMPDIRs on one machine do not exclude each other); in one process the
-# suite passes.
-XDIST ?=
+# `make test XDIST=` runs it in one process.
+XDIST ?= -n 2 --dist loadfile --no-loadscope-reorder
 test: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q $(XDIST) $(ARGS)
 

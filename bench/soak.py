@@ -155,12 +155,12 @@ def _run_job(cfg_path: Path, env: dict[str, str], on_progress: Any) -> subproces
 
 def _tmp_entries(job_tmp: Path) -> list[str]:
     """What the job left in its temp folder. grape_stream's own per-user folder there (``grape_stream-<uid>``:
-    the registration lock and the default remote cache, kept across runs by design) counts by what it holds
-    beyond those two, so a killed run's litter inside it still shows."""
+    the default remote cache, kept across runs by design) counts by what it holds beyond that, so a killed
+    run's litter inside it still shows."""
     out = []
     for name in sorted(os.listdir(job_tmp)):
         if name == f"grape_stream-{os.getuid()}":
-            kept = {"registration.lock", "cache"}
+            kept = {"cache"}
             out += [f"{name}/{inner}" for inner in sorted(os.listdir(job_tmp / name)) if inner not in kept]
         else:
             out.append(name)

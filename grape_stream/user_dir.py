@@ -1,5 +1,6 @@
 """This user's private folder under the temp dir, for what grape_stream keeps per node: the remote cache
-(``cache/<hash of the remote>``) and the shared-memory registration lock.
+(``cache/<hash of the remote>``), and the shared-memory registration lock where /dev/shm cannot hold it
+(:mod:`grape_stream.streaming_compat.registration`).
 
 A folder every user can write (``$TMPDIR/grape_stream_cache``, a lock on ``$TMPDIR`` itself) lets another
 user plant shards, indexes or symlinks that a job then reads or writes through, or hold a lock that makes

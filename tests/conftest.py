@@ -8,9 +8,8 @@ Tests are split in two by marker, so a developer can run the fast half while edi
 or servers or trains (S3 server, torch.distributed, SIGKILL, Spark, Composer Trainer runs), decided here
 from its fixtures and module rather than by hand in each file. `make test` runs both.
 
-`make test XDIST="-n 2 --dist loadfile --no-loadscope-reorder"` runs the suite on parallel pytest-xdist workers
-(each test module whole on one worker, so its module-scoped fixtures are built once); the default is one process
-until the registration lock no longer depends on TMPDIR (see the Makefile). Every test must stay
+`make test` runs the suite on two parallel pytest-xdist workers (each test module whole on one worker, so its
+module-scoped fixtures are built once; `make test XDIST=` runs it in one process). Every test must stay
 correct beside any other test running at the same moment in another process (and beside other jobs on the
 machine), so:
 

@@ -1,8 +1,10 @@
-"""The machine-wide registration lock: a job stuck while holding it costs the next job a bounded wait and
-one line that names the holder, not a silent hang."""
+"""The machine-wide registration lock: it lives beside the shared memory it protects (so jobs with different
+TMPDIRs on one machine exclude each other), a job stuck while holding it costs the next job a bounded wait and
+one line that names the holder, and a lock file another user planted is not used."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -15,9 +17,9 @@ from grape_stream.streaming_compat.registration import registration_lock
 
 HOLD = """
 import fcntl, os, sys, tempfile, time
-from grape_stream.user_dir import user_temp_dir
+from grape_stream.streaming_compat.registration import _open_lock_file
 if sys.argv[1] == "mine":
-    fd = os.open(os.path.join(user_temp_dir(), "registration.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    fd = _open_lock_file(sys.argv[2])
 else:
     fd = os.open(tempfile.gettempdir(), os.O_RDONLY)
 fcntl.flock(fd, fcntl.LOCK_EX)
@@ -26,39 +28,99 @@ time.sleep(60)
 """
 
 
-def _hold(tmp_path, what: str) -> subprocess.Popen:
-    env = {"TMPDIR": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONPATH": os.pathsep.join(sys.path)}
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, what], stdout=subprocess.PIPE, text=True, env=env)
+def _hold(tmp_dir, what: str, shm_dir) -> subprocess.Popen:
+    env = {"TMPDIR": str(tmp_dir), "PATH": "/usr/bin:/bin", "PYTHONPATH": os.pathsep.join(sys.path)}
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, what, str(shm_dir)], stdout=subprocess.PIPE,
+                              text=True, env=env)
     assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
     return holder
 
 
-def test_a_stuck_holder_is_named_after_the_timeout(tmp_path, monkeypatch):
-    monkeypatch.setenv("TMPDIR", str(tmp_path))  # a private temp dir: no other job on the machine is touched
+@pytest.fixture
+def dirs(tmp_path, monkeypatch):
+    """A private 'shm' folder and this test's own TMPDIR: no other job on the machine is touched."""
+    shm, tmp = tmp_path / "shm", tmp_path / "tmp"
+    shm.mkdir()
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
     monkeypatch.setattr(tempfile, "tempdir", None)
-    holder = _hold(tmp_path, "mine")
+    return shm, tmp
+
+
+def test_a_stuck_holder_is_named_after_the_timeout(dirs):
+    shm, tmp = dirs
+    holder = _hold(tmp, "mine", shm)
     try:
         t0 = time.monotonic()
         with pytest.raises(TimeoutError) as err:
-            with registration_lock(timeout=0.5):
+            with registration_lock(timeout=0.5, shm_dir=str(shm)):
                 pass
         assert time.monotonic() - t0 < 10
         assert f"held by pid {holder.pid}" in str(err.value)
     finally:
         holder.kill()
         holder.wait()
-    with registration_lock(timeout=5):  # released with its holder's death
+    with registration_lock(timeout=5, shm_dir=str(shm)):  # released with its holder's death
         pass
 
 
-def test_a_lock_on_the_temp_dir_itself_blocks_no_one(tmp_path, monkeypatch):
-    """Any user can flock $TMPDIR; the registration lock is this user's own file, so that holds up nothing."""
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.setattr(tempfile, "tempdir", None)
-    holder = _hold(tmp_path, "tmpdir")
+def test_jobs_with_different_tmpdirs_exclude_each_other(dirs, tmp_path):
+    """The shared-memory names are per machine, so the lock is too: a job with another TMPDIR (another xdist
+    worker, a scheduler's per-job folder) holding it makes this one wait."""
+    shm, _ = dirs
+    other_tmp = tmp_path / "other-job-tmp"
+    other_tmp.mkdir()
+    holder = _hold(other_tmp, "mine", shm)
     try:
-        with registration_lock(timeout=0.5):
+        with pytest.raises(TimeoutError):
+            with registration_lock(timeout=0.3, shm_dir=str(shm)):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    assert [p.name for p in shm.iterdir()] == [f"grape_stream_registration.{os.geteuid()}.lock"]
+
+
+def test_a_lock_on_the_temp_dir_itself_blocks_no_one(dirs):
+    """Any user can flock $TMPDIR; the registration lock is this user's own file, so that holds up nothing."""
+    shm, tmp = dirs
+    holder = _hold(tmp, "tmpdir", shm)
+    try:
+        with registration_lock(timeout=0.5, shm_dir=str(shm)):
             pass
     finally:
         holder.kill()
         holder.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="planting a file owned by another user needs root")
+def test_a_lock_file_another_user_planted_is_not_used(dirs, caplog):
+    """In a shared /dev/shm another user could create this user's lock name first and hold it: such a file
+    is refused (with one warning) and the per-user temp folder's lock serves instead."""
+    shm, tmp = dirs
+    planted = shm / f"grape_stream_registration.{os.geteuid()}.lock"
+    planted.write_text("")
+    os.chmod(planted, 0o666)
+    os.chown(planted, 65534, 65534)
+    import fcntl
+    fd = os.open(planted, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # the planter holds it
+    try:
+        with caplog.at_level(logging.WARNING, logger="grape_stream.streaming_compat.registration"):
+            with registration_lock(timeout=0.5, shm_dir=str(shm)):
+                pass
+        assert "owned by uid 65534" in caplog.text
+        assert (tmp / f"grape_stream-{os.getuid()}" / "registration.lock").exists()
+    finally:
+        os.close(fd)
+
+
+def test_a_symlink_in_place_of_the_lock_is_not_followed(dirs, tmp_path):
+    shm, tmp = dirs
+    target = tmp_path / "victim"
+    target.write_text("keep")
+    (shm / f"grape_stream_registration.{os.geteuid()}.lock").symlink_to(target)
+    with registration_lock(timeout=0.5, shm_dir=str(shm)):
+        pass
+    assert target.read_text() == "keep"
+    assert (tmp / f"grape_stream-{os.getuid()}" / "registration.lock").exists()

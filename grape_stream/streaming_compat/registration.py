@@ -2,9 +2,11 @@
 
 * **Racy registration.** Two jobs that start at once can pick the same prefix (streaming 0.12 / 0.13
   scan /dev/shm, then create, with no lock) and share each other's shard states: :func:`registration_lock`
-  serialises registration on this machine with an ``flock`` on the temp directory itself (nothing is
-  created). A job that does not take the lock (plain streaming) can still take the prefix between the
-  scan and the create: :func:`create_registered` retries then.
+  serialises registration among this user's jobs on this machine with an ``flock`` on a per-user file
+  beside the segments it protects (``/dev/shm/grape_stream_registration.<uid>.lock``), so jobs with
+  different ``TMPDIR``s (test workers, schedulers that give each job its own) still exclude each other.
+  A job that does not take the lock (plain streaming, another user) can still take the prefix between
+  the scan and the create: :func:`create_registered` retries then.
 * **Unlinking by name at exit.** A dataset this process created and never released (a task's splits,
   a mixer not closed) would be unlinked by name at exit by streaming's own hook, whatever the name holds
   by then; :func:`create_registered` arranges for grape_stream's release (by identity, see
@@ -15,19 +17,54 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import random
+import stat
 import time
 from typing import Any, Callable, Iterator, TypeVar
 
 from grape_stream.streaming_compat.processes import flock_holder
-from grape_stream.streaming_compat.shm import live_streaming_datasets, record_owner, release_streaming_dataset
+from grape_stream.streaming_compat.shm import (
+    SHM_DIR,
+    live_streaming_datasets,
+    record_owner,
+    release_streaming_dataset,
+)
 from grape_stream.user_dir import user_temp_dir
 
 __all__ = ["create_registered", "registration_lock"]
 
 T = TypeVar("T")
 _CREATOR = "_grape_stream_creator_pid"
+logger = logging.getLogger(__name__)
+_OPEN_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _open_lock_file(shm_dir: str) -> int:
+    """A descriptor on this user's registration lock file.
+
+    The lock belongs where the names it protects live: /dev/shm is one per machine (or per container /
+    mount namespace), while ``$TMPDIR`` may differ per job. The file is per user (another user cannot hold
+    this user's jobs up), opened without following a symlink and checked to be a regular file this user
+    owns: a name another user planted in the shared /dev/shm is not used; the per-user temp folder's lock
+    is then the fallback (it serialises the jobs that share a ``TMPDIR``; the retry in
+    :func:`create_registered` covers the rest)."""
+    if os.path.isdir(shm_dir):
+        path = os.path.join(shm_dir, f"grape_stream_registration.{os.geteuid()}.lock")
+        try:
+            fd = os.open(path, _OPEN_FLAGS, 0o600)
+        except OSError as exc:
+            why = str(exc)
+        else:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                return fd
+            os.close(fd)
+            why = f"owned by uid {st.st_uid}" if st.st_uid != os.geteuid() else "not a regular file"
+        logger.warning("not using %s as the shared-memory registration lock (%s); using a lock in this user's "
+                       "temp folder instead, which only jobs sharing TMPDIR take", path, why)
+    return os.open(os.path.join(user_temp_dir(), "registration.lock"), _OPEN_FLAGS, 0o600)
 
 
 def _release_at_exit() -> None:
@@ -52,16 +89,16 @@ def _release_before_streaming_at_exit(dataset: Any) -> None:
 
 
 @contextlib.contextmanager
-def registration_lock(enabled: bool = True, timeout: float = 600.0) -> Iterator[None]:
+def registration_lock(enabled: bool = True, timeout: float = 600.0, *, shm_dir: str = SHM_DIR) -> Iterator[None]:
     """Serialise streaming's shared-memory registration among the processes of this machine.
 
     Streaming picks its prefix by scanning /dev/shm and then creating the segments, without a lock: two
     jobs that start at the same moment can pick the same prefix and share each other's shard states.
-    This takes an exclusive ``flock`` on ``registration.lock`` in this user's private temp folder
-    (:func:`grape_stream.user_dir.user_temp_dir`; a lock any user could take, such as one on ``$TMPDIR``
-    itself, would let another user stall every job on the host) while this process registers its datasets;
-    another user's racing job is handled by the retry in :func:`create_registered`. Take it on the local
-    leader only: other ranks wait for the leader inside streaming's own barriers.
+    This takes an exclusive ``flock`` on this user's lock file beside the segments (:func:`_open_lock_file`;
+    a lock any user could take, such as one on ``$TMPDIR`` itself, would let another user stall every job
+    on the host) while this process registers its datasets; another user's racing job is handled by the
+    retry in :func:`create_registered`. Take it on the local leader only: other ranks wait for the leader
+    inside streaming's own barriers.
     """
     if not enabled:
         yield
@@ -71,8 +108,7 @@ def registration_lock(enabled: bool = True, timeout: float = 600.0) -> Iterator[
     except ImportError:  # pragma: no cover - not POSIX
         yield
         return
-    fd = os.open(os.path.join(user_temp_dir(), "registration.lock"),
-                 os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = _open_lock_file(shm_dir)
     try:
         deadline = time.monotonic() + timeout
         while True:
