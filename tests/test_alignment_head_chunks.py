@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import grape_stream.head_loss as head_loss
+import grape_stream.models.head_loss as head_loss
 from _alignment_helpers import (
     SEQ,
     VOCAB,

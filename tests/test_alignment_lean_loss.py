@@ -29,7 +29,7 @@ def reference(logits: torch.Tensor, batch: dict) -> torch.Tensor:
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_values_and_gradients_match_cross_entropy(inplace: bool, dtype: torch.dtype, monkeypatch) -> None:
-    monkeypatch.setattr("grape_stream.models._CE_CHUNK_ELEMENTS", 7 * 300)  # several chunks, a ragged last one
+    monkeypatch.setattr("grape_stream.models.gpt._CE_CHUNK_ELEMENTS", 7 * 300)  # several chunks, a ragged last one
     batch = lm_groups([3], seed=4, seq=12)[0]
     base = torch.randn(3, 11, 300, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 3
     weights = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float32 if dtype != torch.float64 else dtype)
@@ -97,7 +97,7 @@ def test_exact_fallback_beside_the_in_place_loss_gradient(micro) -> None:
 def test_full_logits_give_the_sliced_logits_loss_and_token_losses(masked: bool) -> None:
     """An HF causal LM's logits of every position (the last one's target ignored) score what the logits of
     tokens[:, :-1] score: per-sample losses, their gradients, and the per-token losses a watcher (DoReMi) sees."""
-    from grape_stream.loss_watch import watching_losses
+    from grape_stream.models.loss_watch import watching_losses
 
     batch = lm_groups([3], seed=5, seq=12)[0]
     if not masked:

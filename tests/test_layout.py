@@ -23,8 +23,6 @@ LEVELS: dict[str, int] = {
     "grape_stream.user_dir": 0,
     "grape_stream.simplex": 0,
     "grape_stream.models": 0,
-    "grape_stream.head_loss": 0,
-    "grape_stream.loss_watch": 0,
     "grape_stream.config": 0,
     "grape_stream.errors": 0,
     "grape_stream.console": 0,

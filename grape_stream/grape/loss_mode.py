@@ -3,7 +3,7 @@
 Built by the controller when ``reweighter.needs_training_losses``. On every training step the trainer wraps
 each (micro-)batch's forward + backward in :meth:`LossMode.begin` / :meth:`LossMode.end` (or
 :meth:`LossMode.observe`); meanwhile the per-sample loss vector the training loss is made of passes through
-:func:`~grape_stream.loss_watch.watch_losses` and is summed per domain (``batch["domain"]``), detached,
+:func:`~grape_stream.models.loss_watch.watch_losses` and is summed per domain (``batch["domain"]``), detached,
 on its own device: loss sum and sample count, and for a method with ``needs_reference`` (DoReMi) the
 per-token excess loss max(l_proxy - l_ref, 0) summed over counted tokens and the token count, the reference's
 per-token losses from a no-grad forward of the reference model on the same micro-batch
@@ -31,7 +31,7 @@ from grape_stream.config import AlgorithmConfig
 from grape_stream.errors import ConfigError
 from grape_stream.grape.reference_model import ReferenceModel
 from grape_stream.grape.reweighting import DomainLosses
-from grape_stream.loss_watch import watching_losses
+from grape_stream.models.loss_watch import watching_losses
 from grape_stream.world import dist_active
 
 __all__ = ["LossMode"]
@@ -140,7 +140,7 @@ class LossMode:
         if check and window is not None and not window.seen:
             raise ConfigError(f"method {self.reweighter.method!r} saw no per-sample training loss: compute the "
                               "training loss with grape_stream.models.per_sample_lm_loss (or pass per-sample losses "
-                              f"through grape_stream.loss_watch.watch_losses) inside observe() ({_WHERE})")
+                              f"through grape_stream.models.loss_watch.watch_losses) inside observe() ({_WHERE})")
 
     @contextlib.contextmanager
     def observe(self, model: nn.Module, step: int, batch: Any, domains: Optional[torch.Tensor] = None, *,

@@ -9,7 +9,7 @@ grape.sharded_reference): a Composer checkpoint
 only by a wrapper (``model.`` of ComposerGPT, ``module.`` of DDP) are matched; anything else is one error
 that says how many keys are missing / unexpected. It runs in eval mode with no gradient, and its per-token
 losses are read from the same loss function the controller probes with (``per_sample_loss``), through the
-per-token losses that function shows to :func:`~grape_stream.loss_watch.watch_losses`.
+per-token losses that function shows to :func:`~grape_stream.models.loss_watch.watch_losses`.
 
 A checkpoint is code: full pickle runs whatever the file names. So the file is read with
 ``torch.load(weights_only=True)``, allowing only the few plain types a Composer 0.32 checkpoint holds beside
@@ -36,7 +36,7 @@ from torch import nn
 from grape_stream.errors import ConfigError
 from grape_stream.grape.probes import sharded_parameter, unwrap_for_probe
 from grape_stream.grape.sharded_reference import ShardedReference
-from grape_stream.loss_watch import watching_losses
+from grape_stream.models.loss_watch import watching_losses
 
 __all__ = ["ReferenceModel", "reference_state_dict"]
 

@@ -44,8 +44,8 @@ from grape_stream.grape.gram.sharding import (
     refuse_stray,
 )
 from grape_stream.grape.probes import unwrap_for_probe
-from grape_stream.head_loss import HeadGradientMismatch, observing_lm_head
 from grape_stream.models import no_inplace_loss_grad
+from grape_stream.models.head_loss import HeadGradientMismatch, observing_lm_head
 from grape_stream.world import dist_active
 
 __all__ = ["GramInfo", "fused_gram", "group_gram"]

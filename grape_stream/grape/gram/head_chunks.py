@@ -1,4 +1,4 @@
-"""The fused Gram's side of the chunked LM head (`grape_stream/head_loss.py`): the head weight's per-group
+"""The fused Gram's side of the chunked LM head (`grape_stream/models/head_loss.py`): the head weight's per-group
 gradient built during the forward, chunk by chunk, so the probe never holds the (tokens x vocab) logits.
 
 Why a separate path: for an LM head the module hooks would receive the logits' gradient, a (tokens x

@@ -14,7 +14,7 @@ gradients are computed per domain (the same matmuls as the step's, split by rows
 (``grape/gram/instep_grads.py``); one inner product per domain and layer is all that is added.
 
 The weights w_s are read, exactly, from the gradient that reaches the per-sample loss vector: through
-:func:`grape_stream.loss_watch.watch_losses` (``models.per_sample_lm_loss_from_logits`` calls it, so
+:func:`grape_stream.models.loss_watch.watch_losses` (``models.per_sample_lm_loss_from_logits`` calls it, so
 ComposerGPT's and the plain loop's losses are seen), or :meth:`StepAlignments.watch` for a loss of your
 own. Whatever scales the loss (a mean, Composer's micro-batch fraction, a gradient scaler) is divided out.
 
@@ -40,7 +40,7 @@ from grape_stream.grape.gram.instep_grads import DomainParts, GradUse, PartStore
 from grape_stream.grape.gram.instep_scope import check_model, hooked_modules, stray_uses
 from grape_stream.grape.gram.instep_shards import fsdp2_scope, gather, scatter_parts, shard_like
 from grape_stream.grape.gram.layout_probe import probe_layouts
-from grape_stream.loss_watch import watching_losses
+from grape_stream.models.loss_watch import watching_losses
 
 __all__ = ["INSTEP_STATE_FORMAT", "StepAlignments", "domain_order", "reorder_rows", "sort_by_domain"]
 

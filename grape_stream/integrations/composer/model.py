@@ -47,7 +47,7 @@ class ComposerGPT(ComposerModel):
     def per_sample_loss(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """What the GRAPE probe differentiates: Tensor[B]. Through `per_sample_lm_loss` (our GPT) or
         `per_sample_causal_lm_loss` (a transformers LM), so that inside the fused probe the head runs in
-        sample chunks (grape_stream/head_loss.py) instead of forming the logits of the whole probe."""
+        sample chunks (grape_stream/models/head_loss.py) instead of forming the logits of the whole probe."""
         if isinstance(self.model, HFTokensToLogits):
             lm = self.model.lm
             return per_sample_causal_lm_loss(lm, causal_lm_kwargs(lm, batch["tokens"].long()[:, :-1]), batch)

@@ -1,4 +1,4 @@
-"""A small GPT-style decoder and the per-sample LM loss every part of grape_stream agrees on.
+"""The small GPT-style decoder and the per-sample LM loss every part of grape_stream agrees on.
 
 The model is deliberately plain (pre-LayerNorm blocks, tied embeddings, SDPA attention) so that the
 alignment engine's fast paths (Linear, Embedding, LayerNorm) cover every parameter, and so the demo
@@ -19,13 +19,13 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from grape_stream.config import DecoderShape
-from grape_stream.head_loss import (
+from grape_stream.models.head_loss import (
     SOFTMAX_ELEMENTS,
     current_head_observer,
     observed_causal_lm_loss,
     observed_head_loss,
 )
-from grape_stream.loss_watch import watch_losses
+from grape_stream.models.loss_watch import watch_losses
 
 
 @dataclass
