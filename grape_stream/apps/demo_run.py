@@ -83,8 +83,12 @@ def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _yaml_value(v: Any) -> str:
     """An override's value as the YAML the dotlist parses back to ``v`` (flow style, one line)."""
+    from enum import Enum
+
     import yaml
 
+    if isinstance(v, Enum):  # a choice setting (config.choices): its word
+        v = v.value
     return yaml.safe_dump(v, default_flow_style=True, width=1 << 16).strip().removesuffix("\n...").strip()
 
 

@@ -6,7 +6,9 @@ where each value takes effect (docs/design.md, "How a setting travels"):
 * :class:`AlgorithmConfig` (``config.algorithm``): GRAPE, read by ``GrapeLoop`` / ``GrapeController``;
 * :class:`MixerConfig` and :class:`DataConfig` (``config.data``): the mixer and the recipe's data section;
 * :class:`ConvertConfig` (``config.convert``): ``grape-stream convert`` and ``convert()``;
-* :class:`RecipeConfig` (``config.recipe``): a whole recipe, omegaconf's structured config.
+* :class:`RecipeConfig` (``config.recipe``): a whole recipe, omegaconf's structured config;
+* the few-valued settings as str-Enums (``config.choices``): :class:`Alignments`, :class:`Geometry`,
+  :class:`ProbeMode`, :class:`Composition`.
 
 Consumers take the object or keyword overrides of its fields (:func:`with_overrides`: a misspelt name is
 one error naming the closest field). Level 0: imports nothing from grape_stream but ``errors``.
@@ -23,6 +25,7 @@ from grape_stream.config.algorithm import (
     GramConfig,
     GrapeConfig,
 )
+from grape_stream.config.choices import Alignments, Composition, Geometry, ProbeMode
 from grape_stream.config.convert import ConvertConfig
 from grape_stream.config.data import RETRY_DEADLINE_S, SHUFFLE_BLOCK_SIZE, DataConfig, MixerConfig, streaming_fields
 from grape_stream.config.fields import (
@@ -44,6 +47,10 @@ from grape_stream.config.recipe import (
 )
 
 __all__ = [
+    "Alignments",
+    "Composition",
+    "Geometry",
+    "ProbeMode",
     "GRAM_CHUNK_ELEMENTS",
     "MISSING",
     "PAPER_MU_ALPHA",

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from grape_stream.config.choices import Alignments, Geometry, ProbeMode
 from grape_stream.config.fields import free
 
 __all__ = ["GRAM_CHUNK_ELEMENTS", "PAPER_MU_ALPHA", "PAPER_MU_Z", "PROBE_BATCH_BOUNDS", "AlgorithmConfig",
@@ -51,7 +52,7 @@ class AlgorithmConfig:
     mu_alpha: Optional[float] = None
     mu_z: Optional[float] = None
     seed: int = 0  # seeds the probes (independent of the training stream's seed)
-    probe_mode: str = "sharded"  # sharded | replicated (only matters with several ranks)
+    probe_mode: ProbeMode = ProbeMode.sharded  # only matters with several ranks
     probe_train_mode: bool = False  # probe with dropout on (default: the deterministic network)
     schedule_path: Optional[str] = None  # method=schedule: a trajectory JSONL to replay
     schedule_stretch: float = 1.0  # method=schedule: a factor on the replayed steps
@@ -60,13 +61,13 @@ class AlgorithmConfig:
     options: dict[str, Any] = free()
     # beyond the paper (docs/reweighting.md; defaults = the paper): alignment in AdamW's geometry, and the probe
     # size chosen from the measured probe noise (target relative standard error; None: fixed size)
-    geometry: str = "sgd"  # sgd | adam
+    geometry: Geometry = Geometry.sgd
     probe_rse: Optional[float] = None
     probe_batch_bounds: list[int] = field(default_factory=lambda: list(PROBE_BATCH_BOUNDS))
     gram_options: GramConfig = field(default_factory=GramConfig)
     # in-step alignments (docs/alignment.md): "steps" takes the domain side from alignment_steps training steps
     # per update (their own backwards, evenly spaced) instead of K domain probes per update; "probe" is the paper's
-    alignments: str = "probe"  # probe | steps
+    alignments: Alignments = Alignments.probe
     alignment_steps: int = 4
     # True: write grape_trajectory.jsonl in the run's folder (+ .png at the end); False: none; or a file path
     trajectory: Any = True

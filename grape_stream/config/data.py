@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from grape_stream.config.choices import Composition
 from grape_stream.config.fields import MISSING
 
 __all__ = ["RETRY_DEADLINE_S", "SHUFFLE_BLOCK_SIZE", "DataConfig", "MixerConfig", "streaming_fields"]
@@ -32,7 +33,7 @@ class MixerConfig:
     """WeightedStreamingMixer's settings (docs/mixer.md; the recipe's ``data.mixer``)."""
 
     shuffle: bool = True  # shuffle each domain's epochs (shard-aware block shuffle); False: index order
-    composition: str = "systematic"  # systematic (exact quotas) | multinomial
+    composition: Composition = Composition.systematic
     shuffle_block_size: int = SHUFFLE_BLOCK_SIZE
     lag: Optional[int] = None  # global batches from set_weights to the first it changes (None: the loader's depth)
     # canonical nodes: each reads its own share of every domain's shards (None: the physical node count at the

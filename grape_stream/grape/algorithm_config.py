@@ -22,6 +22,7 @@ import logging
 from typing import Any, Mapping
 
 from grape_stream.config import AlgorithmConfig, field_names, with_overrides
+from grape_stream.config.choices import ProbeMode, values
 from grape_stream.errors import ConfigError, UnknownOptionError, did_you_mean
 from grape_stream.grape.geometry import GEOMETRIES
 from grape_stream.grape.instep_mode import ALIGNMENTS
@@ -34,8 +35,7 @@ __all__ = ["PROBE_MODES", "algorithm_config", "check_algorithm", "check_option_n
 
 log = logging.getLogger(__name__)
 
-#: "sharded": each rank probes different samples, Gram averaged over the ranks; "replicated": all the same.
-PROBE_MODES = ("sharded", "replicated")
+PROBE_MODES = values(ProbeMode)
 
 
 def controller_methods() -> list[str]:

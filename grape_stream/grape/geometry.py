@@ -20,10 +20,11 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import Tensor, nn
 
+from grape_stream.config.choices import Geometry, values
+
 __all__ = ["GEOMETRIES", "AdamPreconditioner", "adam_preconditioner"]
 
-#: "sgd": plain inner products (the paper); "adam": preconditioned by AdamW's 1 / (sqrt(v_hat) + eps).
-GEOMETRIES = ("sgd", "adam")
+GEOMETRIES = values(Geometry)
 
 
 class AdamPreconditioner(Mapping[nn.Parameter, Tensor]):

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from grape_stream.config import AlgorithmConfig
+from grape_stream.config.choices import Geometry
 from grape_stream.errors import ConfigError
 from grape_stream.grape.gram.instep import StepAlignments
 from grape_stream.grape.gram.instep_grads import PartStore
@@ -87,7 +88,7 @@ class StepGramMode(InstepMode):
         self.period = config.alpha_every
         self.steps = min(config.alignment_steps, config.alpha_every)
         self.per_sample_loss: Callable[[nn.Module, Any], torch.Tensor] = controller.per_sample_loss
-        self.geometry = "sgd"
+        self.geometry = Geometry.sgd
         self.alignments: Optional[StepAlignments] = None
         self._tasks = None
         self.has_direction = True  # no direction to probe for

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from grape_stream.config import AlgorithmConfig
+from grape_stream.config.choices import Alignments, values
 from grape_stream.errors import ConfigError
 from grape_stream.grape.geometry import adam_preconditioner
 from grape_stream.grape.gram.instep import StepAlignments
@@ -39,8 +40,7 @@ from grape_stream.world import dist_active
 
 __all__ = ["ALIGNMENTS", "InstepMode", "first_moment", "probe_context"]
 
-#: "probe": the paper's K domain + N task probes per update; "steps": the domain side from training steps.
-ALIGNMENTS = ("probe", "steps")
+ALIGNMENTS = values(Alignments)
 _WHERE = "docs/alignment.md, 'In-step alignments'"
 _STATS = ("sums", "weights", "samples", "sq", "cross", "wsq")
 

@@ -45,6 +45,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from grape_stream.config.choices import Composition, values
 from grape_stream.mixing.counter_rng import (
     TAG_MULTI,
     TAG_STRATA,
@@ -71,7 +72,7 @@ __all__ = [
     "systematic_counts",
 ]
 
-COMPOSITIONS = ("systematic", "multinomial")
+COMPOSITIONS = values(Composition)
 
 #: The base of the systematic offsets' digits (a power of two: its permutations need no cycle-walking).
 STRATA = 1024

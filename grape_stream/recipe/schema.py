@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from enum import Enum
 from typing import Any, Mapping
 
 from omegaconf import DictConfig, OmegaConf
@@ -146,5 +147,7 @@ def as_recipe(cfg: RecipeConfig | DictConfig | Mapping[str, Any], where: str = "
 
 
 def recipe_dict(recipe: RecipeConfig) -> dict[str, Any]:
-    """The plain form of a typed recipe (what ``--print-config`` prints and ``load_recipe`` returns)."""
-    return dataclasses.asdict(recipe)
+    """The plain form of a typed recipe (what ``--print-config`` prints and ``load_recipe`` returns): the
+    choice settings' str-Enums become their words, so YAML and JSON writers take it as it is."""
+    return dataclasses.asdict(recipe, dict_factory=lambda items: {k: v.value if isinstance(v, Enum) else v
+                                                                   for k, v in items})
