@@ -172,7 +172,7 @@ class ProbeStage:
         """What a trajectory's meta line records (only the non-default options)."""
         out: dict[str, Any] = {}
         if self.config.geometry != "sgd":
-            out["geometry"] = self.config.geometry
+            out["geometry"] = str(self.config.geometry)  # a plain word (records go into states)
         if self.sizer is not None:
             out.update(probe_rse=self.sizer.target, probe_batch_bounds=list(self.sizer.bounds))
         return out

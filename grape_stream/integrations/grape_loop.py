@@ -37,8 +37,8 @@ from grape_stream.grape.reweighting.registry import canonical_method
 from grape_stream.grape.trajectory import TRAJECTORY_FILE
 from grape_stream.integrations.common import as_task
 from grape_stream.integrations.progress import UpdateProgress
+from grape_stream.integrations.run_end import write_run_end
 from grape_stream.integrations.summary import format_summary, summarize_controller
-from grape_stream.integrations.trajectory_plot import plot_trajectory
 from grape_stream.mixing.mixer import WeightedStreamingMixer
 from grape_stream.models import per_sample_lm_loss
 from grape_stream.world import process_world
@@ -258,20 +258,19 @@ class GrapeLoop:
 
     # -- the end ---------------------------------------------------------------------------------------
     def finish(self) -> str | None:
-        """Write the trajectory (+ PNG), call ``end_of_run``; rank 0 only. Returns the trajectory path."""
+        """Write the trajectory, then the run's end (:func:`~grape_stream.integrations.run_end.write_run_end`: the
+        PNG and the summary table + ``grape_summary.txt``) or the caller's ``end_of_run``; rank 0 only. Returns the
+        trajectory path."""
         ctl = self.controller
         if ctl is None or not process_world().is_leader:
             return None
-        path = png = None
+        path = None
         if self.write_trajectory and self.trajectory:
             path = ctl.write_trajectory(self.trajectory)
-            if self.config.plots:
-                try:
-                    png = plot_trajectory(path, os.path.splitext(path)[0] + ".png")
-                except Exception as exc:  # a plotting problem must not fail a finished training run
-                    log.warning("could not plot the GRAPE trajectory %s: %s", path, exc)
+        if path is not None:  # the plot, and the summary unless the caller's own end_of_run replaces it
+            write_run_end(ctl, path, plots=self.config.plots, summary=self.config.summary and self.end_of_run is None)
         if self.end_of_run is not None:
             self.end_of_run(ctl, path)
-        elif self.config.summary:  # the end-of-run table (last probe losses per target, alpha, where the files are)
-            print(format_summary(summarize_controller(ctl, {}, trajectory=path, plot=png)), flush=True)
+        elif self.config.summary and path is None:  # no trajectory written: the table on the console only
+            print(format_summary(summarize_controller(ctl, {}, trajectory=None, plot=None)), flush=True)
         return path

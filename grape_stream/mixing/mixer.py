@@ -138,7 +138,7 @@ class WeightedStreamingMixer(IterableDataset):
         self.batch_size = int(batch_size)
         self.seed = int(seed)
         self.shuffle = bool(c.shuffle)
-        self.composition = c.composition
+        self.composition = str(c.composition)  # a plain word: it goes into the state (weights_only loads)
         self.shuffle_block_size = int(c.shuffle_block_size)
         world = streaming_world()
         self.rank, self.world_size, self.local_rank = world.rank, world.size, world.local_rank

@@ -20,8 +20,7 @@ from grape_stream.atomic import atomic_write_text
 from grape_stream.grape.trajectory import TRAJECTORY_FILE
 from grape_stream.integrations.composer.algorithm import GrapeAlgorithm
 from grape_stream.integrations.composer.artifacts import log_trajectory_artifacts
-from grape_stream.integrations.summary import format_summary, summarize_controller
-from grape_stream.integrations.trajectory_plot import plot_trajectory
+from grape_stream.integrations.run_end import write_run_end
 from grape_stream.world import process_world
 
 __all__ = ["GrapeTrajectoryCallback", "JSONLMetricsLogger", "TaskEvalSummary", "final_eval_pending",
@@ -107,27 +106,13 @@ class GrapeTrajectoryCallback(Callback):
         path = self._write(state)
         if path is None or not process_world().is_leader:
             return
-        png: str | None = None
-        if self.plots:
-            try:
-                png = plot_trajectory(path, os.path.splitext(path)[0] + ".png")
-            except Exception as exc:  # a plotting problem must not fail a finished training run
-                log.warning("could not plot the GRAPE trajectory %s: %s", path, exc)
-        files = [path] + ([png] if png else [])
-        if self.summary:
-            files.append(self._summary(state, path, png, _task_evals(state) if evals is None else evals))
-        if self.artifacts:
-            log_trajectory_artifacts(logger, files, png, int(state.timestamp.batch))
-
-    def _summary(self, state: State, path: str, png: str | None, evals: dict[str, float]) -> str:
-        """Print the end-of-run table and write it next to the trajectory; returns the file's path."""
         algo = grape_algorithm_of(state)
         assert algo is not None and algo.controller is not None
-        self.summary_text = format_summary(summarize_controller(algo.controller, evals, trajectory=path, plot=png))
-        print(self.summary_text, flush=True)
-        out = os.path.join(os.path.dirname(path), "grape_summary.txt")
-        atomic_write_text(out, self.summary_text + "\n")
-        return out
+        end = write_run_end(algo.controller, path, plots=self.plots, summary=self.summary,
+                            evals=(_task_evals(state) if evals is None else evals) if self.summary else None)
+        self.summary_text = end.summary_text
+        if self.artifacts:
+            log_trajectory_artifacts(logger, end.files, end.plot, int(state.timestamp.batch))
 
     def state_dict(self) -> dict[str, Any]:
         return {}
