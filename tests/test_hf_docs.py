@@ -46,3 +46,5 @@ def test_the_hf_example_trains_logs_and_checkpoints_grape(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "GRAPE run summary: method grape, 2 updates, last at step 8" in printed
     assert os.path.join(out, "grape_trajectory.jsonl") in printed
+    with open(os.path.join(out, "grape_summary.txt"), encoding="utf-8") as f:  # and writes it, as Composer runs do
+        assert "GRAPE run summary: method grape, 2 updates, last at step 8" in f.read()
