@@ -321,6 +321,8 @@ def _run(run: _Pass, forced: dict[int, str], chunked_head: bool) -> tuple[Tensor
                 t0 = time.perf_counter()
                 with engine.forming_contributions():
                     torch.autograd.grad(total, leaves, allow_unused=True)
+                if sums is not None:
+                    sums.flush()
                 timings["backward_s"] += time.perf_counter() - t0
                 engine.check_all_fired()
                 del total, losses, leaves, _alive, w

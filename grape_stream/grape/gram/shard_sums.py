@@ -76,33 +76,60 @@ class ShardedGroupSums:
         self.num_groups, self.budget, self.group = num_groups, budget, group
         self.world = dist.get_world_size(group)
         self.shards: dict[int, _Shard] = {}
+        # chunks formed but not yet sent, coalesced into one reduce-scatter of up to budget / 2 elements (few
+        # collectives per micro-batch instead of one per parameter and call): (shard, chunk, (W, G_m, piece))
+        self.pending: list[tuple[_Shard, int, Tensor]] = []
+        self.pending_groups: Optional[Tensor] = None
 
     def add(self, key: int, shape: torch.Size, contrib: Contribution, groups: Tensor, device: torch.device) -> None:
-        """Reduce-scatter one call's contribution to parameter ``key`` (full ``shape``) into this rank's share.
-        ``groups``: the micro-batch's groups (the same on every rank), a superset of the contribution's."""
+        """One call's contribution to parameter ``key`` (full ``shape``), to be summed over the ranks into this
+        rank's share. ``groups``: the micro-batch's groups (the same on every rank), a superset of the
+        contribution's. The caller flushes after each micro-batch's backward (:meth:`flush`)."""
         sh = self.shards.get(key)
         if sh is None:
             sh = self.shards[key] = _Shard(shape, self.num_groups, self.world, self.budget, contrib.dtype, device)
-        gm, gc, w = groups.numel(), contrib.groups.numel(), self.world
-        comm = collective_device(device, self.group)
+        if self.pending and (self.pending_groups is not groups or self.pending[0][2].dtype != sh.local.dtype):
+            self.flush()
+        gc, w = contrib.groups.numel(), self.world
         where = torch.searchsorted(groups, contrib.groups)  # the contribution's groups among the micro-batch's
-        dest = as_range(groups)
         for s in range(sh.chunks):
             r0 = s * sh.rows_per_chunk
             r1 = min(sh.num_rows, r0 + sh.rows_per_chunk)
-            # rank r receives rows [r gm, (r + 1) gm) of (W x gm, piece): its piece of the chunk, for every group
-            send = torch.zeros((w, gm, sh.piece), dtype=sh.local.dtype, device=device)
+            # rank r receives rows [r G_m, (r + 1) G_m) of (W x G_m, piece): its piece of the chunk, for every group
+            send = torch.zeros((w, groups.numel(), sh.piece), dtype=sh.local.dtype, device=device)
             if gc:
                 block = _rows(contrib, r0, r1).reshape(gc, -1).to(send.dtype)
                 block = F.pad(block, (0, w * sh.piece - block.shape[1]))
                 send.permute(1, 0, 2)[where] = block.view(gc, w, sh.piece)
-            mine = torch.empty((gm, sh.piece), dtype=send.dtype, device=comm)
-            _reduce_scatter(mine, send.view(w * gm, sh.piece).to(comm), op=dist.ReduceOp.SUM, group=self.group)
-            del send
-            sh.local[dest, s * sh.piece : (s + 1) * sh.piece] += mine.to(device)
+                del block
+            self.pending.append((sh, s, send))
+            self.pending_groups = groups
+            if sum(t.numel() for _, _, t in self.pending) >= self.budget // 2:
+                self.flush()
+
+    def flush(self) -> None:
+        """Sum the pending chunks over the ranks in one reduce-scatter; each rank adds its pieces to its shares.
+        Every rank flushes at the same points (the same parameters, shapes and budget)."""
+        if not self.pending or self.pending_groups is None:
+            return
+        groups, w = self.pending_groups, self.world
+        gm, device = groups.numel(), self.pending[0][2].device
+        parts = [(sh, s, t.shape[2]) for sh, s, t in self.pending]
+        send = torch.cat([t for _, _, t in self.pending], dim=2) if len(self.pending) > 1 else self.pending[0][2]
+        self.pending, self.pending_groups = [], None
+        comm = collective_device(device, self.group)
+        mine = torch.empty((gm, send.shape[2]), dtype=send.dtype, device=comm)
+        _reduce_scatter(mine, send.reshape(w * gm, -1).to(comm), op=dist.ReduceOp.SUM, group=self.group)
+        del send
+        mine = mine.to(device)
+        dest, a = as_range(groups), 0
+        for sh, s, width in parts:
+            sh.local[dest, s * sh.piece : (s + 1) * sh.piece] += mine[:, a : a + width]
+            a += width
 
     def local_gram(self) -> Tensor:
         """(G, G) float64 sum over parameters of this rank's shares' inner products (to be summed over ranks)."""
+        self.flush()
         gram = torch.zeros((self.num_groups, self.num_groups), dtype=torch.float64)
         step = max(1, self.budget // max(1, self.num_groups))
         for sh in self.shards.values():
