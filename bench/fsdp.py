@@ -253,7 +253,8 @@ def _micro_claims(args: argparse.Namespace, ranks: list[dict], step_s: float,
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="a smoke run: one configuration, a smaller model")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run: K=7, N=6 and the K=20, N=6 micro-batched line, a smaller model")
     p.add_argument("--out", default=os.path.join(HERE, "results", "fsdp.json"))
     p.add_argument("--no-replica", action="store_true", help="skip the removed replica path's comparison")
     p.add_argument("--micro-probe-batch", type=int, default=4,
