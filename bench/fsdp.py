@@ -14,7 +14,11 @@ every rank:
 * the removed replica path for comparison (every rank gathers the full weights into an unsharded copy, then
   probes it): the same two numbers;
 * exactness: the same weights in float64, sharded probe vs the unsharded single-process computation (each
-  rank's probe on the whole model, averaged), max relative error over the Gram and the losses.
+  rank's probe on the whole model, averaged), max relative error over the Gram and the losses;
+* the micro-batched probe (``micro_batch_size``: per-group gradients summed over the ranks and kept sharded,
+  G x P / W per rank, grape/gram/shard_sums.py) against the one-pass probe on the same, larger probe (K=20, N=6,
+  ``--micro-probe-batch`` samples per group per rank, more than a training micro-batch): wall time and peak of
+  each, and its float64 error against one unsharded process probing every rank's samples together.
 
 Wall overhead at an update every 100 steps = probe time / (100 x step time); extra peak memory, per rank (the
 largest over ranks is reported) = (probe peak - step peak)+ / (step peak - the bare process's resident memory
@@ -26,8 +30,9 @@ high-water mark, reset before each measured call (/proc/self/clear_refs; Linux).
     PYTHONPATH=$PWD .venv/bin/python bench/fsdp.py [--quick] [--out bench/results/fsdp.json]
 
 Prints a table and writes the JSON with a ``claims`` object: {"k20_n6": {"wall_overhead", "extra_peak_memory",
-"max_rel_error_vs_unsharded"}, "k7_n6": {...}} (fractions). Goal (issue 31): at K=20, N=6 <= 5% wall and
-<= 10% extra peak memory per rank.
+"max_rel_error_vs_unsharded"}, "k7_n6": {...}, "k20_n6_micro": {the same for the micro-batched probe, and
+"one_pass_wall_overhead", "one_pass_extra_peak_memory" for the one-pass probe of the same samples}} (fractions).
+Goal (issue 31): at K=20, N=6 <= 5% wall and <= 10% extra peak memory per rank.
 """
 
 from __future__ import annotations
@@ -82,8 +87,8 @@ def _batch(n: int, args: argparse.Namespace, seed: int) -> dict[str, torch.Tenso
     return {"tokens": tokens, "loss_mask": torch.ones_like(tokens, dtype=torch.uint8)}
 
 
-def _groups(g: int, args: argparse.Namespace, rank: int) -> list[dict[str, torch.Tensor]]:
-    return [_batch(args.probe_batch, args, seed=1000 * rank + i) for i in range(g)]
+def _groups(g: int, args: argparse.Namespace, rank: int, size: int | None = None) -> list[dict[str, torch.Tensor]]:
+    return [_batch(size or args.probe_batch, args, seed=1000 * rank + i) for i in range(g)]
 
 
 def _status(key: str) -> int:
@@ -104,6 +109,28 @@ def _peak(fn: Callable[[], Any]) -> tuple[float, int]:
     fn()
     dt = time.perf_counter() - t0
     return dt, _status("VmHWM")
+
+
+def _micro_measure(model: GPT, step: Callable[[int], None], args: argparse.Namespace, rank: int,
+                   i: int) -> dict[str, Any]:
+    """The larger probe of the micro-batched line, one pass and micro-batched, each after a training step."""
+    k, n = args.micro
+    groups = _groups(k + n, args, rank, args.micro_probe_batch)
+    one = lambda: group_gram(model, per_sample_lm_loss, groups)  # noqa: E731
+    micro = lambda: group_gram(model, per_sample_lm_loss, groups, micro_batch_size=args.micro_batch_size)  # noqa: E731
+    one()  # warm-up: the layout probe is cached per batch shape (the same for both)
+    times: dict[str, list[float]] = {"one": [], "micro": []}
+    peaks: dict[str, list[int]] = {"one": [], "micro": []}
+    for r in range(args.repeats):
+        for name, fn in (("one", one), ("micro", micro)):
+            dist.barrier()
+            _peak(lambda j=i + 2 * r: step(j % 4))  # the same heap state as the main lines' probes
+            dist.barrier()
+            dt, peak = _peak(fn)
+            times[name].append(dt)
+            peaks[name].append(peak)
+    return {f"{name}_{what}": (statistics.median(times[name]) if what == "s" else max(peaks[name]))
+            for name in ("one", "micro") for what in ("s", "peak")}
 
 
 def _replica_probe(sharded: GPT, args: argparse.Namespace, groups: list) -> None:
@@ -159,6 +186,7 @@ def _worker(rank: int, args: argparse.Namespace, tmp: str) -> None:
                                  "replica_s": statistics.median(replica_times) if replica_times else None,
                                  "replica_peak": max(replica_peaks) if replica_peaks else None,
                                  "probe_samples": (k + n) * args.probe_batch}
+        out["micro"] = _micro_measure(model, step, args, rank, i)
         out["step_s"] = statistics.median(step_times)
         out["step_peak"] = max(step_peaks)
         out["baseline"] = baseline
@@ -168,6 +196,10 @@ def _worker(rank: int, args: argparse.Namespace, tmp: str) -> None:
             groups = _groups(k + n, args, rank)
             gram, losses = group_gram(exact, per_sample_lm_loss, groups)
             out[f"k{k}_n{n}"]["gram64"] = (gram, losses)
+        k, n = args.micro
+        micro_groups = _groups(k + n, args, rank, args.micro_probe_batch)
+        out["micro"]["gram64"] = group_gram(exact, per_sample_lm_loss, micro_groups,
+                                            micro_batch_size=args.micro_batch_size)
         torch.save(out, os.path.join(tmp, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -183,19 +215,56 @@ def _reference(args: argparse.Namespace, k: int, n: int) -> tuple[torch.Tensor, 
     return torch.stack(grams).mean(0), torch.stack(losses).mean(0)
 
 
+def _micro_reference(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    """One unsharded process probing every rank's samples of each group together (the micro-batched convention)."""
+    k, n = args.micro
+    per_rank = [_groups(k + n, args, rank, args.micro_probe_batch) for rank in range(WORLD)]
+    groups = [{key: torch.cat([g[i][key] for g in per_rank]) for key in per_rank[0][i]} for i in range(k + n)]
+    return group_gram(_model(args, torch.float64), per_sample_lm_loss, groups, micro_batch_size=args.micro_batch_size)
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
+def _micro_claims(args: argparse.Namespace, ranks: list[dict], step_s: float,
+                  extra: Callable[[dict, int], float]) -> tuple[str, dict[str, Any]]:
+    """The micro-batched line's claims and configuration from every rank's measurements."""
+    k, n = args.micro
+    per = [r["micro"] for r in ranks]
+    want_gram, want_losses = _micro_reference(args)
+    err = max(max(_rel(x["gram64"][0], want_gram), _rel(x["gram64"][1], want_losses)) for x in per)
+    micro_s = statistics.median(x["micro_s"] for x in per)
+    one_s = statistics.median(x["one_s"] for x in per)
+    params = sum(q.numel() for q in _model(args, torch.float32).parameters())
+    claims = {"wall_overhead": micro_s / (EVERY * step_s),
+              "extra_peak_memory": max(extra(r, r["micro"]["micro_peak"]) for r in ranks),
+              "max_rel_error_vs_unsharded": err,
+              "one_pass_wall_overhead": one_s / (EVERY * step_s),
+              "one_pass_extra_peak_memory": max(extra(r, r["micro"]["one_peak"]) for r in ranks)}
+    config = {"K": k, "N": n, "probe_batch_per_group_per_rank": args.micro_probe_batch,
+              "probe_samples_per_rank": (k + n) * args.micro_probe_batch, "micro_batch_size": args.micro_batch_size,
+              "probe_s": micro_s, "probe_peak_bytes": max(x["micro_peak"] for x in per),
+              "one_pass_probe_s": one_s, "one_pass_peak_bytes": max(x["one_peak"] for x in per),
+              "shard_bytes_per_rank": (k + n) * -(-params // WORLD) * 4,
+              "convention": "the Gram of the rank-mean group gradients (one process probing every rank's samples)"}
+    return f"k{k}_n{n}_micro", {"claims": claims, "config": config}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="a smoke run: one configuration, a smaller model")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run: K=7, N=6 and the K=20, N=6 micro-batched line, a smaller model")
     p.add_argument("--out", default=os.path.join(HERE, "results", "fsdp.json"))
     p.add_argument("--no-replica", action="store_true", help="skip the removed replica path's comparison")
+    p.add_argument("--micro-probe-batch", type=int, default=4,
+                   help="samples per group per rank of the micro-batched line's probe (default 4)")
+    p.add_argument("--micro-batch-size", type=int, default=16, help="its micro_batch_size (default 16)")
     args = p.parse_args(argv)
     args.configs = [(20, 6), (7, 6)]
     args.vocab, args.seq, args.d_model, args.layers = 4096, 64, 128, 4
     args.train_batch, args.probe_batch, args.repeats = 32, 1, 2
+    args.micro = (20, 6)
     if args.quick:
         args.configs = [(7, 6)]
         args.vocab, args.seq, args.d_model, args.layers = 512, 32, 64, 2
@@ -238,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                             for r in ranks),
         }
         rows.append((key, probe_s, wall, probe_peak, extra_mem, grads, paper, err, rep_s, rep_peak))
+    micro_key, micro_row = _micro_claims(args, ranks, step_s, extra)
+    claims[micro_key] = micro_row["claims"]
+    configs[micro_key] = micro_row["config"]
     mib = 1 / 2 ** 20
     params = sum(q.numel() for q in _model(args, torch.float32).parameters())
     print(f"4 gloo ranks (CPU), GPT {params / 1e6:.2f}M parameters (d={args.d_model}, {args.layers} layers, vocab "
@@ -250,11 +322,24 @@ def main(argv: list[str] | None = None) -> int:
     for key, ps, wall, pk, em, grads, paper, err, rs, rp in rows:
         print(f"| {key} | {ps:.3f} | {wall:.2%} | {pk * mib:.1f} | {em:.1%} | {grads:.2%} ({paper:.0%}) | {err:.1e} |"
               f" {'-' if rs is None else f'{rs:.3f}'} | {'-' if rp is None else f'{rp * mib:.1f}'} |")
+    m = micro_row["config"]
+    print(f"\nmicro-batched probe (K={m['K']}, N={m['N']}, {m['probe_batch_per_group_per_rank']} samples per group per "
+          f"rank = {m['probe_samples_per_rank']} per rank, micro_batch_size {m['micro_batch_size']}; per-group "
+          f"gradient shards {m['shard_bytes_per_rank'] * mib:.1f} MiB per rank):")
+    print("| probe | probe s | wall overhead | probe peak MiB | extra peak | max rel err |")
+    print("|---|---|---|---|---|---|")
+    c = claims[micro_key]
+    print(f"| one pass | {m['one_pass_probe_s']:.3f} | {c['one_pass_wall_overhead']:.2%} | "
+          f"{m['one_pass_peak_bytes'] * mib:.1f} | {c['one_pass_extra_peak_memory']:.1%} | - |")
+    print(f"| micro_batch_size {m['micro_batch_size']} | {m['probe_s']:.3f} | {c['wall_overhead']:.2%} | "
+          f"{m['probe_peak_bytes'] * mib:.1f} | {c['extra_peak_memory']:.1%} | {c['max_rel_error_vs_unsharded']:.1e} |")
     result = {
         "claims": claims, "configs": configs, "step_s": step_s, "step_peak_bytes": step_peak,
         "setup": {"world": WORLD, "fsdp": "fsdp2", "params": params, "d_model": args.d_model, "layers": args.layers,
                   "vocab": args.vocab, "seq": args.seq, "train_batch_per_rank": args.train_batch,
-                  "probe_batch_per_group_per_rank": args.probe_batch, "every": EVERY, "quick": args.quick},
+                  "probe_batch_per_group_per_rank": args.probe_batch, "every": EVERY, "quick": args.quick,
+                  "micro_probe_batch_per_group_per_rank": args.micro_probe_batch,
+                  "micro_batch_size": args.micro_batch_size},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

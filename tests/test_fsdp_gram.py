@@ -7,6 +7,10 @@ the unsharded model: the average of the per-rank Grams (what DDP gives), then al
 One spawned process group per world size runs every check (CI has 2 cores): float64 exact (rel 1e-10),
 float32 and bf16 mixed precision within stated tolerances, a probe between two accumulated micro-batches
 that leaves the training step bitwise as without it, and the refusals, each one line.
+
+With ``micro_batch_size`` the group gradients are summed over the ranks and kept sharded (grape/gram/shard_sums.py):
+the Gram is that of the rank-mean group gradients, checked against explicit per-group autograd gradients of the
+unsharded model on every rank's samples together (groups straddling micro-batches, several chunks per parameter).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ SIZE = FamilySize(d_model=16, n_layer=2, n_head=2)  # vocab 300, 16 tokens: lm_g
 FAMILIES = ("gpt", "hf-llama", "mpt")
 GROUPS = [2, 1, 2, 1, 2]  # K=3 domains, N=2 tasks per rank
 K = 3
+MICRO_GROUPS = [4, 3, 5, 3, 4]  # per rank; micro-batches of 3 straddle the groups
+MICRO = 3
 #: float32 sharded vs float64 unsharded: the Gram in float32 arithmetic (relative to its largest entry)
 FP32_TOL = 1e-4
 #: bf16 parameters and activations (FSDP mixed precision), float32 reductions: relative to the largest entry
@@ -85,7 +91,11 @@ def _one_line(fn: Callable[[], Any]) -> str:
     raise AssertionError("expected a one-line refusal")
 
 
-def _accumulation(kind: str, world: int, rank: int, probe: bool) -> list[torch.Tensor]:
+def _micro_groups(rank: int) -> list[dict]:
+    return lm_groups(MICRO_GROUPS, seed=300 + rank)
+
+
+def _accumulation(kind: str, world: int, rank: int, probe: bool, micro: int | None = None) -> list[torch.Tensor]:
     """Two accumulated micro-batches of a training step (no gradient sync on the first), optionally with a probe
     between them; the sharded gradients after the step."""
     model, loss = _model("gpt", torch.float64)
@@ -99,7 +109,7 @@ def _accumulation(kind: str, world: int, rank: int, probe: bool) -> list[torch.T
         loss(sharded, mbs[0]).mean().backward()
         sharded.set_requires_gradient_sync(True)  # type: ignore[operator]
     if probe:
-        group_gram(sharded, loss, _groups(rank))
+        group_gram(sharded, loss, _micro_groups(rank) if micro else _groups(rank), micro_batch_size=micro)
     loss(sharded, mbs[1]).mean().backward()
     return [(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()  # type: ignore[union-attr]
             for p in sharded.parameters() if p.grad is not None]
@@ -118,6 +128,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
                 sharded = _shard(model, kind, world)
                 gram, losses = group_gram(sharded, loss, groups)
                 out[f"{family}/{kind}"] = (gram, losses)
+                out[f"{family}/{kind}/micro"] = group_gram(sharded, loss, _micro_groups(rank), micro_batch_size=MICRO)
                 if family == "gpt":  # the probe left the model able to train; with .grad held, a probe agrees
                     loss(sharded, groups[0]).mean().backward()
                     again, _ = group_gram(sharded, loss, groups)
@@ -130,9 +141,21 @@ def _worker(rank: int, world: int, tmp: str) -> None:
                 out[f"gpt/{kind}/bf16"] = group_gram(_shard(model, kind, world, mixed=True), loss, groups)
                 out[f"gpt/{kind}/accumulation"] = (_accumulation(kind, world, rank, probe=True),
                                                    _accumulation(kind, world, rank, probe=False))
+                out[f"gpt/{kind}/micro/accumulation"] = (_accumulation(kind, world, rank, probe=True, micro=MICRO),
+                                                         _accumulation(kind, world, rank, probe=False))
             model, loss = _model("gpt", torch.float64)
             sharded = _shard(model, "fsdp2", world)
-            out["refuse/micro"] = _one_line(lambda: group_gram(sharded, loss, groups, micro_batch_size=2))
+            # several chunks per parameter (the tied embedding: 300 rows of 16 in chunks of 25 rows)
+            out["gpt/fsdp2/micro/chunks"] = group_gram(sharded, loss, _micro_groups(rank), micro_batch_size=MICRO,
+                                                      chunk_elements=2000)
+            # reduce=None: this rank's probe, which must be every rank's (probe_mode: replicated)
+            out["gpt/fsdp2/micro/replicated"] = group_gram(sharded, loss, _micro_groups(0), micro_batch_size=MICRO,
+                                                          reduce=None)
+            out["refuse/micro-own"] = _one_line(lambda: group_gram(sharded, loss, _micro_groups(rank),
+                                                                   micro_batch_size=MICRO, reduce=None))
+            model, loss = _model("gpt", torch.float32)
+            out["gpt/fsdp2/micro/bf16"] = group_gram(_shard(model, "fsdp2", world, mixed=True), loss,
+                                                     _micro_groups(rank), micro_batch_size=MICRO)
             model, loss = _model("gpt", torch.float64)
             flat = _shard(model, "fsdp1", world, orig_params=False)
             out["refuse/flat"] = _one_line(lambda: group_gram(flat, loss, groups))
@@ -150,6 +173,23 @@ def _reference(family: str, world: int, dtype: torch.dtype = torch.float64) -> t
         grams.append(gram)
         losses.append(mean_losses)
     return torch.stack(grams).mean(0), torch.stack(losses).mean(0)
+
+
+def _explicit(family: str, ranks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition, independently: per group, the mean loss over every listed rank's samples of that group on
+    the unsharded model, its gradient by autograd, and the Gram of the flattened gradients."""
+    model, loss = _model(family, torch.float64)
+    params = [p for p in model.parameters() if p.requires_grad]
+    per_rank = [_micro_groups(r) for r in ranks]
+    grads, losses = [], []
+    for i in range(len(MICRO_GROUPS)):
+        batch = {k: torch.cat([groups[i][k] for groups in per_rank]) for k in per_rank[0][i]}
+        mean = loss(model, batch).mean()
+        got = torch.autograd.grad(mean, params, allow_unused=True)
+        grads.append(torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(got, params)]))
+        losses.append(mean.detach())
+    flat = torch.stack(grads)
+    return flat @ flat.t(), torch.stack(losses)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -185,6 +225,11 @@ def _check(tmp: Path, world: int) -> dict[str, Any]:
             torch.testing.assert_close(torch.as_tensor(z), torch.as_tensor(want_z), rtol=1e-10, atol=0)
             if family == "gpt":
                 assert _rel(r0[f"gpt/{kind}/with-grad"], want_gram) <= 1e-10
+        want_gram, want_losses = _explicit(family, list(range(world)))  # micro-batched: the rank-mean gradients
+        for kind in ("fsdp1", "fsdp2"):
+            gram, losses = r0[f"{family}/{kind}/micro"]
+            assert _rel(gram, want_gram) <= 1e-10, (family, kind, _rel(gram, want_gram))
+            assert _rel(losses, want_losses) <= 1e-10, (family, kind, _rel(losses, want_losses))
     return r0
 
 
@@ -203,5 +248,14 @@ def test_sharded_gram_equals_the_unsharded_computation(tmp_path: Path, world: in
         with_probe, without = r0[f"gpt/{kind}/accumulation"]
         assert len(with_probe) == len(without) > 0
         assert all(torch.equal(a, b) for a, b in zip(with_probe, without))  # the probe left training alone
-    assert "micro_batch_size is not available under FSDP" in r0["refuse/micro"]
+        with_probe, without = r0[f"gpt/{kind}/micro/accumulation"]
+        assert all(torch.equal(a, b) for a, b in zip(with_probe, without))
+    want_gram, want_losses = _explicit("gpt", list(range(world)))
+    for key, tol in (("gpt/fsdp2/micro/chunks", 1e-10), ("gpt/fsdp2/micro/bf16", BF16_TOL)):
+        gram, losses = r0[key]
+        assert _rel(gram, want_gram) <= tol and _rel(losses, want_losses) <= tol, (key, _rel(gram, want_gram))
+    one_gram, one_losses = _explicit("gpt", [0])  # every rank probed rank 0's samples
+    gram, losses = r0["gpt/fsdp2/micro/replicated"]
+    assert _rel(gram, one_gram) <= 1e-10 and _rel(losses, one_losses) <= 1e-10
+    assert "needs the same probe samples on every rank" in r0["refuse/micro-own"]
     assert "use_orig_params=True" in r0["refuse/flat"]

@@ -36,6 +36,7 @@ from grape_stream.grape.gram.hooks import FusedGramEngine
 from grape_stream.grape.gram.layout_probe import probe_layouts
 from grape_stream.grape.gram.plan import GramInfo, check_batch_coupling, param_scope, plan_pass
 from grape_stream.grape.gram.precondition import Precondition, resolve_precondition
+from grape_stream.grape.gram.shard_sums import ShardedGroupSums, reduce_sharded_gram, same_samples
 from grape_stream.grape.gram.sharding import (
     ShardedGramError,
     agree_on_shape,
@@ -84,6 +85,7 @@ class _Pass:
     scales: dict[int, Tensor]  # id(parameter) -> sqrt of its preconditioner weight
     sharded: bool = False  # an FSDP model (gram/sharding.py): no fallback, no chunked head, ranks in step
     process_group: Any = None
+    summed: bool = False  # FSDP with micro-batches: group gradients summed over the ranks, sharded (shard_sums.py)
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -128,7 +130,10 @@ def group_gram(
         params: restrict the Gram to these parameters (default: every parameter with requires_grad).
         micro_batch_size: run the concatenated probe in chunks of at most this many samples. The result is
             exact (group gradients are summed across chunks before any inner product) at the cost of holding
-            each parameter's per-group gradient between chunks (G x its size); None = one fused pass.
+            each parameter's per-group gradient between chunks (G x its size); None = one fused pass. Under
+            FSDP they are summed over the ranks and kept sharded (G x P / W per rank, gram/shard_sums.py), and
+            the Gram is that of the rank-mean group gradients (one process probing every rank's samples), not
+            the mean of the ranks' Grams; with ``reduce=None`` every rank must probe the same samples.
         reduce: "mean": when torch.distributed is initialised, average Gram and losses over the ranks (one
             all-reduce; every rank returns identical tensors). None: this rank's probe only.
         return_info: also return a `GramInfo` (fast paths used, fallback modules, timings).
@@ -174,9 +179,6 @@ def fused_gram(
         raise ValueError("groups must be a non-empty list of batches (K domain probes, then N task probes)")
     check_batch_coupling(model)
     sharded = check_sharded(model) is not None
-    if sharded and mbs is not None:
-        raise ShardedGramError("micro_batch_size is not available under FSDP: between micro-batches it holds every "
-                               "parameter's per-group gradient (groups x the whole model); probe in one pass")
     if sharded and precondition is not None:
         raise ShardedGramError("geometry='adam' (a preconditioned Gram) is not available under FSDP: the optimizer's "
                                "second moments are sharded like the parameters; use geometry='sgd' (the paper)")
@@ -192,8 +194,12 @@ def fused_gram(
                                               torch.tensor(sizes, device=device)),
         spans=[(a, min(total, a + mb)) for a in range(0, total, mb)], scope=scope, device=device,
         settings=settings, scales=resolve_precondition(model, precondition, _compute_dtype),
-        sharded=sharded, process_group=process_group,
+        sharded=sharded, process_group=process_group, summed=sharded and mbs is not None,
     )
+    if run.summed and reduce is None and not same_samples(batch, sizes, process_group):
+        raise ShardedGramError("reduce=None (this rank's probe alone) with micro_batch_size under FSDP needs the same "
+                               "probe samples on every rank (probe_mode: replicated): the micro-batched Gram is formed "
+                               "from group gradients summed over the ranks")
     forced: dict[int, str] = {}
     chunked_head = not sharded  # the chunked head calls the body directly, past FSDP's root hooks
     for _attempt in range(5):
@@ -212,7 +218,9 @@ def fused_gram(
     losses = loss_sums / torch.tensor(sizes, dtype=torch.float64, device=loss_sums.device)
     world = 1
     t_reduce = time.perf_counter()
-    if reduce == "mean" and dist_active():
+    if run.summed:  # each rank's dots of its shards: the Gram of the rank-mean group gradients
+        gram, losses, world = reduce_sharded_gram(gram, losses, reduce, process_group)
+    elif reduce == "mean" and dist_active():
         gram, losses, world = all_reduce_mean(gram, losses, process_group)
     info.timings["reduce_s"] = time.perf_counter() - t_reduce
     info.world_size = world
@@ -249,8 +257,9 @@ def _run(run: _Pass, forced: dict[int, str], chunked_head: bool) -> tuple[Tensor
     fast_ids = {id(p) for _, _, _, ps in fast_modules for p in ps.values()}
     in_scope = {id(p) for p in run.scope}
     weights = 1.0 / torch.tensor(sizes, dtype=torch.float64, device=device)
+    sums = ShardedGroupSums(num_groups, settings.chunk_elements, run.process_group) if run.summed else None
     engine = FusedGramEngine(fast_modules, num_groups, device, _compute_dtype, budget=settings.chunk_elements,
-                             allow_ghost=settings.ghost, scales=run.scales, sharded=run.sharded)
+                             allow_ghost=settings.ghost, scales=run.scales, sharded=run.sharded, sums=sums)
     # our GPT's head + loss in sample chunks (head_loss.py); not with the fallback (it backpropagates per group)
     head = HeadChunks(engine, weights, enabled=chunked_head and not fb_params)
     fb_acc = [
@@ -269,7 +278,7 @@ def _run(run: _Pass, forced: dict[int, str], chunked_head: bool) -> tuple[Tensor
             cache = _LAYOUT_CACHE.setdefault(model, {})
             ckey = (batch_signature(batch), frozenset(id(m) for _, m, _, _ in fast_modules))
             if run.sharded:  # each forward gathers parameters collectively: every rank runs the same ones
-                agree_on_shape((ckey[0], len(spans), ckey in cache), run.process_group)
+                agree_on_shape((ckey[0], len(spans), ckey in cache, run.summed and sizes), run.process_group)
             if ckey not in cache:
                 cache[ckey] = probe_layouts(engine, model, per_sample_loss, batch, sum(sizes))
             engine.use_layouts(*cache[ckey])
@@ -312,6 +321,8 @@ def _run(run: _Pass, forced: dict[int, str], chunked_head: bool) -> tuple[Tensor
                 t0 = time.perf_counter()
                 with engine.forming_contributions():
                     torch.autograd.grad(total, leaves, allow_unused=True)
+                if sums is not None:
+                    sums.flush()
                 timings["backward_s"] += time.perf_counter() - t0
                 engine.check_all_fired()
                 del total, losses, leaves, _alive, w
@@ -320,7 +331,7 @@ def _run(run: _Pass, forced: dict[int, str], chunked_head: bool) -> tuple[Tensor
         engine.remove()
         for p, flag in flags:
             p.requires_grad_(flag)
-    gram = engine.gram
+    gram = engine.gram if sums is None else sums.local_gram().to(device)
     if fb_acc:
         flat = torch.cat(fb_acc, dim=1)
         with torch.autocast(device_type=flat.device.type, enabled=False):

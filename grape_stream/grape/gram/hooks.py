@@ -37,6 +37,7 @@ from grape_stream.grape.gram.layouts import (
     is_sample_major_view,
     lead_shape,
 )
+from grape_stream.grape.gram.shard_sums import ShardedGroupSums
 
 
 class FusedGramEngine:
@@ -52,8 +53,10 @@ class FusedGramEngine:
         allow_ghost: bool = True,
         scales: Optional[dict[int, Tensor]] = None,
         sharded: bool = False,
+        sums: Optional[ShardedGroupSums] = None,
     ) -> None:
         self.modules = modules
+        self.shard_sums = sums  # FSDP with micro-batches: per-group gradients summed over the ranks, sharded
         # FSDP (gram/sharding.py): a module computes with FSDP's gathered tensor, not the scope's parameter
         self.sharded = sharded
         self.shapes: dict[int, torch.Size] = {}  # id(scope parameter) -> its full shape, as its module saw it
@@ -391,6 +394,9 @@ class FusedGramEngine:
             lst = self.pending.get(id(p), [])
             if use in lst:
                 lst.remove(use)
+            if self.shard_sums is not None:
+                self.shard_sums.add(id(p), self.shape(p), contrib, self._mb.groups, p.device)
+                continue
             acc = self.accumulator(p, contrib.dtype)
             acc.absorb(contrib, self.keep_rows(p), self.gram, self.budget)
 
@@ -399,4 +405,4 @@ class FusedGramEngine:
         return {self.param_names.get(k, str(k)): "+".join(sorted(a.strategies)) for k, a in self.acc.items()}
 
     def peak_accumulator_elements(self) -> int:
-        return sum(a.peak_elements for a in self.acc.values())
+        return sum(a.peak_elements for a in self.acc.values()) + (self.shard_sums.elements() if self.shard_sums else 0)

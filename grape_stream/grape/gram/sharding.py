@@ -14,8 +14,9 @@ gradient of a tied embedding's used rows (see docs/alignment.md); never a parame
 
 What cannot be exact is refused in one line (:func:`check_sharded`): FSDP1 without ``use_orig_params``
 (its modules see views of a FlatParameter that autograd reaches only whole), DTensor parameters not placed
-by FSDP2 (tensor parallel: a module's forward sees a shard), the exact fallback, micro-batches (they hold a
-per-group gradient of every parameter), the Adam geometry (the optimizer state is sharded).
+by FSDP2 (tensor parallel: a module's forward sees a shard), the exact fallback, the Adam geometry (the
+optimizer state is sharded). With ``micro_batch_size`` the per-group gradients are summed over the ranks and kept
+sharded between micro-batches instead (``shard_sums.py``; the Gram of the rank-mean group gradients).
 """
 
 from __future__ import annotations
