@@ -5,8 +5,12 @@
   serialises registration among this user's jobs on this machine with an ``flock`` on a per-user file
   beside the segments it protects (``/dev/shm/grape_stream_registration.<uid>.lock``), so jobs with
   different ``TMPDIR``s (test workers, schedulers that give each job its own) still exclude each other.
+  Every rank of a job scans for the prefix on its own (streaming 0.13 ``get_shm_prefix``), so the non-leader
+  ranks must scan while their leader holds the lock too, or another job's registration between their scan
+  and the leader's makes them disagree ("shared memory registered does not match local leader"):
+  :func:`create_registered` puts a barrier after the leader has the lock and before any rank scans.
   A job that does not take the lock (plain streaming, another user) can still take the prefix between
-  the scan and the create: :func:`create_registered` retries then.
+  the scan and the create: :func:`create_registered` retries then (one process only: see there).
 * **Unlinking by name at exit.** A dataset this process created and never released (a task's splits,
   a mixer not closed) would be unlinked by name at exit by streaming's own hook, whatever the name holds
   by then; :func:`create_registered` arranges for grape_stream's release (by identity, see
@@ -32,6 +36,7 @@ from grape_stream.streaming_compat.shm import (
     release_streaming_dataset,
 )
 from grape_stream.user_dir import user_temp_dir
+from grape_stream.world import dist_active
 
 __all__ = ["create_registered", "registration_lock"]
 
@@ -97,8 +102,8 @@ def registration_lock(enabled: bool = True, timeout: float = 600.0, *, shm_dir: 
     This takes an exclusive ``flock`` on this user's lock file beside the segments (:func:`_open_lock_file`;
     a lock any user could take, such as one on ``$TMPDIR`` itself, would let another user stall every job
     on the host) while this process registers its datasets; another user's racing job is handled by the
-    retry in :func:`create_registered`. Take it on the local leader only: other ranks wait for the leader
-    inside streaming's own barriers.
+    retry in :func:`create_registered`. Take it on the local leader only: the other ranks wait at
+    :func:`create_registered`'s barrier until the leader has it, then scan.
     """
     if not enabled:
         yield
@@ -136,12 +141,16 @@ def create_registered(factory: Callable[[], T], *, enabled: bool = True, attempt
     for attempt in range(attempts):
         try:
             with registration_lock(enabled=enabled):
+                if dist_active():  # no rank scans for the prefix before this node's leader holds the lock
+                    import torch.distributed as dist
+
+                    dist.barrier()
                 dataset = factory()
             record_owner(dataset)  # every dataset's segments are judged by their owner, not by who maps them
             _release_before_streaming_at_exit(dataset)
             return dataset
         except FileExistsError as exc:
-            if "_locals" not in str(exc) or attempt == attempts - 1:
-                raise
+            if "_locals" not in str(exc) or attempt == attempts - 1 or dist_active():
+                raise  # (several ranks: only the leader saw it, the others wait inside streaming's barriers)
             time.sleep(random.uniform(0.05, 0.25))
     raise AssertionError("unreachable")  # pragma: no cover
