@@ -71,6 +71,7 @@ INTEGRATION_MODULES = frozenset({
     "test_demo",
     "test_demo_corpus",
     "test_fsdp_loss_methods",
+    "test_fsdp_resume",
     "test_hf_docs",
     "test_hf_trainer",
     "test_index_docs",
