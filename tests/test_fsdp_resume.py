@@ -112,16 +112,16 @@ def _global_batches(out: Path, world: int) -> dict[int, list]:
     return {step: [pair for s in per_rank for pair in s[step]] for step in per_rank[0]}
 
 
-def _close(a, b, path: str = "") -> None:
+def assert_close_records(a, b, path: str = "") -> None:
     """Equal structure and exact non-floats; floats within rtol 1e-10 (atol 1e-13 for entries near zero)."""
     if isinstance(a, dict):
         assert isinstance(b, dict) and a.keys() == b.keys(), path
         for k in a:
-            _close(a[k], b[k], f"{path}.{k}")
+            assert_close_records(a[k], b[k], f"{path}.{k}")
     elif isinstance(a, list):
         assert isinstance(b, list) and len(a) == len(b), path
         for i, (x, y) in enumerate(zip(a, b)):
-            _close(x, y, f"{path}[{i}]")
+            assert_close_records(x, y, f"{path}[{i}]")
     elif isinstance(a, float):
         np.testing.assert_allclose(b, a, rtol=1e-10, atol=1e-13, err_msg=path)
     else:
@@ -162,4 +162,32 @@ def test_fsdp2_sigkill_mid_interval_resumes_on_2_and_4_ranks_onto_the_straight_t
                 assert records == truth  # the same world size: bit for bit
             else:
                 assert records[:2] == truth[:2]  # restored from the checkpoint
-                _close(truth, records)  # trained on 4 ranks: the last bits of the weights differ
+                assert_close_records(truth, records)  # trained on 4 ranks: the last bits of the weights differ
+
+
+def test_only_replicated_probes_draw_the_same_samples_on_every_world_size(data):
+    """Why the test above uses ``probe_mode="replicated"``: the probe samples GRAPE differentiates at a step are the
+    same on 2 and on 4 ranks only then. With ``"sharded"`` rank r takes slice r of one permutation, so 4 ranks probe
+    samples 2 ranks never do (and the Gram is averaged over other per-rank halves): a resume on another world size
+    continues from the checkpoint's alpha and z onto a different trajectory."""
+    import torch
+
+    from grape_stream import DomainStream, TaskStream, WeightedStreamingMixer
+    from grape_stream.grape.probes import draw_probe_groups
+
+    with WeightedStreamingMixer([DomainStream(d, local=f"{data}/{d}", split="train") for d in ("d0", "d1", "d2")],
+                                batch_size=GLOBAL_BATCH, seed=0) as mixer:
+        tasks = [TaskStream(t, local=f"{data}/tasks/{t}") for t in ("t0", "t1")]
+
+        def probes(world: int, sharded: bool) -> list[list[list]]:
+            """[rank][group]: the rows (token lists) that rank probes at step 8."""
+            return [[g["tokens"].tolist() for g in draw_probe_groups(
+                mixer, 3, tasks, 8, seed=0, domain_batch=4, task_batch=4, rank=r, world=world, sharded=sharded,
+                device=torch.device("cpu"))] for r in range(world)]
+
+        replicated = probes(1, False)[0]
+        assert all(p == replicated for world in (2, 4) for p in probes(world, False))
+        on2, on4 = probes(2, True), probes(4, True)
+        for g in range(5):  # every domain and task group: 4 ranks probe rows that 2 ranks do not
+            two, four = ({tuple(row) for p in on for row in p[g]} for on in (on2, on4))
+            assert len(four) > len(two) and not four <= two, g
