@@ -114,7 +114,7 @@ INTEGRATION_TESTS = frozenset({
 SLOW_MODULES: tuple[str, ...] = (
     "test_soak_short", "test_demo", "test_composer", "test_mixer_workers", "test_checkpoint_kill",
     "test_hf_trainer", "test_lightning", "test_convert_spark", "test_composer_multiprocess",
-    "test_mixer_elastic_dist", "test_run_ux", "test_composer_foundry",
+    "test_mixer_elastic_dist", "test_fsdp_resume", "test_run_ux", "test_composer_foundry",
 )
 
 
