@@ -13,6 +13,8 @@ reference weights DoReMi reads), updating every 4 steps.
 ``--devices 2`` under ``torchrun --nproc_per_node 2``: DDP on CPU (gloo); rank r > 0 records its batches
 in ``samples-rank<r>.jsonl``. ``--strategy model_parallel``: Lightning's ModelParallelStrategy, the GPT's blocks and
 root sharded with FSDP2 in ``configure_model`` (Lightning's FSDPStrategy refuses ``accelerator="cpu"``).
+``--global-batch G``: per-rank batch G / devices (the same stream on every world size); ``--double``: a float64
+model; ``--probe-mode``: GRAPE's ``probe_mode``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--method", default="grape")
     p.add_argument("--reference", default=None)
     p.add_argument("--strategy", default=None, help="fsdp (FSDPStrategy) or model_parallel (fully_shard)")
+    p.add_argument("--global-batch", type=int, default=None, help="the same on every --devices (default 8 a rank)")
+    p.add_argument("--double", action="store_true", help="a float64 model")
+    p.add_argument("--probe-mode", default="sharded")
     a = p.parse_args(argv)
 
     import lightning.pytorch as pl
@@ -67,6 +72,8 @@ def main(argv: list[str] | None = None) -> None:
         def __init__(self) -> None:
             super().__init__()
             self.model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=2, n_head=2, d_model=32, d_ff=64))
+            if a.double:  # ModelParallelStrategy refuses precision="64-true"; 32-true leaves the dtype as built
+                self.model.double()
 
         def configure_model(self) -> None:  # ModelParallelStrategy: FSDP2 over its data-parallel mesh
             if a.strategy == "model_parallel":
@@ -101,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.devices > 1:  # torchrun set RANK / WORLD_SIZE: one process group, before streaming would make its own
         torch.distributed.init_process_group("gloo")  # Lightning's DDP strategy uses it as it is
     mixer = WeightedStreamingMixer([DomainStream(d, local=f"{a.data}/{d}", split="train") for d in DOMAINS],
-                                   batch_size=8, seed=0)
+                                   batch_size=8 if a.global_batch is None else a.global_batch // a.devices,
+                                   global_batch_size=a.global_batch, seed=0)
     tasks = [TaskStream(t, local=f"{a.data}/tasks/{t}") for t in TASKS]
     if a.method != "grape":
         short = SHORT_RUN.get(a.method, {})
@@ -112,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
         in_step = {"steps": {"alignments": "steps", "alignment_steps": 2}, "rnb": {"alignment_steps": 2}}
         grape = GrapeLightningCallback(mixer, method="rnb" if a.alignments == "rnb" else "grape", tasks=tasks,
                                        alpha_every=4, z_every=4, probe_domain_batch=4, probe_task_batch=4,
-                                       mu_alpha=3e-3, mu_z=3e-4, plots=False, **in_step.get(a.alignments, {}))
+                                       mu_alpha=3e-3, mu_z=3e-4, plots=False, probe_mode=a.probe_mode,
+                                       **in_step.get(a.alignments, {}))
     ckpt_dir = os.path.join(a.out, "ckpt")
     checkpoints = ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=a.save_every, save_top_k=-1)
     torch.manual_seed(0)

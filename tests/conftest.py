@@ -72,6 +72,7 @@ INTEGRATION_MODULES = frozenset({
     "test_demo_corpus",
     "test_fsdp_loss_methods",
     "test_registration_ranks",
+    "test_fsdp_resume",
     "test_hf_docs",
     "test_hf_trainer",
     "test_index_docs",
@@ -114,7 +115,7 @@ INTEGRATION_TESTS = frozenset({
 SLOW_MODULES: tuple[str, ...] = (
     "test_soak_short", "test_demo", "test_composer", "test_mixer_workers", "test_checkpoint_kill",
     "test_hf_trainer", "test_lightning", "test_convert_spark", "test_composer_multiprocess",
-    "test_mixer_elastic_dist", "test_run_ux", "test_composer_foundry",
+    "test_mixer_elastic_dist", "test_fsdp_resume", "test_run_ux", "test_composer_foundry",
 )
 
 
