@@ -187,6 +187,24 @@ def global_walk(stream: Stream, lanes: int) -> dict[str, Any]:
             "closed_form_s": jump_s, "epochs_per_domain_min_max": [float(epochs.min()), float(epochs.max())]}
 
 
+def lane_drift(batches: int, args: argparse.Namespace) -> dict[str, Any]:
+    """How far apart the canonical nodes are in each domain after ``batches`` batches, in epochs of a node's
+    span (max - min over the nodes), and domain 0's epochs on nodes 0 and C-1: the round-robin deal gives the
+    low-numbered nodes the first domain's odd samples every batch, so they run ahead (a sample of one node's
+    span is then read many more times than one of another's, and two nodes in different epochs can put the
+    same sample twice in one global batch: the duplicates counted above)."""
+    stream = Stream(batches, args.samples_per_shard, args.weights_every)
+    out: dict[str, Any] = {}
+    for lanes in (8, 64, 128):
+        planner = stream.planner(lanes)
+        planner.advance_to(batches, stream.schedule.segments)
+        epochs = planner.position.reshape(lanes, K) / (stream.sizes[None, :] / lanes)
+        out[f"C{lanes}"] = {"epoch_spread_per_domain": np.round(epochs.max(0) - epochs.min(0), 2).tolist(),
+                            "domain0_epochs_first_last_node": [round(float(epochs[0, 0]), 2),
+                                                               round(float(epochs[-1, 0]), 2)]}
+    return out
+
+
 def planning(args: argparse.Namespace) -> dict[str, Any]:
     """Planning CPU and resume time, after (this tree) and before (``--base-tree``) canonical nodes."""
     def run(tree: Path, canonical: str) -> dict[str, Any]:
@@ -230,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reads-from", default=None,
                     help="take the worlds and walks from this earlier output (run with --no-planning) and add the "
                          "planning figures: the two parts can run side by side")
+    ap.add_argument("--note", default="", help="how and where it ran (kept in the JSON)")
     ap.add_argument("--quick", action="store_true", help="10^4 batches, worlds 1, 8, 1024")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
@@ -268,13 +287,14 @@ def main(argv: list[str] | None = None) -> int:
             claims["resume_cpu_s_at_1e6"]["before"] = {c: round(v["total_cpu_s"], 3)
                                                        for c, v in before["resume"].items() if isinstance(v, dict)}
     command = "python bench/scale.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    result = {"command": command if not earlier else f"{earlier['command']}; then {command}",
+    result = {"command": command if not earlier else f"{earlier['command']}; then {command}", "note": args.note,
               "config": {"K": K, "global_batch_size": G, "workers_per_rank": WORKERS, "batches": args.batches,
                          "samples_per_shard": args.samples_per_shard, "weights_every": args.weights_every,
                          "steps_per_second": args.steps_per_second, "ranks_per_node": RANKS_PER_NODE,
                          "cache_gb_per_node": args.cache_gb,
                          "canonical_nodes": "after: the node count; before: 1 (the stream before canonical nodes)"},
               "claims": claims, "global_walk": walks, "worlds": rows, "planning": plan,
+              "lane_drift": lane_drift(args.batches, args),
               "load_average_at_end": os.getloadavg()[0], "wall_s": time.time() - started}
     print(format_table(result))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
