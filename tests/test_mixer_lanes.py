@@ -67,6 +67,22 @@ def test_lane_quotas_add_up_and_the_closed_form_matches_the_batches():
     assert np.array_equal(mid.position.reshape(C, K), pos)
 
 
+def test_lane_split_deals_the_grouped_samples_round_robin():
+    """lane_split's closed form (one comparison per lane and domain) against dealing the batch's samples,
+    grouped by domain, to the lanes one by one: zero quotas, one lane, many lanes, a subset of lanes."""
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        k, lanes = int(rng.integers(1, 12)), int(rng.choice([1, 2, 3, 4, 8, 128]))
+        alpha = rng.dirichlet(np.ones(k)) * (rng.random(k) > 0.3)
+        alpha = alpha / alpha.sum() if alpha.sum() else np.full(k, 1 / k)
+        quota = rng.multinomial(lanes * int(rng.integers(1, 6)), alpha)
+        dealt = np.zeros((lanes, k), np.int64)
+        np.add.at(dealt, (np.arange(quota.sum()) % lanes, np.repeat(np.arange(k), quota)), 1)
+        assert np.array_equal(lane_split(quota, lanes), dealt)
+        which = range(int(rng.integers(0, lanes)), lanes)
+        assert np.array_equal(lane_split(quota, lanes, which), dealt[which.start:])
+
+
 def lanes_at(sched: EffectiveSchedule, batch: int) -> np.ndarray:
     p = QuotaPlanner(seed=SEED, batch_size=G, composition="systematic", budgets=[None] * K, lanes=C)
     p.advance_to(batch, sched.segments)

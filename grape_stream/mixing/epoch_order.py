@@ -162,8 +162,10 @@ class DomainOrder:
         win_start, win_ids, win_epochs = self._windows.get(lane, (0, np.empty(0, np.int64), np.empty(0, np.int64)))
         i = start - win_start
         if not (0 <= i and i + count <= len(win_ids)):
-            # a window of up to 16 reads ahead: one rank reading many lanes needs a few positions of each
-            win_ids, win_epochs = self.sample_ids(start, max(count, min(self.window, 16 * count)), lane)
+            # ``window`` positions split across the lanes (one rank reading many lanes needs a few of each),
+            # and at least 16 reads ahead; one lane: the whole window, as before canonical nodes
+            ahead = min(self.window, max(16 * count, self.window // self.lanes))
+            win_ids, win_epochs = self.sample_ids(start, max(count, ahead), lane)
             win_ids.flags.writeable = False
             win_epochs.flags.writeable = False
             self._windows[lane] = (start, win_ids, win_epochs)

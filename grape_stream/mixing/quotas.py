@@ -120,8 +120,13 @@ def lane_split(quota: np.ndarray, lanes: int, which: np.ndarray | range | None =
     """(len(which), K) samples of each domain that lanes ``which`` (default all) take of a batch's ``quota``
     (module docstring: grouped samples dealt round-robin)."""
     c = np.arange(lanes, dtype=np.int64) if which is None else np.asarray(which, dtype=np.int64)
-    edges = _ceil_div(np.cumsum(quota)[None, :] - c[:, None], lanes)
-    return np.diff(edges, axis=1, prepend=0)
+    # ceil((Q - c) / C) = Q // C + [c < Q mod C] for 0 <= c < C: a comparison, not a (C, K) division (the
+    # planner splits every batch it plans, so this is on its per-batch path)
+    whole, rest = np.divmod(np.cumsum(quota), lanes)
+    edges = whole[None, :] + (c[:, None] < rest[None, :])
+    out = edges.copy()
+    out[:, 1:] -= edges[:, :-1]
+    return out
 
 
 def batch_quota(composition: str, alpha: np.ndarray, slots: int, seed: int, batch: int, tag: int,
