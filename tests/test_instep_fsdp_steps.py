@@ -6,7 +6,9 @@ samples (float64, rel 1e-10), under DDP's convention: each rank's probe, average
 Gram: the mean of the ranks' Grams, not the Gram of the mean). One spawned process group runs every case (CI
 has 2 cores): the task probe itself (losses, r, S, c, v; ``.grad`` and an accumulating step untouched), GRAPE
 and DoGE+PCGrad through GrapeController's ``alignments: steps`` (2 micro-batches per step, SGD momentum as
-the update direction d), and FSDP1 and ``keep_gradients=False`` refused in one line.
+the update direction d; GRAPE also with AdamW and the Adam geometry, d and v preconditioned on the shards),
+HSDP (a 2-D mesh: each shard on two ranks, counted once), and FSDP1 and ``keep_gradients=False`` refused in
+one line.
 """
 
 from __future__ import annotations
@@ -37,7 +39,15 @@ K, B, MICRO, LR = 3, 6, 4, 0.5
 DOMAINS, TASKS = ["d0", "d1", "d2"], ["t0", "t1"]
 ROWS = [[2, 0, 1, 0, 2, 2], [1, 1, 0, 2, 0, 0]]
 METHODS = {"grape": {"method": "grape", "mu_alpha": 0.3, "mu_z": 0.3},
-           "doge_pcgrad": {"method": "doge_pcgrad", "mu_alpha": 0.3}}
+           "doge_pcgrad": {"method": "doge_pcgrad", "mu_alpha": 0.3},
+           "grape_adam": {"method": "grape", "mu_alpha": 0.3, "mu_z": 0.3, "geometry": "adam"}}
+
+
+def _optimizer(params: Any, method: str) -> torch.optim.Optimizer:
+    """SGD with momentum (d: its buffer), or AdamW for the Adam geometry (d and v preconditioned)."""
+    if METHODS[method].get("geometry") == "adam":
+        return torch.optim.AdamW(params, lr=LR / 50)
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)
 
 
 def _coefficients(losses: np.ndarray, r: np.ndarray, gram: Any) -> np.ndarray:
@@ -51,11 +61,13 @@ def _batch(rank: int, step: int) -> dict:
     return batch
 
 
-def _fsdp2(model: nn.Module, world: int) -> nn.Module:
+def _fsdp2(model: nn.Module, world: int, hsdp: bool = False) -> nn.Module:
+    """FSDP2 over all ranks; ``hsdp``: HSDP's 2-D mesh, every rank a replica holding the whole parameter."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")) if hsdp else \
+        init_device_mesh("cpu", (world,))
     for b in model.blocks:  # type: ignore[union-attr]
         fully_shard(b, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -94,6 +106,11 @@ def _probe(rank: int, world: int) -> dict:
         model.set_requires_gradient_sync(True)  # type: ignore[operator]
         _micro(model, _batch(rank, 0), MICRO)
         out["grads" if probed else "plain"] = [p.grad.to_local().clone() for p in model.parameters()]  # type: ignore
+    model = _fsdp2(gpt(torch.float64, seed=1), world, hsdp=True)  # each shard held by 2 ranks: counted once
+    probe = task_probe(model, per_sample_lm_loss, lm_groups([2, 3], seed=70 + rank), fixed=fixed_named,
+                       coefficients=_coefficients)
+    out["hsdp"] = {"r": probe.alignments, "gram": probe.task_gram,
+                   "v": [probe.direction[p].full_tensor() for p in model.parameters()]}  # type: ignore[attr-defined]
     return out
 
 
@@ -103,7 +120,7 @@ def _controller(rank: int, world: int, data: str, method: str) -> dict:
     tasks = [TaskStream(t, local=f"{data}/tasks/{t}") for t in TASKS]
     try:
         model = _fsdp2(gpt(torch.float64, seed=0, seq_len=SEQ), world)
-        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        opt = _optimizer(model.parameters(), method)
         grape = GrapeController(mixer, tasks, probe_task_batch=3, alpha_every=2, z_every=2, alignments="steps",
                                 alignment_steps=1, **METHODS[method])
         grape.start()
@@ -200,6 +217,9 @@ def _check_probe(r0: dict, r1: dict) -> None:
     assert _rel(r0["r"], r) <= 1e-10 and _rel(r0["gram"], gram) <= 1e-10 and _rel(r0["c"], c) <= 1e-10
     v = torch.cat([t.reshape(-1) for t in r0["v"]])
     assert _rel(v, torch.tensordot(torch.as_tensor(c), h, dims=1)) <= 1e-10
+    hsdp = r0["hsdp"]
+    assert _rel(hsdp["r"], r) <= 1e-10 and _rel(hsdp["gram"], gram) <= 1e-10
+    assert _rel(torch.cat([t.reshape(-1) for t in hsdp["v"]]), torch.tensordot(torch.as_tensor(c), h, dims=1)) <= 1e-10
     assert r0["sharded"] and r1["sharded"] and r0["grad_kept"] and r1["grad_kept"]
     for r_ in (r0, r1):  # the step's gradients: bitwise those of the same step without the probe
         assert all(torch.equal(a, b) for a, b in zip(r_["grads"], r_["plain"]))
@@ -222,7 +242,7 @@ def _reference(data: str, method: str) -> dict:
     rw = ctl.reweighter
     model = gpt(torch.float64, seed=0, seq_len=SEQ)
     params = list(model.parameters())
-    opt = torch.optim.SGD(params, lr=LR, momentum=0.9)
+    opt = _optimizer(params, method)
 
     def train(step: int) -> None:
         per_sample_lm_loss(model, concat([_batch(0, step), _batch(1, step)])).mean().backward()
@@ -236,23 +256,34 @@ def _reference(data: str, method: str) -> dict:
             at += p.numel()
         return out
 
+    def pre() -> torch.Tensor:  # Adam's 1 / (sqrt(v_hat) + eps), flat (ones in the paper's geometry)
+        if METHODS[method].get("geometry") != "adam":
+            return torch.ones(sum(p.numel() for p in params), dtype=torch.float64)
+        state = [opt.state[p] for p in params]
+        beta2, eps = opt.param_groups[0]["betas"][1], opt.param_groups[0]["eps"]
+        return torch.cat([1 / ((st["exp_avg_sq"] / (1 - beta2 ** float(st["step"]))).sqrt() + eps).reshape(-1)
+                          for st in state])
+
+    def first_moment() -> torch.Tensor:
+        if isinstance(opt, torch.optim.SGD):
+            return torch.cat([opt.state[p]["momentum_buffer"].reshape(-1) for p in params])
+        beta1 = opt.param_groups[0]["betas"][0]
+        return torch.cat([(opt.state[p]["exp_avg"] / (1 - beta1 ** float(opt.state[p]["step"]))).reshape(-1)
+                          for p in params])
+
     train(1)
     h, losses, gram = _rank_probe(model, groups)
-    v1 = torch.tensordot(torch.as_tensor(rw.target_coefficients(losses, gram)), h, dims=1)
+    v1 = torch.tensordot(torch.as_tensor(rw.target_coefficients(losses, gram)), h, dims=1) * pre()
     both = concat([_batch(0, 2), _batch(1, 2)])
     b = truth(model, per_sample_lm_loss, both, both["domain"], [unflat(v1)], K)[:, 0].numpy()
     train(2)
     h, losses, gram = _rank_probe(model, groups)
-    if rw.moves_z:
-        d = torch.cat([opt.state[p]["momentum_buffer"].reshape(-1) for p in params])
-        r = (h @ d).numpy()
-    else:
-        r = np.zeros(len(TASKS))
+    r = (h @ (first_moment() * pre())).numpy() if rw.moves_z else np.zeros(len(TASKS))
     a, ema = rw.task_scores(r, losses)
     rw.update_from_scores(a, b, losses, LR, step=2, loss_ema=ema)
     c = rw.target_coefficients(losses, gram)
     return {"losses": losses, "b": b, "a": a, "alpha": rw.alpha, "z": rw.z,
-            "v": torch.tensordot(torch.as_tensor(c), h, dims=1)}
+            "v": torch.tensordot(torch.as_tensor(c), h, dims=1) * pre()}
 
 
 def test_fsdp2_alignments_steps_equal_the_unsharded_computation(tmp_path: Path) -> None:
@@ -270,7 +301,7 @@ def test_fsdp2_alignments_steps_equal_the_unsharded_computation(tmp_path: Path) 
         want = _reference(data, method)
         assert _rel(g0["rec"]["task_loss"], want["losses"]) <= 1e-10
         assert _rel(g0["rec"]["domain_alignment"], want["b"]) <= 1e-10
-        if method == "grape":  # (DoGE reads no task alignment)
+        if method != "doge_pcgrad":  # (DoGE reads no task alignment)
             assert _rel(g0["rec"]["task_alignment"], want["a"]) <= 1e-10
         assert _rel(g0["alpha"], want["alpha"]) <= 1e-10 and _rel(g0["z"], want["z"]) <= 1e-10
         assert not np.allclose(g0["alpha"], 1.0 / K)  # the weights moved

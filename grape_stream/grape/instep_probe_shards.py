@@ -13,11 +13,12 @@ and the DDP convention (each rank's probe, averaged over the ranks):
   reduce-scatter (a parameter with several calls, a tied embedding, once its calls are summed), all-reduced;
 * v = sum_n c_n H_n / W per shard, a DTensor placed like its parameter.
 
-Memory per rank beyond training: N x P / W for the kept shards, plus N x the largest hooked call's parameter
-while that call's backward runs, plus N x each parameter with several calls (held whole until the backward
-ends). FSDP is held from reducing (``holding_gradients``) and the hooks hand no gradient back, so ``.grad``
-and an accumulating training step are untouched. ``probe_mode: replicated`` gives every rank the same samples,
-whose average over the ranks is the probe itself, so the result is the same whether or not ``reduce`` is set.
+Memory per rank beyond training: N x P / W for the kept shards, plus up to 2 N x the largest hooked call's
+parameter while that call's backward runs (its parts and their reduce-scatter), plus N x each parameter with
+several calls (held whole until the backward ends). FSDP is held from reducing (``holding_gradients``) and
+the hooks hand no gradient back, so ``.grad`` and an accumulating training step are untouched.
+``probe_mode: replicated`` gives every rank the same samples, whose average over the ranks is the probe
+itself, so the result is the same whether or not ``reduce`` is set.
 """
 
 from __future__ import annotations
