@@ -131,20 +131,25 @@ def _fsdp2_run(data: str, out: str, *extra: str) -> None:
                            str(free_port()), os.path.join(HERE, "_lightning_run.py"), data, out, "--devices", "2",
                            "--steps", "8", "--save-every", "3", "--strategy", "model_parallel", *extra], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=400)
+    with open(out + ".stderr", "w", encoding="utf-8") as f:  # (a killed run's log, for a failure after it)
+        f.write(proc.stderr)
     assert proc.returncode == 0 or "--kill-at" in extra, proc.stderr[-4000:]
 
 
-def test_lightning_fsdp2_grape_probes_the_sharded_module_and_resumes_after_sigkill(data, tmp_path):
+@pytest.mark.parametrize("alignments", ["probe", "steps"])
+def test_lightning_fsdp2_grape_probes_the_sharded_module_and_resumes_after_sigkill(data, tmp_path, alignments):
     """ModelParallelStrategy (FSDP2 in configure_model, 2 gloo ranks under torchrun): GRAPE's probe runs on the
     sharded module (the layer-by-layer Gram, grape/gram/sharding.py) through the callback; both ranks hold the same
     records and alpha moves at the update of step 4 (the run script asserts the module was sharded). SIGKILLed at
     step 7 (checkpoints at 3 and 6: mid-interval) and resumed, both ranks hold the straight run's update records:
-    alignments, alpha and z."""
+    alignments, alpha and z. ``steps``: the same with in-step alignments (2 observed steps of every 4; the
+    sharded directions and the task probe's shards, grape/instep_probe_shards.py), the checkpoint of step 6
+    holding a half-observed interval."""
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
-    _fsdp2_run(data, straight)
-    _fsdp2_run(data, killed, "--kill-at", "7")
+    _fsdp2_run(data, straight, "--alignments", alignments)
+    _fsdp2_run(data, killed, "--kill-at", "7", "--alignments", alignments)
     assert not os.path.exists(os.path.join(killed, "history-rank0.json"))  # the kill happened
-    _fsdp2_run(data, killed, "--resume")
+    _fsdp2_run(data, killed, "--resume", "--alignments", alignments)
 
     def records(out: str, rank: int) -> list:
         with open(os.path.join(out, f"history-rank{rank}.json"), encoding="utf-8") as f:
