@@ -134,27 +134,36 @@ def _fsdp2_run(data: str, out: str, *extra: str, devices: int = 2) -> None:
                            "--devices", str(devices), "--steps", "8", "--save-every", "3", "--strategy",
                            "model_parallel", "--global-batch", "16", "--double", "--probe-mode", "replicated", *extra],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    with open(out + ".stderr", "w", encoding="utf-8") as f:  # (a killed run's log, for a failure after it)
+        f.write(proc.stderr)
     assert proc.returncode == 0 or "--kill-at" in extra, proc.stderr[-4000:]
 
 
-def test_lightning_fsdp2_grape_probes_the_sharded_module_and_resumes_after_sigkill(data, tmp_path):
+@pytest.mark.parametrize("alignments", ["probe", "steps"])
+def test_lightning_fsdp2_grape_probes_the_sharded_module_and_resumes_after_sigkill(data, tmp_path, alignments):
     """ModelParallelStrategy (FSDP2 in configure_model, 2 gloo ranks under torchrun): GRAPE's probe runs on the
     sharded module (the layer-by-layer Gram, grape/gram/sharding.py) through the callback; both ranks hold the same
     records and alpha moves at the update of step 4 (the run script asserts the module was sharded). SIGKILLed at
     step 7 (checkpoints at 3 and 6: mid-interval), Lightning's distributed checkpoint (DCP) resumes on 2 ranks onto
-    the straight run's update records (alignments, alpha, z) bit for bit and, resharded, on 4 ranks (per-rank batch
-    4 instead of 8) within rtol 1e-10: the model is float64 and the probes replicated, so only the order in which
-    FSDP sums the gradients over the ranks differs (tests/test_fsdp_resume.py, docs/alignment.md)."""
+    the straight run's update records (alignments, alpha, z) bit for bit. ``probe`` also resumes, resharded, on 4
+    ranks (per-rank batch 4 instead of 8) within rtol 1e-10: the model is float64 and the probes replicated, so only
+    the order in which FSDP sums the gradients over the ranks differs (tests/test_fsdp_resume.py,
+    docs/alignment.md). ``steps``: the same with in-step alignments (2 observed steps of every 4; the sharded
+    directions and the task probe's shards, grape/instep_probe_shards.py), the checkpoint of step 6 holding a
+    half-observed interval (resumed on 2 ranks: the 4-rank resume is the probe's, once, for the suite's time)."""
     from test_fsdp_resume import assert_close_records
 
     straight, killed, on4 = str(tmp_path / "straight"), str(tmp_path / "killed"), str(tmp_path / "on4")
-    _fsdp2_run(data, straight)
-    _fsdp2_run(data, killed, "--kill-at", "7")
+    on_four = alignments == "probe"
+    _fsdp2_run(data, straight, "--alignments", alignments)
+    _fsdp2_run(data, killed, "--kill-at", "7", "--alignments", alignments)
     assert not os.path.exists(os.path.join(killed, "history-rank0.json"))  # the kill happened
-    os.makedirs(on4)
-    shutil.copytree(os.path.join(killed, "ckpt"), os.path.join(on4, "ckpt"))
-    _fsdp2_run(data, killed, "--resume")
-    _fsdp2_run(data, on4, "--resume", devices=4)
+    if on_four:
+        os.makedirs(on4)
+        shutil.copytree(os.path.join(killed, "ckpt"), os.path.join(on4, "ckpt"))
+    _fsdp2_run(data, killed, "--resume", "--alignments", alignments)
+    if on_four:
+        _fsdp2_run(data, on4, "--resume", "--alignments", alignments, devices=4)
 
     def records(out: str, rank: int) -> list:
         with open(os.path.join(out, f"history-rank{rank}.json"), encoding="utf-8") as f:
@@ -164,7 +173,7 @@ def test_lightning_fsdp2_grape_probes_the_sharded_module_and_resumes_after_sigki
     assert records(straight, 1) == h0 and [r["step"] for r in h0] == [0, 4, 8]
     assert h0[1]["alpha"] != h0[0]["alpha"] and len(h0[1]["domain_alignment"]) == 3
     assert records(killed, 0) == h0 and records(killed, 1) == h0
-    for rank in range(4):
+    for rank in range(4 if on_four else 0):
         r4 = records(on4, rank)
         assert r4[:2] == h0[:2]  # restored from the checkpoint
         assert_close_records(h0, r4)

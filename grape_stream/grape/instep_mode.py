@@ -33,9 +33,10 @@ from grape_stream.config.choices import Alignments, values
 from grape_stream.errors import ConfigError
 from grape_stream.grape.geometry import adam_preconditioner
 from grape_stream.grape.gram.instep import StepAlignments
-from grape_stream.grape.gram.instep_scope import refuse_sharded_task_probe
+from grape_stream.grape.gram.instep_shards import fsdp2_scope
+from grape_stream.grape.gram.sharding import common_length
 from grape_stream.grape.instep_probe import task_probe
-from grape_stream.grape.probes import module_device, unwrap_for_probe
+from grape_stream.grape.probes import module_device, pad_groups, unwrap_for_probe
 from grape_stream.world import dist_active
 
 __all__ = ["ALIGNMENTS", "InstepMode", "first_moment", "probe_context"]
@@ -121,8 +122,7 @@ class InstepMode:
         return (offset * self.steps) // self.period != ((offset - 1) * self.steps) // self.period
 
     def _engine(self, model: nn.Module) -> StepAlignments:
-        refuse_sharded_task_probe(model)
-        inner = unwrap_for_probe(model)
+        inner = unwrap_for_probe(model, sharded_ok=True)  # FSDP2 runs; FSDP1 / tensor parallel: StepAlignments refuses
         if self.alignments is None or self.alignments.model is not inner:
             if self.alignments is not None:  # another module object trains now (re-wrapped): keep the direction
                 self._pending_state = self.alignments.state_dict()
@@ -203,9 +203,9 @@ class InstepMode:
         """Task probe, both weight steps, the next direction; fills the update record ``rec``."""
         t0 = time.perf_counter()
         rw = self.reweighter
-        groups = self.controller.probe_batches(step, module_device(model), tasks_only=True)
+        groups = self._task_groups(model, step)
         seconds["probe_data"] = time.perf_counter() - t0
-        params = [p for p in unwrap_for_probe(model).parameters() if p.requires_grad]
+        params = [p for p in unwrap_for_probe(model, sharded_ok=True).parameters() if p.requires_grad]
         b, se = self.domain_scores()
         pre = self._preconditioner(optimizer, model, rec)
         d = first_moment(optimizer, params) if rw.moves_z else None
@@ -242,16 +242,25 @@ class InstepMode:
                         autocast: Optional[Callable[[], ContextManager[Any]]]) -> None:
         """The target direction before the first update (the current z; no weight moves)."""
         rw = self.reweighter
-        groups = self.controller.probe_batches(step, module_device(model), tasks_only=True)
+        groups = self._task_groups(model, step)
         with probe_context(model, self.config.probe_train_mode, autocast):
             probe = task_probe(model, self.per_sample_loss, groups, fixed=[], engine=self._task_engine(model),
                                reduce=self.config.probe_mode == "sharded",
                                coefficients=lambda losses, r, gram: rw.target_coefficients(losses, gram))
         self._set_direction(probe.direction, self._preconditioner(optimizer, model, {}))
 
+    def _task_groups(self, model: nn.Module, step: int) -> list[dict[str, torch.Tensor]]:
+        """This rank's N task probe batches; under FSDP2 padded to the longest of all ranks (every rank's
+        forward gathers the units: one batch shape)."""
+        inner = unwrap_for_probe(model, sharded_ok=True)
+        groups = self.controller.probe_batches(step, module_device(inner), tasks_only=True)
+        if dist_active() and fsdp2_scope(inner):
+            groups = pad_groups(groups, common_length(groups, module_device(inner)))
+        return groups
+
     def _task_engine(self, model: nn.Module) -> StepAlignments:
         """The task probe's hooks (one "domain" per task), kept: their layouts are learnt once."""
-        inner = unwrap_for_probe(model)
+        inner = unwrap_for_probe(model, sharded_ok=True)
         if self._tasks is None or self._tasks.model is not inner:
             self._tasks = StepAlignments(model, self.per_sample_loss, len(self.controller.task_names))
         return self._tasks
@@ -259,7 +268,7 @@ class InstepMode:
     def _preconditioner(self, optimizer: Any, model: nn.Module, rec: dict[str, Any]) -> Optional[dict]:
         if self.geometry != "adam" or optimizer is None:  # (the first direction may come before any optimizer)
             return None
-        pre, used = adam_preconditioner(optimizer, unwrap_for_probe(model))
+        pre, used = adam_preconditioner(optimizer, unwrap_for_probe(model, sharded_ok=True))
         rec["geometry"] = used
         return None if pre is None else {p: pre[p] for p in pre}
 

@@ -14,6 +14,8 @@ the *updated* z, so only known once l, r and S are). Two ways, the same numbers:
   hooks for r (no S: PCGrad needs the copies), then, after ``coefficients``, for sum_n c_n L_n.
 
 Exact: losses, r, S and v against explicit per-task autograd gradients (tests/test_instep_probe.py).
+Under FSDP2 the task parts, r, S and v are formed from shards (``instep_probe_shards.py``, the same numbers
+under DDP's convention; ``keep_gradients=False`` is refused there).
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from grape_stream.errors import ConfigError
 from grape_stream.grape.gram.batches import batch_size, concat
 from grape_stream.grape.gram.instep import StepAlignments
 from grape_stream.grape.gram.instep_grads import PartStore
+from grape_stream.grape.instep_probe_shards import direction_of, sharded_task_probe
 from grape_stream.grape.probes import unwrap_for_probe
 from grape_stream.models import no_inplace_loss_grad
 from grape_stream.world import dist_active
@@ -69,8 +73,18 @@ def task_probe(model: nn.Module, per_sample_loss: PerSampleLoss, groups: Sequenc
     ranks when torch.distributed is initialised (every rank must call it; each rank's groups are its own
     samples, of the same sizes). Leaves ``.grad`` untouched; run it in the probe's mode / RNG context.
     ``engine``: hooks to reuse across calls (built for this model with one "domain" per task).
+
+    FSDP2 (``fully_shard``; every rank calls it, ``reduce`` or not): the task parts are reduce-scattered as
+    they form, r and v come from the shards, and the direction is a DTensor sharded like its parameter.
     """
-    model = unwrap_for_probe(model)
+    model = unwrap_for_probe(model, sharded_ok=True)
+    sa = engine if engine is not None else StepAlignments(model, per_sample_loss, len(groups))
+    if sa.sharded:
+        if not keep_gradients:
+            raise ConfigError("task_probe(keep_gradients=False) does not run under FSDP2: its second backward "
+                              "forms every parameter's whole gradient at once; keep the task parts (the default), "
+                              "which are sharded like the parameters")
+        return TaskProbe(*sharded_task_probe(model, per_sample_loss, groups, sa, fixed, coefficients))
     params = [p for p in model.parameters() if p.requires_grad]
     sizes = [batch_size(g, f"groups[{i}]") for i, g in enumerate(groups)]
     n_tasks = len(groups)
@@ -83,7 +97,6 @@ def task_probe(model: nn.Module, per_sample_loss: PerSampleLoss, groups: Sequenc
         import torch.distributed as dist
 
         world = dist.get_world_size()
-    sa = engine if engine is not None else StepAlignments(model, per_sample_loss, n_tasks)
     sa.set_directions([] if keep_gradients else fixed)
     store = PartStore(n_tasks) if keep_gradients else None
     with no_inplace_loss_grad():  # (the second backward of keep_gradients=False reads the logits again)
@@ -101,7 +114,7 @@ def task_probe(model: nn.Module, per_sample_loss: PerSampleLoss, groups: Sequenc
         r_sums = torch.zeros((n_tasks, len(fixed)), dtype=torch.float64, device=device)
         for j, d in enumerate(fixed):
             for f, p in zip(flat, params):
-                r_sums[:, j] += f @ _flat(_lookup(model, d, p), p).double()
+                r_sums[:, j] += f @ _flat(direction_of(model, d, p), p).double()
         r_weights = torch.ones(n_tasks, dtype=torch.float64, device=device)
         gram = torch.zeros((n_tasks, n_tasks), dtype=torch.float64, device=device)
         for f in flat:
@@ -127,15 +140,6 @@ def task_probe(model: nn.Module, per_sample_loss: PerSampleLoss, groups: Sequenc
     if world > 1:
         grads = _all_reduce_sum(grads)
     return TaskProbe(mean_losses, r, task_gram, c, dict(zip(params, grads)))
-
-
-def _lookup(model: nn.Module, direction: Mapping[Any, Tensor], p: nn.Parameter) -> Optional[Tensor]:
-    if p in direction:
-        return direction[p]
-    for name, q in model.named_parameters():
-        if q is p and name in direction:
-            return direction[name]
-    return None
 
 
 def _flat(t: Optional[Tensor], p: nn.Parameter) -> Tensor:

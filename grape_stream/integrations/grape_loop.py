@@ -28,9 +28,8 @@ from grape_stream.config import AlgorithmConfig
 from grape_stream.errors import ConfigError, DataError
 from grape_stream.grape.algorithm_config import algorithm_config, reweighter_options, step_observation
 from grape_stream.grape.controller import REPLAY_METHOD, GrapeController
-from grape_stream.grape.gram.instep_scope import refuse_sharded, refuse_sharded_task_probe
+from grape_stream.grape.gram.instep_scope import refuse_sharded
 from grape_stream.grape.gram.sharding import check_sharded
-from grape_stream.grape.instep_gram import StepGramMode
 from grape_stream.grape.probes import unwrap_for_probe
 from grape_stream.grape.reweighting import REWEIGHTERS
 from grape_stream.grape.reweighting.registry import canonical_method
@@ -140,14 +139,12 @@ class GrapeLoop:
     def check_model(self, model: nn.Module) -> None:
         """Refuse, before the first step and in one line, a sharded model (FSDP1, FSDP2) this method cannot
         differentiate exactly: the probe takes FSDP1 (use_orig_params) and FSDP2 models unit by unit
-        (grape.gram.sharding), R&B's step Gram FSDP2 models (grape.gram.instep_shards), ``alignments: steps`` none yet
-        (its task probe keeps whole task gradients). The loss-driven methods
-        (DoReMi, ODM, ADO) read each sample's training loss and never differentiate the model: any model."""
+        (grape.gram.sharding), R&B's step Gram and ``alignments: steps`` FSDP2 models (grape.gram.instep_shards, the
+        task probe in grape.instep_probe_shards). The loss-driven methods (DoReMi, ODM, ADO) read each sample's
+        training loss and never differentiate the model: any model."""
         ctl = self._ctl()
-        if isinstance(ctl.instep, StepGramMode):  # R&B's step Gram: FSDP2 (instep_shards.py)
+        if ctl.instep is not None:  # R&B's step Gram and alignments: steps: FSDP2 (instep_shards.py)
             refuse_sharded(unwrap_for_probe(model, sharded_ok=True))
-        elif ctl.instep is not None:
-            refuse_sharded_task_probe(model)
         elif ctl.needs_probe and check_sharded(unwrap_for_probe(model, sharded_ok=True)) is not None:
             if self.config.geometry != "sgd":  # (what the layer-by-layer probe cannot take: ShardedGramError above)
                 raise ConfigError("geometry='adam' is not supported under FSDP: the optimizer's second moments are "

@@ -19,9 +19,10 @@ ComposerGPT's and the plain loop's losses are seen), or :meth:`StepAlignments.wa
 own. Whatever scales the loss (a mean, Composer's micro-batch fraction, a gradient scaler) is divided out.
 
 Refused, with one line (:class:`~grape_stream.errors.ConfigError`): parameters without a fast path (the
-probe's exact fallback costs one backward per group), sharded parameters (FSDP), modules that mix samples
-(BatchNorm), a parameter used outside its module's forward, a module run twice per forward by activation
-checkpointing, and a backward whose per-sample loss was not watched. docs/alignment.md, "In-step alignments".
+probe's exact fallback costs one backward per group), FSDP1 and tensor parallel (FSDP2 runs: instep_shards.py),
+modules that mix samples (BatchNorm), a parameter used outside its module's forward, a module run twice per
+forward by activation checkpointing, and a backward whose per-sample loss was not watched.
+docs/alignment.md, "In-step alignments".
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from grape_stream.grape.gram.batches import MicroBatch, batch_signature, map_ten
 from grape_stream.grape.gram.hooks import FusedGramEngine, Use
 from grape_stream.grape.gram.instep_grads import DomainParts, GradUse, PartStore, use_grads
 from grape_stream.grape.gram.instep_scope import check_model, hooked_modules, stray_uses
-from grape_stream.grape.gram.instep_shards import fsdp2_scope, gather, scatter_parts, shard_like
+from grape_stream.grape.gram.instep_shards import fsdp2_scope, gather, scatter_parts, stack_sharded
 from grape_stream.grape.gram.layout_probe import probe_layouts
 from grape_stream.models.loss_watch import watching_losses
 
@@ -112,6 +113,7 @@ class _Engine(FusedGramEngine):
         self.handled = False
         self.keep_inputs = False  # the graph will be backpropagated again (retain_graph)
         self.store: Optional[PartStore] = None  # also keep each domain's part of every gradient
+        self.param_grads = True  # False: the parts only (a probe under FSDP2: no whole gradient held to the end)
 
     def _make_post_hook(self, name: str, module: nn.Module, kind: str, params: dict[str, nn.Parameter]):
         base = super()._make_post_hook(name, module, kind, params)
@@ -189,12 +191,12 @@ class _Engine(FusedGramEngine):
             grads, dots = use_grads(gu, grad, dict(live), parts, {n: dirs[n] for n in live},
                                     self.compute_dtype(grad.dtype), local)
             if local is not store and store is not None:
-                scatter_parts(use.params, live, local, store, self.num_domains, self.compute_dtype)
+                scatter_parts(use.params, live, local, store, self.num_domains, self.compute_dtype, self.uses)
         if dots is not None and self.sums is not None and parts is not None:
             self.sums.index_add_(0, parts.domains, dots.to(torch.float64))
         if not self.keep_inputs:
             gu.inp = None  # type: ignore[assignment]  # free the input as soon as it is used
-        return tuple(grads.get(n) for n in use.param_order)
+        return tuple(grads.get(n) if self.param_grads else None for n in use.param_order)
 
 
 class StepAlignments:
@@ -245,11 +247,12 @@ class StepAlignments:
         self.engine.directions = {}
         for p in self.scope:
             ts = stacks[id(p)]
-            if any(t is not None for t in ts):
-                full = torch.stack([torch.zeros(p.shape, dtype=p.dtype, device=p.device) if t is None
-                                    else (gather(t) if self.sharded else t).detach().to(p.device, p.dtype)
-                                    for t in ts])
-                self.engine.directions[id(p)] = shard_like(p, full) if self.sharded else full
+            if any(t is not None for t in ts) and self.sharded:  # FSDP2: each rank stacks its shards, no gather
+                self.engine.directions[id(p)] = stack_sharded(p, ts)
+            elif any(t is not None for t in ts):
+                self.engine.directions[id(p)] = torch.stack([torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+                                                             if t is None else t.detach().to(p.device, p.dtype)
+                                                             for t in ts])
         self.num_directions = len(directions)
         self.reset()
 
@@ -402,7 +405,3 @@ class StepAlignments:
         held: list[Tensor] = [t.to_local() if self.sharded else t  # type: ignore[attr-defined]
                               for t in self.engine.directions.values()]
         return sum(t.numel() for t in held)
-
-
-
-

@@ -17,7 +17,7 @@ from grape_stream.grape.gram.graph import graph_nodes
 from grape_stream.grape.gram.plan import _classify, check_batch_coupling
 from grape_stream.grape.probes import sharded_parameter, unwrap_for_probe
 
-__all__ = ["check_model", "hooked_modules", "refuse_sharded", "refuse_sharded_task_probe", "stray_uses"]
+__all__ = ["check_model", "hooked_modules", "refuse_sharded", "stray_uses"]
 
 _WHERE = "docs/alignment.md, 'In-step alignments'"
 
@@ -37,16 +37,6 @@ def refuse_sharded(model: nn.Module) -> None:
                           f"({why or 'FullyShardedDataParallel'}): FSDP1's modules compute with views of a "
                           "FlatParameter, so the gradient the engine hands back is not the one FSDP1 reduce-scatters "
                           f"per parameter; shard with fully_shard, or use alignments: probe ({_WHERE})")
-
-
-def refuse_sharded_task_probe(model: nn.Module) -> None:
-    """One line for ``alignments: steps`` (GRAPE / DoGE with in-step alignments) on any sharded model: the
-    engine itself runs under FSDP2, but its task probe keeps every task's full gradient (N copies) on each rank."""
-    why = sharded_parameter(model)
-    if why is not None:
-        raise ConfigError(f"alignments: steps does not run on sharded parameters yet ({why}): its task probe keeps "
-                          "each task's whole gradient on every rank (not sharded yet); use alignments: probe, which "
-                          f"runs under FSDP layer by layer (R&B's step Gram runs under FSDP2) ({_WHERE})")
 
 
 def check_model(model: nn.Module) -> nn.Module:
