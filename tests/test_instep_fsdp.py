@@ -44,11 +44,13 @@ def _batch(rank: int, step: int = 0) -> dict:
     return batch
 
 
-def _fsdp2(model: nn.Module, world: int) -> nn.Module:
+def _fsdp2(model: nn.Module, world: int, hsdp: bool = False) -> nn.Module:
+    """FSDP2 over all ranks; ``hsdp``: HSDP's 2-D mesh, every rank a replica holding the whole parameter."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")) if hsdp else \
+        init_device_mesh("cpu", (world,))
     for b in model.blocks:  # type: ignore[union-attr]
         fully_shard(b, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -95,11 +97,11 @@ class _nothing:
         return None
 
 
-def _rnb(rank: int, world: int, data: str) -> dict:
+def _rnb(rank: int, world: int, data: str, hsdp: bool = False) -> dict:
     mixer = WeightedStreamingMixer(domains=[DomainStream(d, local=f"{data}/{d}", split="train") for d in DOMAINS],
                                    batch_size=12, seed=0)
     try:
-        model = _fsdp2(gpt(torch.float64, seed=0), world)
+        model = _fsdp2(gpt(torch.float64, seed=0), world, hsdp=hsdp)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         grape = GrapeController(mixer, [], method="rnb", alpha_every=2, alignment_steps=2)
         grape.start()
@@ -137,7 +139,8 @@ def _worker(rank: int, world: int, tmp: str, data: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
     try:
-        out = {"alignments": _alignments(rank, world), "rnb": _rnb(rank, world, data), "refused": _refusals(world)}
+        out = {"alignments": _alignments(rank, world), "rnb": _rnb(rank, world, data),
+               "rnb_hsdp": _rnb(rank, world, data, hsdp=True), "refused": _refusals(world)}
         torch.save(out, os.path.join(tmp, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -194,6 +197,10 @@ def test_fsdp2_instep_alignments_and_rnb_equal_the_unsharded_computation(tmp_pat
     rw = build_reweighter("rnb", K, 1)  # (R&B reads no task: 1 is a placeholder)
     alpha, _ = rw.update_from_step_gram(gram, np.array(counts, dtype=np.float64), 0.5, step=2)
     np.testing.assert_allclose(g0["alpha"], alpha, rtol=1e-10)
+    # HSDP (each shard held by both ranks): the same Gram and alpha, each shard counted once
+    for r in (r0, r1):
+        np.testing.assert_allclose(np.array(r["rnb_hsdp"]["rec"]["domain_gram"]), gram, rtol=1e-10)
+        np.testing.assert_allclose(r["rnb_hsdp"]["alpha"], alpha, rtol=1e-10)
 
     # refusals, one line each
     for r in (r0, r1):

@@ -34,7 +34,7 @@ from grape_stream.config.choices import Geometry
 from grape_stream.errors import ConfigError
 from grape_stream.grape.gram.instep import StepAlignments
 from grape_stream.grape.gram.instep_grads import PartStore
-from grape_stream.grape.gram.instep_shards import local_of, sharded_gram, whole_of
+from grape_stream.grape.gram.instep_shards import local_of, replicas, sharded_gram, whole_of
 from grape_stream.grape.instep_mode import InstepMode
 from grape_stream.grape.probes import unwrap_for_probe
 from grape_stream.world import dist_active
@@ -199,7 +199,9 @@ class StepGramMode(InstepMode):
         """The interval's (K, K) Gram of the domains' mean gradients (NaN rows for unseen domains)."""
         sums = self.store.grads if self.alignments is not None else (self._pending_named or {})
         if self.alignments is not None and self.alignments.sharded:  # FSDP2: local dots + one K x K all-reduce
-            return gram_of_sums({0: sharded_gram(sums, self.num_domains)}, self.weights, squared=True)
+            by_id = {id(p): p for p in self.alignments.model.parameters()}
+            copies = {k: replicas(by_id[k]) for k in sums if k in by_id}  # HSDP: a shard on several ranks, once
+            return gram_of_sums({0: sharded_gram(sums, self.num_domains, copies=copies)}, self.weights, squared=True)
         return gram_of_sums(sums, self.weights)
 
     def update(self, model: nn.Module, step: int, lr: float, optimizer: Any,

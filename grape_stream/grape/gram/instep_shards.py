@@ -215,14 +215,17 @@ def scatter_parts(params: dict[str, Any], live: dict[str, Any], local: Any, stor
         store.grads[id(p)] = mine if buf is None else buf.add_(mine)
 
 
-def sharded_gram(sums: Mapping[Any, Tensor], num_domains: int, group: Optional[Any] = None) -> Tensor:
-    """(K, K) float64 sum over parameters of <A_i, A_j> from each rank's shards, summed over the ranks."""
+def sharded_gram(sums: Mapping[Any, Tensor], num_domains: int, group: Optional[Any] = None,
+                 copies: Optional[Mapping[Any, int]] = None) -> Tensor:
+    """(K, K) float64 sum over parameters of <A_i, A_j> from each rank's shards, summed over the ranks.
+    ``copies``: per key, how many ranks hold the same shard (HSDP's replicate dimension, :func:`replicas`),
+    each counted once."""
     from grape_stream.grape.collectives import collective_device
 
     g = torch.zeros((num_domains, num_domains), dtype=torch.float64)
-    for t in sums.values():
+    for k, t in sums.items():
         flat = t.reshape(num_domains, -1).to(torch.float64)
-        g += (flat @ flat.t()).cpu()
+        g += (flat @ flat.t()).cpu() / (copies or {}).get(k, 1)
     out = g.to(collective_device(None, group))
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out.cpu()
