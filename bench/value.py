@@ -158,6 +158,9 @@ METHODS: dict[str, tuple[str, Callable[..., list[str]]]] = {
     "grape_replay": ("schedule", lambda lr, d, s, r: [f"algorithm.schedule_path={_prev(r, 'grape', s)['traj']}"]),
     "grape_final_static": ("static",
                            lambda lr, d, s, r: [f"algorithm.options.weights={_vec(_prev(r, 'grape', s)['alpha'])}"]),
+    # GRAPE started from a static prior (issue 32 part 3: the paper's GRAPE-ClimbMix analog), against that prior alone
+    "grape_crisp": ("grape", lambda lr, d, s, r: [f"algorithm.options.alpha0={_vec(d['crisp']['weights'])}"]),
+    "grape_regmix": ("grape", lambda lr, d, s, r: [f"algorithm.options.alpha0={_vec(d['regmix']['weights'])}"]),
     # the oracle search's candidates re-scored on this library version (probe split, as the search scores them)
     **{f"cand_{c}": ("static", _candidate(c)) for c in ("uniform", "regmix", "crisp")},
     # uniform trained under its own shorter schedule (warm-up, cosine, curve points all scaled to the budget):
@@ -489,6 +492,15 @@ def write_docs(path: Path, doc: Mapping[str, Any]) -> None:
         ci = "" if cu.get("ci") is None else f" +- {cu['ci']:.2f}"
         lines.append(f"- `compute_to_uniform_final` (GRAPE, probe cost included, / uniform's 400 steps): "
                      f"{cu['mean']:.2f}{ci} (n={cu['n']})")
+    for prior, row in (c.get("prior_repair") or {}).items():
+        parts = []
+        for k in ("avg", "worst"):
+            x = row.get(k)
+            if x:
+                ci = "" if x["ci"] is None else f" +- {x['ci']:.4f}"
+                parts.append(f"{k} {x['mean']:+.4f}{ci}")
+        lines.append(f"- `prior_repair` ({prior}'s static run minus GRAPE started from its weights, paired by seed; "
+                     f"positive: repaired; n={len(row['seeds'])}): " + ", ".join(parts))
     lines += ["", DOCS_END]
     a, b = text.index(DOCS_BEGIN), text.index(DOCS_END) + len(DOCS_END)
     path.write_text(text[:a] + "\n".join(lines) + text[b:])

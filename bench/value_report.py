@@ -170,6 +170,7 @@ def claims(agg: Mapping[str, Any], method: str = "grape") -> dict[str, Any]:
         t = g["tokens_to_uniform_final"]
         c["tokens_to_uniform_final"] = {"mean": t["mean"], "reached": t["reached"], "of": t["of"]}
         c["compute_to_uniform_final"] = _compute_claim(agg, g)
+        c["prior_repair"] = _prior_repair(agg, method)
         ok = [k in c.get("oracle_gain_captured", {}) and c["oracle_gain_captured"][k]["mean"] >= 0.5
               and (c["oracle_gain_captured"][k]["std"] or 0.0) < c["oracle_gain_captured"][k]["mean"]
               for k in ("avg", "worst")]
@@ -177,6 +178,30 @@ def claims(agg: Mapping[str, Any], method: str = "grape") -> dict[str, Any]:
                          "tokens_le_0.6x": bool(t["mean"] is not None and t["reached"] == t["of"] and t["mean"] <= 0.6),
                          "worst_better_than_uniform_every_seed": c["worst_target_improved_seeds"]["improved"] == g["n"]}
     return c
+
+
+#: The static priors GRAPE is started from (``grape_<prior>``: alpha0 = that mixture), issue 32 part 3.
+PRIORS = ("crisp", "regmix")
+
+
+def _prior_repair(agg: Mapping[str, Any], method: str) -> dict[str, Any]:
+    """Per prior: the prior's test loss minus GRAPE-from-that-prior's, paired by seed (positive: repaired),
+    on the average and the worst target; only seeds both rows ran."""
+    out: dict[str, Any] = {}
+    for prior in PRIORS:
+        started = f"{method}_{prior}"
+        if prior not in agg or started not in agg:
+            continue
+        p, g = agg[prior], agg[started]
+        seeds = sorted(set(p["seeds"]) & set(g["seeds"]))
+        row: dict[str, Any] = {"seeds": seeds}
+        for k in ("avg", "worst"):
+            pv = dict(zip(p["seeds"], p[k]["values"]))
+            gv = dict(zip(g["seeds"], g[k]["values"]))
+            diffs = [pv[s] - gv[s] for s in seeds]
+            row[k] = {x: summary(diffs)[x] for x in ("mean", "ci", "n", "values")} if diffs else None
+        out[prior] = row
+    return out
 
 
 def _compute_claim(agg: Mapping[str, Any], g: Mapping[str, Any]) -> dict[str, Any]:
