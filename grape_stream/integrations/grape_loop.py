@@ -37,7 +37,6 @@ from grape_stream.grape.trajectory import TRAJECTORY_FILE
 from grape_stream.integrations.common import as_task
 from grape_stream.integrations.progress import UpdateProgress
 from grape_stream.integrations.run_end import write_run_end
-from grape_stream.integrations.summary import format_summary, summarize_controller
 from grape_stream.mixing.mixer import WeightedStreamingMixer
 from grape_stream.models import per_sample_lm_loss
 from grape_stream.world import process_world
@@ -264,10 +263,8 @@ class GrapeLoop:
         path = None
         if self.write_trajectory and self.trajectory:
             path = ctl.write_trajectory(self.trajectory)
-        if path is not None:  # the plot, and the summary unless the caller's own end_of_run replaces it
-            write_run_end(ctl, path, plots=self.config.plots, summary=self.config.summary and self.end_of_run is None)
+        # the plot, and the summary unless the caller's own end_of_run replaces it
+        write_run_end(ctl, path, plots=self.config.plots, summary=self.config.summary and self.end_of_run is None)
         if self.end_of_run is not None:
             self.end_of_run(ctl, path)
-        elif self.config.summary and path is None:  # no trajectory written: the table on the console only
-            print(format_summary(summarize_controller(ctl, {}, trajectory=None, plot=None)), flush=True)
         return path

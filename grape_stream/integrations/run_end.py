@@ -28,18 +28,24 @@ SUMMARY_FILE = "grape_summary.txt"
 class RunEnd:
     """What the end of a run wrote: the files (the trajectory first) a tracker may log as artifacts."""
 
-    trajectory: str
+    trajectory: Optional[str]
     plot: Optional[str] = None
     summary: Optional[str] = None  # the summary file's path
     summary_text: Optional[str] = None
     files: list[str] = field(default_factory=list)
 
 
-def write_run_end(controller: Any, trajectory: str, *, plots: bool, summary: bool,
+def write_run_end(controller: Any, trajectory: Optional[str], *, plots: bool, summary: bool,
                   evals: Optional[Mapping[str, float]] = None) -> RunEnd:
     """The plot of ``trajectory`` (a plotting problem is a warning: it must not fail a finished training run)
-    and, with ``summary``, the end-of-run table printed and written next to the trajectory. Call on one rank."""
+    and, with ``summary``, the end-of-run table printed and written next to the trajectory (without a
+    trajectory: printed only). Call on one rank."""
     end = RunEnd(trajectory=trajectory)
+    if trajectory is None:
+        if summary:
+            end.summary_text = format_summary(summarize_controller(controller, dict(evals or {})))
+            print(end.summary_text, flush=True)
+        return end
     if plots:
         try:
             end.plot = plot_trajectory(trajectory, os.path.splitext(trajectory)[0] + ".png")
