@@ -59,3 +59,17 @@ def observed_step(sa: StepAlignments, model: nn.Module, loss_fn: PerSampleLoss, 
             if watch:
                 sa.watch(losses)
             (losses.mean() * (n / size)).backward()
+
+
+def fsdp2(model: nn.Module, world: int, hsdp: bool = False) -> nn.Module:
+    """Our GPT under FSDP2 over all ranks (each block a unit); ``hsdp``: HSDP's 2-D mesh, every rank a replica
+    holding the whole parameter."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")) if hsdp else \
+        init_device_mesh("cpu", (world,))
+    for b in model.blocks:  # type: ignore[union-attr]
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model

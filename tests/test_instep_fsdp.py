@@ -24,7 +24,7 @@ from torch import nn
 
 from _alignment_helpers import gpt, lm_groups
 from _grape_data import write_dataset
-from _instep_helpers import directions, rel, truth
+from _instep_helpers import directions, fsdp2, rel, truth
 from grape_stream import DomainStream, GrapeController, WeightedStreamingMixer
 from grape_stream.grape.gram.batches import concat, map_tensors
 from grape_stream.grape.gram.instep import StepAlignments
@@ -44,19 +44,6 @@ def _batch(rank: int, step: int = 0) -> dict:
     return batch
 
 
-def _fsdp2(model: nn.Module, world: int, hsdp: bool = False) -> nn.Module:
-    """FSDP2 over all ranks; ``hsdp``: HSDP's 2-D mesh, every rank a replica holding the whole parameter."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")) if hsdp else \
-        init_device_mesh("cpu", (world,))
-    for b in model.blocks:  # type: ignore[union-attr]
-        fully_shard(b, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
 def _step(model: nn.Module, batch: dict, observe: Any) -> None:
     """One training step's backward in two micro-batches (4 + 2 samples), no gradient sync on the first."""
     for a in range(0, B, MICRO):
@@ -72,11 +59,11 @@ def _named(dirs: list[dict], model: nn.Module) -> list[dict[str, torch.Tensor]]:
 
 
 def _alignments(rank: int, world: int) -> dict:
-    plain = _fsdp2(gpt(torch.float64, seed=0), world)
+    plain = fsdp2(gpt(torch.float64, seed=0), world)
     _step(plain, _batch(rank), lambda mb: _nothing())
     model = gpt(torch.float64, seed=0)
     dirs = _named(directions(model), model)
-    model = _fsdp2(model, world)
+    model = fsdp2(model, world)
     sa = StepAlignments(model, per_sample_lm_loss, K)
     sa.set_directions(dirs)
     _step(model, _batch(rank), sa.observe)
@@ -101,7 +88,7 @@ def _rnb(rank: int, world: int, data: str, hsdp: bool = False) -> dict:
     mixer = WeightedStreamingMixer(domains=[DomainStream(d, local=f"{data}/{d}", split="train") for d in DOMAINS],
                                    batch_size=12, seed=0)
     try:
-        model = _fsdp2(gpt(torch.float64, seed=0), world, hsdp=hsdp)
+        model = fsdp2(gpt(torch.float64, seed=0), world, hsdp=hsdp)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         grape = GrapeController(mixer, [], method="rnb", alpha_every=2, alignment_steps=2)
         grape.start()

@@ -26,7 +26,7 @@ from torch import nn
 
 from _alignment_helpers import gpt, lm_groups
 from _grape_data import SEQ, write_dataset
-from _instep_helpers import directions, truth
+from _instep_helpers import directions, fsdp2, truth
 from grape_stream import DomainStream, GrapeController, TaskStream, WeightedStreamingMixer
 from grape_stream.grape.gram.batches import concat, map_tensors
 from grape_stream.grape.instep_probe import task_probe
@@ -61,19 +61,6 @@ def _batch(rank: int, step: int) -> dict:
     return batch
 
 
-def _fsdp2(model: nn.Module, world: int, hsdp: bool = False) -> nn.Module:
-    """FSDP2 over all ranks; ``hsdp``: HSDP's 2-D mesh, every rank a replica holding the whole parameter."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")) if hsdp else \
-        init_device_mesh("cpu", (world,))
-    for b in model.blocks:  # type: ignore[union-attr]
-        fully_shard(b, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
 def _micro(model: nn.Module, batch: dict, a: int) -> None:
     mb = map_tensors(batch, lambda t: t[a: a + MICRO])
     (per_sample_lm_loss(model, mb).mean() * (mb["tokens"].shape[0] / B)).backward()
@@ -90,7 +77,7 @@ def _probe(rank: int, world: int) -> dict:
     fixed_named = [{n: t for n, t in zip(names, fixed[0].values())}]
     out: dict[str, Any] = {}
     for probed in (False, True):
-        model = _fsdp2(gpt(torch.float64, seed=1), world)
+        model = fsdp2(gpt(torch.float64, seed=1), world)
         model.set_requires_gradient_sync(False)  # type: ignore[operator]
         _micro(model, _batch(rank, 0), 0)
         if probed:
@@ -106,7 +93,7 @@ def _probe(rank: int, world: int) -> dict:
         model.set_requires_gradient_sync(True)  # type: ignore[operator]
         _micro(model, _batch(rank, 0), MICRO)
         out["grads" if probed else "plain"] = [p.grad.to_local().clone() for p in model.parameters()]  # type: ignore
-    model = _fsdp2(gpt(torch.float64, seed=1), world, hsdp=True)  # each shard held by 2 ranks: counted once
+    model = fsdp2(gpt(torch.float64, seed=1), world, hsdp=True)  # each shard held by 2 ranks: counted once
     probe = task_probe(model, per_sample_lm_loss, lm_groups([2, 3], seed=70 + rank), fixed=fixed_named,
                        coefficients=_coefficients)
     out["hsdp"] = {"r": probe.alignments, "gram": probe.task_gram,
@@ -119,7 +106,7 @@ def _controller(rank: int, world: int, data: str, method: str) -> dict:
                                    batch_size=12, seed=0)
     tasks = [TaskStream(t, local=f"{data}/tasks/{t}") for t in TASKS]
     try:
-        model = _fsdp2(gpt(torch.float64, seed=0, seq_len=SEQ), world)
+        model = fsdp2(gpt(torch.float64, seed=0, seq_len=SEQ), world)
         opt = _optimizer(model.parameters(), method)
         grape = GrapeController(mixer, tasks, probe_task_batch=3, alpha_every=2, z_every=2, alignments="steps",
                                 alignment_steps=1, **METHODS[method])
@@ -161,7 +148,7 @@ def _refusals(world: int, data: str) -> dict:
     finally:
         mixer.close()
     try:
-        task_probe(_fsdp2(gpt(torch.float64, seed=0), world), per_sample_lm_loss, lm_groups([2, 2]), fixed=[],
+        task_probe(fsdp2(gpt(torch.float64, seed=0), world), per_sample_lm_loss, lm_groups([2, 2]), fixed=[],
                    coefficients=_coefficients, keep_gradients=False)
     except ConfigError as err:
         out["keep"] = str(err)
