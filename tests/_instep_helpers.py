@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -73,3 +74,39 @@ def fsdp2(model: nn.Module, world: int, hsdp: bool = False) -> nn.Module:
         fully_shard(b, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def fsdp1(model: nn.Module, hybrid: bool = False) -> nn.Module:
+    """Our GPT under FSDP1 (``use_orig_params=True``, each block a unit) over all ranks; ``hybrid``:
+    HYBRID_SHARD (refused by the in-step engine)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    block = type(model.blocks[0])  # type: ignore[index]
+    strategy = ShardingStrategy.HYBRID_SHARD if hybrid else ShardingStrategy.FULL_SHARD
+    return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({block}), use_orig_params=True,
+                                    device_id=torch.device("cpu"), sharding_strategy=strategy)
+
+
+def shard(model: nn.Module, kind: str, world: int) -> nn.Module:
+    """``model`` sharded by "fsdp1" or "fsdp2" over all ranks."""
+    return fsdp1(model) if kind == "fsdp1" else fsdp2(model, world)
+
+
+def local_grads(model: nn.Module) -> list[torch.Tensor]:
+    """Each parameter's gradient as this rank holds it (FSDP2: the DTensor's local shard; FSDP1: the piece)."""
+    return [(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()  # type: ignore[union-attr]
+            for p in model.parameters() if p.grad is not None]
+
+
+@contextlib.contextmanager
+def grad_sync(model: nn.Module, sync: bool) -> Iterator[None]:
+    """Inside a gradient-accumulation micro-batch (``sync`` False) FSDP neither reduces nor finalises."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(sync)  # type: ignore[operator]
+        yield
+    elif sync:
+        yield
+    else:
+        with model.no_sync():  # type: ignore[operator]
+            yield

@@ -174,16 +174,24 @@ def _hf_case(mixer, out: str, world: int, method: str = "odm", data: str = "") -
 
 
 def _step_gram_refusal(mixer) -> str:
-    """R&B (the in-step engine) at the callbacks' train begin (GrapeLoop.check_model): an FSDP2 model is taken
-    (tests/test_instep_fsdp.py checks it exactly), FSDP1 is refused in one line."""
+    """R&B (the in-step engine) at the callbacks' train begin (GrapeLoop.check_model): FSDP2 and FSDP1 models are
+    taken (tests/test_instep_fsdp.py checks them exactly), FSDP1's HYBRID_SHARD is refused in one line."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
     from grape_stream.errors import ConfigError
     from grape_stream.integrations.grape_loop import GrapeLoop
 
     loop = GrapeLoop(method="rnb", alpha_every=EVERY, trajectory=False)
     loop.attach(mixer)
     loop.check_model(shard(_model(0), "fsdp2", WORLD))
+    loop.check_model(shard(_model(0), "fsdp1", WORLD))
+    model = _model(0)
+    hybrid = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({type(model.blocks[0])}),
+                                      use_orig_params=True, device_id=torch.device("cpu"),
+                                      sharding_strategy=ShardingStrategy.HYBRID_SHARD)
     with pytest.raises(ConfigError) as err:
-        loop.check_model(shard(_model(0), "fsdp1", WORLD))
+        loop.check_model(hybrid)
     return str(err.value)
 
 
@@ -275,4 +283,4 @@ def test_loss_driven_methods_on_fsdp_equal_the_unsharded_computation(tmp_path) -
     assert all(len(rec["domain_alignment"]) == 3 for rec in grape[0][1:])
     assert grape[0][-1]["alpha"] != grape[0][0]["alpha"]
     msg = ranks[0]["refusal"]
-    assert "\n" not in msg and "R&B's step Gram run under FSDP2 (fully_shard) only, not FSDP1" in msg, msg
+    assert "\n" not in msg and "HYBRID_SHARD" in msg and "R&B's step Gram under FSDP1" in msg, msg

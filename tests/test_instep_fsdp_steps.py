@@ -1,14 +1,16 @@
-"""``alignments: steps`` under FSDP2, for real: 2 gloo processes shard our GPT (tied embeddings) with
-``fully_shard``; the task probe keeps its task parts, r, S and the target direction as shards
-(grape/instep_probe_shards.py). The reference is computed here, in the single test process without
-torch.distributed, on the unsharded model from explicit per-task autograd gradients of each rank's probe
+"""``alignments: steps`` under FSDP, for real: 2 gloo processes shard our GPT (tied embeddings) with FSDP2's
+``fully_shard`` and with FSDP1 (``use_orig_params=True``); the task probe keeps its task parts, r, S and the
+target direction as shards (grape/instep_probe_shards.py, grape/gram/shard_layout.py). The reference is
+computed here, in the single test process without torch.distributed, on the unsharded model from explicit
+per-task autograd gradients of each rank's probe
 samples (float64, rel 1e-10), under DDP's convention: each rank's probe, averaged over the ranks (the task
 Gram: the mean of the ranks' Grams, not the Gram of the mean). One spawned process group runs every case (CI
 has 2 cores): the task probe itself (losses, r, S, c, v; ``.grad`` and an accumulating step untouched), GRAPE
 and DoGE+PCGrad through GrapeController's ``alignments: steps`` (2 micro-batches per step, SGD momentum as
 the update direction d; GRAPE also with AdamW and the Adam geometry, d and v preconditioned on the shards),
-HSDP (a 2-D mesh: each shard on two ranks, counted once), and FSDP1 and ``keep_gradients=False`` refused in
-one line.
+HSDP (a 2-D mesh: each shard on two ranks, counted once), and ``keep_gradients=False`` refused in one line.
+FSDP1 runs the task probe and GRAPE (SGD momentum, and AdamW with the Adam geometry); DoGE+PCGrad only differs
+from GRAPE in its reweighting, so it runs under FSDP2 only (CI has 2 cores).
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from torch import nn
 
 from _alignment_helpers import gpt, lm_groups
 from _grape_data import SEQ, write_dataset
-from _instep_helpers import directions, fsdp2, truth
+from _instep_helpers import directions, fsdp2, grad_sync, shard, truth
 from grape_stream import DomainStream, GrapeController, TaskStream, WeightedStreamingMixer
 from grape_stream.grape.gram.batches import concat, map_tensors
+from grape_stream.grape.gram.shard_layout import shard_layouts
 from grape_stream.grape.instep_probe import task_probe
 from grape_stream.grape.probes import pad_groups
 from grape_stream.models import per_sample_lm_loss
@@ -67,19 +70,33 @@ def _micro(model: nn.Module, batch: dict, a: int) -> None:
 
 
 def _local(g: Any) -> Any:
-    return None if g is None else g.to_local().clone()
+    return None if g is None else (g.to_local() if hasattr(g, "to_local") else g).clone()
 
 
-def _probe(rank: int, world: int) -> dict:
+def _whole(model: nn.Module, direction: dict) -> list[torch.Tensor]:
+    """Each parameter's direction gathered whole (FSDP2: the DTensor; FSDP1: every rank's piece)."""
+    pieces = shard_layouts(model)
+    return [pieces[id(p)].gather(direction[p].unsqueeze(0))[0] if id(p) in pieces else direction[p]
+            for p in model.parameters()]
+
+
+def _held_like(model: nn.Module, direction: dict) -> bool:
+    """Every direction held as its parameter is: a DTensor placed like it (FSDP2), or a plain tensor of the
+    parameter's local shape, this rank's piece (FSDP1)."""
+    return all((type(v).__name__ == "DTensor" and v.placements == p.placements) if type(p).__name__ == "DTensor"
+               else (type(v).__name__ != "DTensor" and v.shape == p.shape) for p, v in direction.items())
+
+
+def _probe(rank: int, world: int, kind: str) -> dict:
     """The task probe between two accumulated micro-batches (gradient sync off on the first)."""
     fixed = directions(gpt(torch.float64, seed=1), 1, seed=4)
     names = [n for n, _ in gpt(torch.float64, seed=1).named_parameters()]
     fixed_named = [{n: t for n, t in zip(names, fixed[0].values())}]
     out: dict[str, Any] = {}
     for probed in (False, True):
-        model = fsdp2(gpt(torch.float64, seed=1), world)
-        model.set_requires_gradient_sync(False)  # type: ignore[operator]
-        _micro(model, _batch(rank, 0), 0)
+        model = shard(gpt(torch.float64, seed=1), kind, world)
+        with grad_sync(model, False):
+            _micro(model, _batch(rank, 0), 0)
         if probed:
             before = [_local(p.grad) for p in model.parameters()]
             probe = task_probe(model, per_sample_lm_loss, lm_groups([2, 3], seed=70 + rank), fixed=fixed_named,
@@ -87,12 +104,12 @@ def _probe(rank: int, world: int) -> dict:
             out["grad_kept"] = all((b is None and p.grad is None) or (b is not None and torch.equal(_local(p.grad), b))
                                    for p, b in zip(model.parameters(), before))
             out.update(losses=probe.losses, r=probe.alignments, gram=probe.task_gram, c=probe.coefficients,
-                       sharded=all(type(v).__name__ == "DTensor" and v.placements == p.placements
-                                   for p, v in probe.direction.items()),
-                       v=[probe.direction[p].full_tensor() for p in model.parameters()])  # type: ignore[attr-defined]
-        model.set_requires_gradient_sync(True)  # type: ignore[operator]
-        _micro(model, _batch(rank, 0), MICRO)
-        out["grads" if probed else "plain"] = [p.grad.to_local().clone() for p in model.parameters()]  # type: ignore
+                       sharded=_held_like(model, probe.direction), v=_whole(model, probe.direction))
+        with grad_sync(model, True):
+            _micro(model, _batch(rank, 0), MICRO)
+        out["grads" if probed else "plain"] = [_local(p.grad) for p in model.parameters()]
+    if kind == "fsdp1":
+        return out
     model = fsdp2(gpt(torch.float64, seed=1), world, hsdp=True)  # each shard held by 2 ranks: counted once
     probe = task_probe(model, per_sample_lm_loss, lm_groups([2, 3], seed=70 + rank), fixed=fixed_named,
                        coefficients=_coefficients)
@@ -101,12 +118,12 @@ def _probe(rank: int, world: int) -> dict:
     return out
 
 
-def _controller(rank: int, world: int, data: str, method: str) -> dict:
+def _controller(rank: int, world: int, data: str, method: str, kind: str = "fsdp2") -> dict:
     mixer = WeightedStreamingMixer(domains=[DomainStream(d, local=f"{data}/{d}", split="train") for d in DOMAINS],
                                    batch_size=12, seed=0)
     tasks = [TaskStream(t, local=f"{data}/tasks/{t}") for t in TASKS]
     try:
-        model = fsdp2(gpt(torch.float64, seed=0, seq_len=SEQ), world)
+        model = shard(gpt(torch.float64, seed=0, seq_len=SEQ), kind, world)
         opt = _optimizer(model.parameters(), method)
         grape = GrapeController(mixer, tasks, probe_task_batch=3, alpha_every=2, z_every=2, alignments="steps",
                                 alignment_steps=1, **METHODS[method])
@@ -116,8 +133,7 @@ def _controller(rank: int, world: int, data: str, method: str) -> dict:
             batch = _batch(rank, step)
             for a in range(0, B, MICRO):
                 mb = map_tensors(batch, lambda t, a=a: t[a: a + MICRO])
-                model.set_requires_gradient_sync(a + MICRO >= B)  # type: ignore[operator]
-                with grape.observe(model, step, mb, optimizer=opt):
+                with grad_sync(model, a + MICRO >= B), grape.observe(model, step, mb, optimizer=opt):
                     (per_sample_lm_loss(model, mb).mean() * (mb["tokens"].shape[0] / B)).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -128,25 +144,10 @@ def _controller(rank: int, world: int, data: str, method: str) -> dict:
         mixer.close()
 
 
-def _refusals(world: int, data: str) -> dict:
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
+def _refusals(world: int) -> dict:
     from grape_stream.errors import ConfigError
 
     out = {}
-    mixer = WeightedStreamingMixer(domains=[DomainStream(d, local=f"{data}/{d}", split="train") for d in DOMAINS],
-                                   batch_size=12, seed=0)
-    try:
-        model = FullyShardedDataParallel(gpt(torch.float64, seed=0), use_orig_params=True,
-                                         device_id=torch.device("cpu"))
-        grape = GrapeController(mixer, [TaskStream(t, local=f"{data}/tasks/{t}") for t in TASKS], alpha_every=2,
-                                z_every=2, alignments="steps", alignment_steps=1, **METHODS["grape"])
-        try:
-            grape.observe(model, 2, _batch(0, 2)).__enter__()
-        except ConfigError as err:
-            out["fsdp1"] = str(err)
-    finally:
-        mixer.close()
     try:
         task_probe(fsdp2(gpt(torch.float64, seed=0), world), per_sample_lm_loss, lm_groups([2, 2]), fixed=[],
                    coefficients=_coefficients, keep_gradients=False)
@@ -155,13 +156,17 @@ def _refusals(world: int, data: str) -> dict:
     return out
 
 
+FSDP1_METHODS = ("grape", "grape_adam")
+
+
 def _worker(rank: int, world: int, tmp: str, data: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
     try:
-        out = {"probe": _probe(rank, world), "refused": _refusals(world, data),
-               **{m: _controller(rank, world, data, m) for m in METHODS}}
+        out = {"probe": {k: _probe(rank, world, k) for k in ("fsdp2", "fsdp1")}, "refused": _refusals(world),
+               **{(m, "fsdp2"): _controller(rank, world, data, m) for m in METHODS},
+               **{(m, "fsdp1"): _controller(rank, world, data, m, "fsdp1") for m in FSDP1_METHODS}}
         torch.save(out, os.path.join(tmp, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -191,7 +196,7 @@ def _rel(got: Any, want: Any) -> float:
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-300))
 
 
-def _check_probe(r0: dict, r1: dict) -> None:
+def _check_probe(r0: dict, r1: dict, kind: str) -> None:
     model = gpt(torch.float64, seed=1)
     fixed = directions(model, 1, seed=4)[0]
     u = torch.cat([t.reshape(-1) for t in fixed.values()])
@@ -204,12 +209,16 @@ def _check_probe(r0: dict, r1: dict) -> None:
     assert _rel(r0["r"], r) <= 1e-10 and _rel(r0["gram"], gram) <= 1e-10 and _rel(r0["c"], c) <= 1e-10
     v = torch.cat([t.reshape(-1) for t in r0["v"]])
     assert _rel(v, torch.tensordot(torch.as_tensor(c), h, dims=1)) <= 1e-10
-    hsdp = r0["hsdp"]
-    assert _rel(hsdp["r"], r) <= 1e-10 and _rel(hsdp["gram"], gram) <= 1e-10
-    assert _rel(torch.cat([t.reshape(-1) for t in hsdp["v"]]), torch.tensordot(torch.as_tensor(c), h, dims=1)) <= 1e-10
+    if kind == "fsdp2":
+        hsdp = r0["hsdp"]
+        assert _rel(hsdp["r"], r) <= 1e-10 and _rel(hsdp["gram"], gram) <= 1e-10
+        assert _rel(torch.cat([t.reshape(-1) for t in hsdp["v"]]),
+                    torch.tensordot(torch.as_tensor(c), h, dims=1)) <= 1e-10
     assert r0["sharded"] and r1["sharded"] and r0["grad_kept"] and r1["grad_kept"]
     for r_ in (r0, r1):  # the step's gradients: bitwise those of the same step without the probe
-        assert all(torch.equal(a, b) for a, b in zip(r_["grads"], r_["plain"]))
+        assert all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+                   for a, b in zip(r_["grads"], r_["plain"]))  # (FSDP1: None where this rank holds no piece)
+        assert sum(a is not None for a in r_["grads"]) > 0
 
 
 def _reference(data: str, method: str) -> dict:
@@ -273,28 +282,30 @@ def _reference(data: str, method: str) -> dict:
             "v": torch.tensordot(torch.as_tensor(c), h, dims=1) * pre()}
 
 
-def test_fsdp2_alignments_steps_equal_the_unsharded_computation(tmp_path: Path) -> None:
+def test_fsdp_alignments_steps_equal_the_unsharded_computation(tmp_path: Path) -> None:
     data = str(tmp_path / "data")
     write_dataset(data, domains=3, tasks=(0, 2), n_domain=32, n_val=16, n_test=4)
     mp.spawn(_worker, args=(2, str(tmp_path), data), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
 
-    _check_probe(r0["probe"], r1["probe"])
+    for kind in ("fsdp2", "fsdp1"):
+        _check_probe(r0["probe"][kind], r1["probe"][kind], kind)
 
     names = [n for n, _ in gpt(torch.float64, seed=0, seq_len=SEQ).named_parameters()]
-    for method in METHODS:
-        g0, g1 = r0[method], r1[method]
+    runs = [(m, "fsdp2") for m in METHODS] + [(m, "fsdp1") for m in FSDP1_METHODS]
+    wants = {m: _reference(data, m) for m in METHODS}
+    for method, kind in runs:
+        g0, g1 = r0[(method, kind)], r1[(method, kind)]
         assert g0["rec"]["task_loss"] == g1["rec"]["task_loss"] and np.array_equal(g0["alpha"], g1["alpha"])
-        want = _reference(data, method)
-        assert _rel(g0["rec"]["task_loss"], want["losses"]) <= 1e-10
-        assert _rel(g0["rec"]["domain_alignment"], want["b"]) <= 1e-10
+        want = wants[method]
+        assert _rel(g0["rec"]["task_loss"], want["losses"]) <= 1e-10, (method, kind)
+        assert _rel(g0["rec"]["domain_alignment"], want["b"]) <= 1e-10, (method, kind)
         if method != "doge_pcgrad":  # (DoGE reads no task alignment)
-            assert _rel(g0["rec"]["task_alignment"], want["a"]) <= 1e-10
-        assert _rel(g0["alpha"], want["alpha"]) <= 1e-10 and _rel(g0["z"], want["z"]) <= 1e-10
+            assert _rel(g0["rec"]["task_alignment"], want["a"]) <= 1e-10, (method, kind)
+        assert _rel(g0["alpha"], want["alpha"]) <= 1e-10 and _rel(g0["z"], want["z"]) <= 1e-10, (method, kind)
         assert not np.allclose(g0["alpha"], 1.0 / K)  # the weights moved
-        v = torch.cat([g0["v"][n][0].reshape(-1) for n in names])
-        assert _rel(v, want["v"]) <= 1e-10
+        v = torch.cat([g0["v"][n][0].reshape(-1) for n in names])  # (checkpointed under the unwrapped names)
+        assert _rel(v, want["v"]) <= 1e-10, (method, kind)
 
     for r in (r0, r1):
-        assert "FSDP2" in r["refused"]["fsdp1"] and "\n" not in r["refused"]["fsdp1"]
         assert "keep_gradients=False" in r["refused"]["keep"] and "\n" not in r["refused"]["keep"]

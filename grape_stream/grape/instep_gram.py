@@ -34,7 +34,8 @@ from grape_stream.config.choices import Geometry
 from grape_stream.errors import ConfigError
 from grape_stream.grape.gram.instep import StepAlignments
 from grape_stream.grape.gram.instep_grads import PartStore
-from grape_stream.grape.gram.instep_shards import local_of, replicas, sharded_gram, whole_of
+from grape_stream.grape.gram.instep_shards import sharded_gram
+from grape_stream.grape.gram.shard_layout import named_parameters
 from grape_stream.grape.instep_mode import InstepMode
 from grape_stream.grape.probes import unwrap_for_probe
 from grape_stream.world import dist_active
@@ -64,7 +65,7 @@ def kept_parameters(model: nn.Module, patterns: Optional[Sequence[str]]) -> Opti
     """The ids of the trainable parameters whose names match one of ``patterns`` (fnmatch; None: all)."""
     if patterns is None:
         return None
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    named = [(n, p) for n, p in named_parameters(model) if p.requires_grad]
     keep = {id(p) for n, p in named if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)}
     if not keep:
         raise ConfigError(f"rnb_params {list(patterns)} match no trainable parameter (names: "
@@ -180,27 +181,28 @@ class StepGramMode(InstepMode):
     def _named_sums(self) -> dict[str, torch.Tensor]:
         if self.alignments is None:
             return dict(self._pending_named or {})
-        named = dict(self.alignments.model.named_parameters())
+        named = dict(named_parameters(self.alignments.model))
         names = {id(p): n for n, p in named.items()}
-        if self.alignments.sharded:  # FSDP2: each sum gathered whole (an all-gather: every rank calls this)
-            return {names[k]: whole_of(named[names[k]], t) for k, t in self.store.grads.items()}
+        if self.alignments.sharded:  # FSDP: each sum gathered whole (an all-gather: every rank calls this)
+            return {names[k]: self.alignments.pieces[k].whole(t) for k, t in self.store.grads.items()}
         return {names[k]: t for k, t in self.store.grads.items()}
 
     def _load_sums(self, named: Mapping[str, torch.Tensor]) -> None:
-        """Whole sums by name into the store (FSDP2: this rank's shard of each)."""
+        """Whole sums by name into the store (FSDP: this rank's piece of each)."""
         assert self.alignments is not None
-        params = dict(self.alignments.model.named_parameters())
+        params = dict(named_parameters(self.alignments.model))
         sharded = self.alignments.sharded
-        self.store.grads = {id(params[n]): local_of(params[n], t) if sharded else t.to(params[n].device)
+        lay = self.alignments.pieces
+        self.store.grads = {id(params[n]): lay[id(params[n])].local_of(t) if sharded else t.to(params[n].device)
                             for n, t in named.items()}
 
     # ------------------------------------------------------------------------------------------ the update
     def gram(self) -> np.ndarray:
         """The interval's (K, K) Gram of the domains' mean gradients (NaN rows for unseen domains)."""
         sums = self.store.grads if self.alignments is not None else (self._pending_named or {})
-        if self.alignments is not None and self.alignments.sharded:  # FSDP2: local dots + one K x K all-reduce
-            by_id = {id(p): p for p in self.alignments.model.parameters()}
-            copies = {k: replicas(by_id[k]) for k in sums if k in by_id}  # HSDP: a shard on several ranks, once
+        if self.alignments is not None and self.alignments.sharded:  # FSDP: local dots + one K x K all-reduce
+            lay = self.alignments.pieces
+            copies = {k: lay[k].replicas for k in sums if k in lay}  # HSDP, NO_SHARD: a piece on several ranks, once
             return gram_of_sums({0: sharded_gram(sums, self.num_domains, copies=copies)}, self.weights, squared=True)
         return gram_of_sums(sums, self.weights)
 

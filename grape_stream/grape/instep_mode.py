@@ -33,8 +33,7 @@ from grape_stream.config.choices import Alignments, values
 from grape_stream.errors import ConfigError
 from grape_stream.grape.geometry import adam_preconditioner
 from grape_stream.grape.gram.instep import StepAlignments
-from grape_stream.grape.gram.instep_shards import fsdp2_scope
-from grape_stream.grape.gram.sharding import common_length
+from grape_stream.grape.gram.sharding import common_length, is_sharded
 from grape_stream.grape.instep_probe import task_probe
 from grape_stream.grape.probes import module_device, pad_groups, unwrap_for_probe
 from grape_stream.world import dist_active
@@ -122,7 +121,7 @@ class InstepMode:
         return (offset * self.steps) // self.period != ((offset - 1) * self.steps) // self.period
 
     def _engine(self, model: nn.Module) -> StepAlignments:
-        inner = unwrap_for_probe(model, sharded_ok=True)  # FSDP2 runs; FSDP1 / tensor parallel: StepAlignments refuses
+        inner = unwrap_for_probe(model, sharded_ok=True)  # FSDP1 / FSDP2 run; tensor parallel: StepAlignments refuses
         if self.alignments is None or self.alignments.model is not inner:
             if self.alignments is not None:  # another module object trains now (re-wrapped): keep the direction
                 self._pending_state = self.alignments.state_dict()
@@ -250,11 +249,11 @@ class InstepMode:
         self._set_direction(probe.direction, self._preconditioner(optimizer, model, {}))
 
     def _task_groups(self, model: nn.Module, step: int) -> list[dict[str, torch.Tensor]]:
-        """This rank's N task probe batches; under FSDP2 padded to the longest of all ranks (every rank's
+        """This rank's N task probe batches; under FSDP padded to the longest of all ranks (every rank's
         forward gathers the units: one batch shape)."""
         inner = unwrap_for_probe(model, sharded_ok=True)
         groups = self.controller.probe_batches(step, module_device(inner), tasks_only=True)
-        if dist_active() and fsdp2_scope(inner):
+        if dist_active() and is_sharded(inner):
             groups = pad_groups(groups, common_length(groups, module_device(inner)))
         return groups
 

@@ -14,8 +14,8 @@ the *updated* z, so only known once l, r and S are). Two ways, the same numbers:
   hooks for r (no S: PCGrad needs the copies), then, after ``coefficients``, for sum_n c_n L_n.
 
 Exact: losses, r, S and v against explicit per-task autograd gradients (tests/test_instep_probe.py).
-Under FSDP2 the task parts, r, S and v are formed from shards (``instep_probe_shards.py``, the same numbers
-under DDP's convention; ``keep_gradients=False`` is refused there).
+Under FSDP (FSDP2, and FSDP1 with ``use_orig_params``) the task parts, r, S and v are formed from shards
+(``instep_probe_shards.py``, the same numbers under DDP's convention; ``keep_gradients=False`` is refused there).
 """
 
 from __future__ import annotations
@@ -74,14 +74,15 @@ def task_probe(model: nn.Module, per_sample_loss: PerSampleLoss, groups: Sequenc
     samples, of the same sizes). Leaves ``.grad`` untouched; run it in the probe's mode / RNG context.
     ``engine``: hooks to reuse across calls (built for this model with one "domain" per task).
 
-    FSDP2 (``fully_shard``; every rank calls it, ``reduce`` or not): the task parts are reduce-scattered as
-    they form, r and v come from the shards, and the direction is a DTensor sharded like its parameter.
+    FSDP (every rank calls it, ``reduce`` or not): the task parts are reduce-scattered as they form, r and v come
+    from the shards, and the direction is held like its parameter (FSDP2: a DTensor placed like it; FSDP1: the
+    rank's flat piece, as the parameter itself outside the forward).
     """
     model = unwrap_for_probe(model, sharded_ok=True)
     sa = engine if engine is not None else StepAlignments(model, per_sample_loss, len(groups))
     if sa.sharded:
         if not keep_gradients:
-            raise ConfigError("task_probe(keep_gradients=False) does not run under FSDP2: its second backward "
+            raise ConfigError("task_probe(keep_gradients=False) does not run under FSDP: its second backward "
                               "forms every parameter's whole gradient at once; keep the task parts (the default), "
                               "which are sharded like the parameters")
         return TaskProbe(*sharded_task_probe(model, per_sample_loss, groups, sa, fixed, coefficients))

@@ -1,5 +1,5 @@
-"""The task probe of ``alignments: steps`` on an FSDP2 (``fully_shard``) model: task parts, r, S and the
-target direction v held as shards, never a whole per-task copy.
+"""The task probe of ``alignments: steps`` on an FSDP-sharded model (FSDP2 ``fully_shard``, FSDP1
+``use_orig_params=True``): task parts, r, S and the target direction v held as shards, never a whole per-task copy.
 
 One forward and one backward over the concatenated task groups through the in-step hooks (tasks as
 "domains"), as on one process; what changes is where each task's gradient h_n lives. Each hooked call forms
@@ -11,7 +11,8 @@ and the DDP convention (each rank's probe, averaged over the ranks):
 * r_n = (1/W) sum_ranks <h_n^rank, u> = <H_n, u> / W with H_n the summed shards: local dots, one all-reduce;
 * S = (1/W) sum_ranks H^rank H^rank^T: each rank's Gram of its own whole parts, formed per call before the
   reduce-scatter (a parameter with several calls, a tied embedding, once its calls are summed), all-reduced;
-* v = sum_n c_n H_n / W per shard, a DTensor placed like its parameter.
+* v = sum_n c_n H_n / W per shard, shaped like its parameter as the rank holds it (FSDP2: a DTensor placed like
+  it; FSDP1: the rank's flat piece, like the parameter and its ``.grad`` outside the forward).
 
 Memory per rank beyond training: N x P / W for the kept shards, plus up to 2 N x the largest hooked call's
 parameter while that call's backward runs (its parts and their reduce-scatter), plus N x each parameter with
@@ -33,7 +34,8 @@ from torch import Tensor, nn
 from grape_stream.grape.collectives import collective_device
 from grape_stream.grape.gram.batches import batch_size, concat
 from grape_stream.grape.gram.instep import StepAlignments
-from grape_stream.grape.gram.instep_shards import ShardedParts, like_param, local_shard, replicas
+from grape_stream.grape.gram.instep_shards import ShardedParts
+from grape_stream.grape.gram.shard_layout import named_parameters
 from grape_stream.grape.gram.sharding import holding_gradients
 from grape_stream.models import no_inplace_loss_grad
 
@@ -46,11 +48,13 @@ Coefficients = Callable[[np.ndarray, np.ndarray, Optional[np.ndarray]], np.ndarr
 def sharded_task_probe(model: nn.Module, per_sample_loss: PerSampleLoss, groups: Sequence[Any], sa: StepAlignments,
                        fixed: Sequence[Mapping[Any, Tensor]], coefficients: Coefficients
                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[nn.Parameter, Tensor]]:
-    """(losses, r, S, c, {parameter: v as a DTensor}) of ``task_probe`` under FSDP2 (every rank calls it)."""
+    """(losses, r, S, c, {parameter: v held like the parameter}) of ``task_probe`` under FSDP (every rank calls
+    it)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    layouts = sa.pieces
     sizes = [batch_size(g, f"groups[{i}]") for i, g in enumerate(groups)]
     n_tasks = len(groups)
-    device = params[0].to_local().device  # type: ignore[attr-defined]
+    device = layouts[id(params[0])].zeros_local().device
     batch = concat(list(groups))
     task_of = torch.repeat_interleave(torch.arange(n_tasks, device=device), torch.tensor(sizes, device=device))
     inv = 1.0 / torch.tensor(sizes, dtype=torch.float64, device=device)
@@ -67,7 +71,7 @@ def sharded_task_probe(model: nn.Module, per_sample_loss: PerSampleLoss, groups:
                 live = list({id(t): t for u in sa.engine.uses for t in (getattr(u, "live", None) or {}).values()}
                             .values())
                 torch.autograd.grad((losses * inv[task_of].to(losses.dtype)).sum(), live, allow_unused=True)
-            store.flush()  # parameters with several calls: their Gram and reduce-scatter
+            store.flush(layouts)  # parameters with several calls: their Gram and reduce-scatter
     finally:
         sa.engine.param_grads = True
     h = {id(p): store.grads.get(id(p)) for p in params}
@@ -77,8 +81,9 @@ def sharded_task_probe(model: nn.Module, per_sample_loss: PerSampleLoss, groups:
     for j, d in enumerate(fixed):
         for p in params:
             u, t = direction_of(model, d, p), h[id(p)]
-            if u is not None and t is not None:  # (HSDP: each shard is held by replicas(p) ranks)
-                r_sums[:, j] += t.reshape(n_tasks, -1).double() @ local_shard(p, u).reshape(-1).double() / replicas(p)
+            if u is not None and t is not None:  # (HSDP, NO_SHARD: each piece is held by `replicas` ranks)
+                lay = layouts[id(p)]
+                r_sums[:, j] += t.reshape(n_tasks, -1).double() @ lay.shard(u).reshape(-1).double() / lay.replicas
     assert store.gram is not None
     packed = torch.cat([loss_sums, torch.tensor(sizes, dtype=torch.float64, device=device), r_sums.reshape(-1),
                         store.gram.to(device).reshape(-1)]).to(collective_device(device))
@@ -92,10 +97,11 @@ def sharded_task_probe(model: nn.Module, per_sample_loss: PerSampleLoss, groups:
     c = np.asarray(coefficients(mean_losses, r, task_gram), dtype=np.float64)
     direction = {}
     for p in params:
-        local, t = p.to_local(), h[id(p)]  # type: ignore[attr-defined]
-        v = torch.zeros_like(local) if t is None else \
+        lay, t = layouts[id(p)], h[id(p)]
+        local = lay.zeros_local()
+        v = local if t is None else \
             (torch.tensordot(torch.as_tensor(c, dtype=t.dtype, device=t.device), t, dims=1) / world).to(local.dtype)
-        direction[p] = like_param(p, v)
+        direction[p] = lay.like_param(v.reshape(local.shape))
     return mean_losses, r, task_gram, c, direction
 
 
@@ -103,7 +109,7 @@ def direction_of(model: nn.Module, direction: Mapping[Any, Tensor], p: nn.Parame
     """``direction``'s entry for ``p``, keyed by the parameter or its name (None: absent, a zero)."""
     if p in direction:
         return direction[p]
-    for name, q in model.named_parameters():
+    for name, q in named_parameters(model):
         if q is p and name in direction:
             return direction[name]
     return None

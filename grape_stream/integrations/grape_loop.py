@@ -138,11 +138,11 @@ class GrapeLoop:
     def check_model(self, model: nn.Module) -> None:
         """Refuse, before the first step and in one line, a sharded model (FSDP1, FSDP2) this method cannot
         differentiate exactly: the probe takes FSDP1 (use_orig_params) and FSDP2 models unit by unit
-        (grape.gram.sharding), R&B's step Gram and ``alignments: steps`` FSDP2 models (grape.gram.instep_shards, the
-        task probe in grape.instep_probe_shards). The loss-driven methods (DoReMi, ODM, ADO) read each sample's
+        (grape.gram.sharding), R&B's step Gram and ``alignments: steps`` FSDP2 and FSDP1 models (gram.shard_layout,
+        the task probe in grape.instep_probe_shards). The loss-driven methods (DoReMi, ODM, ADO) read each sample's
         training loss and never differentiate the model: any model."""
         ctl = self._ctl()
-        if ctl.instep is not None:  # R&B's step Gram and alignments: steps: FSDP2 (instep_shards.py)
+        if ctl.instep is not None:  # R&B's step Gram and alignments: steps: FSDP2 / FSDP1 (shard_layout.py)
             refuse_sharded(unwrap_for_probe(model, sharded_ok=True))
         elif ctl.needs_probe and check_sharded(unwrap_for_probe(model, sharded_ok=True)) is not None:
             if self.config.geometry != "sgd":  # (what the layer-by-layer probe cannot take: ShardedGramError above)

@@ -19,7 +19,8 @@ ComposerGPT's and the plain loop's losses are seen), or :meth:`StepAlignments.wa
 own. Whatever scales the loss (a mean, Composer's micro-batch fraction, a gradient scaler) is divided out.
 
 Refused, with one line (:class:`~grape_stream.errors.ConfigError`): parameters without a fast path (the
-probe's exact fallback costs one backward per group), FSDP1 and tensor parallel (FSDP2 runs: instep_shards.py),
+probe's exact fallback costs one backward per group), tensor parallel and FSDP1 hybrid sharding (FSDP2 and FSDP1
+run: directions and kept parts sharded like the parameters, shard_layout.py),
 modules that mix samples (BatchNorm), a parameter used outside its module's forward, a module run twice per
 forward by activation checkpointing, and a backward whose per-sample loss was not watched.
 docs/alignment.md, "In-step alignments".
@@ -39,8 +40,9 @@ from grape_stream.grape.gram.batches import MicroBatch, batch_signature, map_ten
 from grape_stream.grape.gram.hooks import FusedGramEngine, Use
 from grape_stream.grape.gram.instep_grads import DomainParts, GradUse, PartStore, use_grads
 from grape_stream.grape.gram.instep_scope import check_model, hooked_modules, stray_uses
-from grape_stream.grape.gram.instep_shards import fsdp2_scope, gather, scatter_parts, stack_sharded
+from grape_stream.grape.gram.instep_shards import scatter_parts
 from grape_stream.grape.gram.layout_probe import probe_layouts
+from grape_stream.grape.gram.shard_layout import ShardLayout, named_parameters, shard_layouts
 from grape_stream.models.loss_watch import watching_losses
 
 __all__ = ["INSTEP_STATE_FORMAT", "StepAlignments", "domain_order", "reorder_rows", "sort_by_domain"]
@@ -102,10 +104,12 @@ class _Engine(FusedGramEngine):
     """The fused Gram's hooks (layouts, capability checks, parameter aliasing), with the per-group Gram
     replaced by per-domain alignments and the parameters' gradients handed back to autograd."""
 
-    def __init__(self, modules: list, num_domains: int, device: torch.device, sharded: bool = False) -> None:
-        super().__init__(modules, num_domains, device, _compute_dtype, sharded=sharded)
+    def __init__(self, modules: list, num_domains: int, device: torch.device,
+                 pieces: Optional[dict[int, ShardLayout]] = None) -> None:
+        super().__init__(modules, num_domains, device, _compute_dtype, sharded=bool(pieces))
         self.num_domains = num_domains
-        self.directions: dict[int, Tensor] = {}  # id(param) -> (D, *shape); FSDP2: a DTensor sharded like it
+        self.pieces = pieces or {}  # id(param) -> where each rank holds its piece (FSDP1 / FSDP2)
+        self.directions: dict[int, Tensor] = {}  # id(param) -> (D, *shape); sharded: held like the parameter
         self.sums: Optional[Tensor] = None  # (K, D) float64: sum_{s in k} w_s <grad l_s, u_d>
         self.parts: Optional[DomainParts] = None
         self.errors: list[str] = []
@@ -148,8 +152,8 @@ class _Engine(FusedGramEngine):
             gu.normalized_shape = tuple(mod._parameters["weight"].shape)
         use = _StepUse(name=name, kind=kind, module=mod, params=params, inp=None, rows_per_sample=rows or 0,
                        grad_use=gu, param_order=tuple(params))
-        # FSDP2: the gradient goes to the unit's gathered parameter (back on the module since _restore), which
-        # FSDP reduce-scatters into the sharded one as usual
+        # FSDP: the gradient goes to the unit's gathered parameter (back on the module since _restore; FSDP1: a
+        # view of the unit's gathered FlatParameter), which FSDP reduce-scatters into the sharded one as usual
         live = {n: mod._parameters[n] for n in use.param_order} if self.sharded else params
         use.live = live
         out = _AlignedGrad.apply(self, use, output, *[live[n] for n in use.param_order])
@@ -182,16 +186,17 @@ class _Engine(FusedGramEngine):
         assert gu is not None, "_capture sets it"
         with torch.autocast(device_type=grad.device.type, enabled=False):
             parts = self.parts if self.processing else None
-            # FSDP2: each direction all-gathered for this call only (every rank runs the same calls in order)
-            dirs = {n: None if (u := self.directions.get(id(p))) is None or parts is None else gather(u)
-                    for n, p in use.params.items()}
+            # FSDP: each direction all-gathered for this call only (every rank runs the same calls in order)
+            dirs = {n: None if (u := self.directions.get(id(p))) is None or parts is None
+                    else self.pieces[id(p)].gather(u) if self.sharded else u for n, p in use.params.items()}
             live = use.live or use.params
             store = self.store if parts is not None else None
             local = PartStore(self.num_domains) if self.sharded and store is not None else store
             grads, dots = use_grads(gu, grad, dict(live), parts, {n: dirs[n] for n in live},
                                     self.compute_dtype(grad.dtype), local)
             if local is not store and store is not None:
-                scatter_parts(use.params, live, local, store, self.num_domains, self.compute_dtype, self.uses)
+                scatter_parts(use.params, live, local, store, self.num_domains, self.compute_dtype, self.pieces,
+                              self.uses)
         if dots is not None and self.sums is not None and parts is not None:
             self.sums.index_add_(0, parts.domains, dots.to(torch.float64))
         if not self.keep_inputs:
@@ -220,8 +225,10 @@ class StepAlignments:
         modules, scope = hooked_modules(self.model)
         self.scope = scope
         self.device = scope[0].device
-        self.sharded = fsdp2_scope(self.model)  # FSDP2: directions and kept parts sharded (instep_shards.py)
-        self.engine = _Engine(modules, self.num_domains, self.device, sharded=self.sharded)
+        # FSDP1 / FSDP2: directions and kept parts sharded like the parameters (shard_layout.py; a collective)
+        self.pieces = shard_layouts(self.model)
+        self.sharded = bool(self.pieces)
+        self.engine = _Engine(modules, self.num_domains, self.device, pieces=self.pieces)
         self.sums = torch.zeros((self.num_domains, 0), dtype=torch.float64, device=self.device)
         self.weights = torch.zeros(self.num_domains, dtype=torch.float64, device=self.device)
         self.samples = torch.zeros(self.num_domains, dtype=torch.float64, device=self.device)
@@ -233,22 +240,23 @@ class StepAlignments:
     def set_directions(self, directions: Sequence[Mapping[Any, Tensor]]) -> None:
         """The D fixed directions u_d, each {parameter or its name: tensor of its shape} (a parameter left
         out counts as zero). Clears the accumulated sums."""
-        names = {n: p for n, p in self.model.named_parameters()}
+        names = {n: p for n, p in named_parameters(self.model)}
         stacks: dict[int, list[Optional[Tensor]]] = {id(p): [None] * len(directions) for p in self.scope}
         for d, direction in enumerate(directions):
             for key, t in direction.items():
                 p = names.get(key) if isinstance(key, str) else key
                 if p is None or id(p) not in stacks:
                     raise ValueError(f"direction {d}: {key!r} is not a trainable parameter of the model")
-                if tuple(t.shape) != tuple(p.shape):
+                lay = self.pieces.get(id(p))
+                if tuple(t.shape) not in {tuple(p.shape), tuple(lay.shape if lay is not None else p.shape)}:
                     raise ValueError(f"direction {d}: {key!r} has shape {tuple(t.shape)}, the parameter "
-                                     f"{tuple(p.shape)}")
+                                     f"{tuple(lay.shape if lay is not None else p.shape)}")
                 stacks[id(p)][d] = t
         self.engine.directions = {}
         for p in self.scope:
             ts = stacks[id(p)]
-            if any(t is not None for t in ts) and self.sharded:  # FSDP2: each rank stacks its shards, no gather
-                self.engine.directions[id(p)] = stack_sharded(p, ts)
+            if any(t is not None for t in ts) and self.sharded:  # each rank stacks its pieces, no gather
+                self.engine.directions[id(p)] = self.pieces[id(p)].stack(ts)
             elif any(t is not None for t in ts):
                 self.engine.directions[id(p)] = torch.stack([torch.zeros(p.shape, dtype=p.dtype, device=p.device)
                                                              if t is None else t.detach().to(p.device, p.dtype)
@@ -378,13 +386,14 @@ class StepAlignments:
     # -------------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The directions (by parameter name, on CPU) and the accumulated sums: tensors and plain types only."""
-        names = {id(p): n for n, p in self.model.named_parameters()}
+        names = {id(p): n for n, p in named_parameters(self.model)}
         return {
             "format": INSTEP_STATE_FORMAT,
             "num_domains": self.num_domains,
             "num_directions": getattr(self, "num_directions", 0),
-            # FSDP2: gathered whole (an all-gather per parameter: call it on every rank)
-            "directions": {names[k]: gather(t).detach().cpu().clone() for k, t in self.engine.directions.items()},
+            # sharded: gathered whole (an all-gather per parameter: call it on every rank)
+            "directions": {names[k]: (self.pieces[k].gather(t) if self.sharded else t).detach().cpu().clone()
+                           for k, t in self.engine.directions.items()},
             "sums": self.sums.cpu().clone(), "weights": self.weights.cpu().clone(),
             "samples": self.samples.cpu().clone(),
         }
@@ -402,6 +411,5 @@ class StepAlignments:
 
     def memory_elements(self) -> int:
         """Elements held for the directions (D gradient-sized copies)."""
-        held: list[Tensor] = [t.to_local() if self.sharded else t  # type: ignore[attr-defined]
-                              for t in self.engine.directions.values()]
+        held = [self.pieces[k].local(t) if self.sharded else t for k, t in self.engine.directions.items()]
         return sum(t.numel() for t in held)

@@ -23,20 +23,22 @@ _WHERE = "docs/alignment.md, 'In-step alignments'"
 
 
 def refuse_sharded(model: nn.Module) -> None:
-    """One line for sharding the in-step engine cannot take exactly: FSDP1 (any), tensor parallel, FSDP1's
-    FlatParameter. FSDP2 (``fully_shard``) runs (``instep_shards.py``)."""
+    """One line for sharding the in-step engine cannot take exactly: FSDP1 without ``use_orig_params``, tensor
+    parallel (a module computes with a shard). FSDP2 (``fully_shard``) and FSDP1 (``use_orig_params=True``) run,
+    their pieces placed as ``shard_layout.py`` says; FSDP1's hybrid sharding is refused."""
+    from grape_stream.grape.gram.shard_layout import check_fsdp1
     from grape_stream.grape.gram.sharding import ShardedGramError, check_sharded
 
     try:
         kind = check_sharded(model)
     except ShardedGramError as exc:
         raise ConfigError(f"alignments: steps and R&B's step Gram: {exc}") from exc
+    if kind == "fsdp1":
+        check_fsdp1(model)
     why = sharded_parameter(model) if kind is None else None
-    if kind == "fsdp1" or why is not None:
-        raise ConfigError(f"alignments: steps and R&B's step Gram run under FSDP2 (fully_shard) only, not FSDP1 "
-                          f"({why or 'FullyShardedDataParallel'}): FSDP1's modules compute with views of a "
-                          "FlatParameter, so the gradient the engine hands back is not the one FSDP1 reduce-scatters "
-                          f"per parameter; shard with fully_shard, or use alignments: probe ({_WHERE})")
+    if why is not None:
+        raise ConfigError(f"alignments: steps and R&B's step Gram run on models sharded by FSDP2 (fully_shard) or "
+                          f"FSDP1 (use_orig_params=True), not on {why}; use alignments: probe ({_WHERE})")
 
 
 def check_model(model: nn.Module) -> nn.Module:

@@ -19,7 +19,9 @@ the leading (D,) or (K,) dimension):
 Every collective is issued from the backward of a hooked call, in the autograd order of the graph, which is
 the same on every rank (FSDP2 issues its own all-gathers and reduce-scatters the same way). Extra memory per
 rank: D (or K) x the largest parameter of a hooked call while it runs, plus the sharded directions (D x the
-rank's shard) or sums (K x the rank's shard). FSDP1 and tensor parallel are refused (``instep_scope``).
+rank's shard) or sums (K x the rank's shard). FSDP1 holds its pieces differently (one contiguous piece of each
+flattened parameter per rank); ``shard_layout.py`` puts both behind one interface, which :func:`scatter_parts`
+and :class:`ShardedParts` use. Tensor parallel and FSDP1's hybrid sharding are refused (``instep_scope``).
 
 The task probe of ``alignments: steps`` keeps its N task parts the same way (:class:`ShardedParts`), and also
 needs the task Gram under the DDP convention: each rank's Gram of its own samples, averaged over the ranks. A
@@ -178,12 +180,12 @@ class ShardedParts(PartStore):
         flat = full.reshape(self.num_domains, -1).to(torch.float64)
         self.gram += (flat @ flat.t()).cpu()
 
-    def flush(self) -> None:
+    def flush(self, layouts: Mapping[int, Any]) -> None:
         """The held parameters' Gram and reduce-scatter (every rank, in the order their first call ran)."""
         held, self.held = self.held, {}
         for p, full in held.values():
             self._add_gram(full)
-            self._keep(p, reduce_scatter_parts(p, full))
+            self._keep(p, layouts[id(p)].reduce_scatter(full))
 
     def _keep(self, p: Any, mine: Tensor) -> None:
         buf = self.grads.get(id(p))
@@ -191,9 +193,11 @@ class ShardedParts(PartStore):
 
 
 def scatter_parts(params: dict[str, Any], live: dict[str, Any], local: Any, store: Any, num_domains: int,
-                  compute_dtype: Callable[[torch.dtype], torch.dtype], uses: Optional[list[Any]] = None) -> None:
+                  compute_dtype: Callable[[torch.dtype], torch.dtype], layouts: Mapping[int, Any],
+                  uses: Optional[list[Any]] = None) -> None:
     """One call's (K, *shape) parts of each parameter (``local``, keyed by the gathered tensors) summed over the
-    ranks into ``store``, each rank keeping its shard (keyed by the sharded parameter); zeros where this rank
+    ranks into ``store``, each rank keeping its piece (keyed by the sharded parameter, placed as ``layouts`` say,
+    shard_layout.py); zeros where this rank
     had no part: every rank joins every reduce-scatter. ``store`` a :class:`ShardedParts` with a Gram: each
     rank's Gram of its own parts first (``uses``: the forward's hooked calls, to tell parameters with several)."""
     gram = isinstance(store, ShardedParts) and store.gram is not None
@@ -210,7 +214,7 @@ def scatter_parts(params: dict[str, Any], live: dict[str, Any], local: Any, stor
             full = store.take(p, full)
             if full is None:
                 continue
-        mine = reduce_scatter_parts(p, full)
+        mine = layouts[id(p)].reduce_scatter(full)
         buf = store.grads.get(id(p))
         store.grads[id(p)] = mine if buf is None else buf.add_(mine)
 

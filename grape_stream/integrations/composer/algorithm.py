@@ -31,10 +31,8 @@ from composer.core.precision import get_precision_context
 from composer.loggers import Logger
 
 from grape_stream.config import AlgorithmConfig
-from grape_stream.errors import ConfigError
 from grape_stream.grape.controller import GrapeController
 from grape_stream.grape.gram.instep import sort_by_domain
-from grape_stream.grape.gram.sharding import is_sharded
 from grape_stream.integrations.common import find_mixer
 from grape_stream.integrations.composer.model import composer_per_sample_loss
 from grape_stream.integrations.grape_loop import GrapeLoop, PerSampleLoss
@@ -134,17 +132,10 @@ class GrapeAlgorithm(Algorithm):
             self.loop.end_step()
 
     def _fit_start(self, state: State) -> None:
-        sharded = is_sharded(state.model)
-        if sharded and self.config.geometry != "sgd":
-            raise ConfigError(
-                "geometry='adam' is not supported under FSDP: the optimizer's second moments are sharded like the "
-                "parameters; use geometry='sgd' (the paper) or train with DDP"
-            )
-        ctl = self.loop.attach(find_mixer(state.train_dataloader))
-        if sharded and ctl.instep is not None:
-            raise ConfigError("alignments: steps (and method rnb, which reads the training steps' Gram) is not "
-                              "supported under FSDP: each rank's backward sees a shard of every weight gradient; "
-                              "use alignments: probe (docs/alignment.md, 'In-step alignments')")
+        """What this method cannot take exactly on this (possibly FSDP-sharded) model is refused here, in one
+        line, before the first step (GrapeLoop.check_model: the probe, the in-step engine, the loss methods)."""
+        self.loop.attach(find_mixer(state.train_dataloader))
+        self.loop.check_model(state.model)
         self.loop.start()
 
     @staticmethod
