@@ -6,8 +6,10 @@ weights, sample by sample (rtol 1e-10), and alpha equals a single-process reweig
 reference swap leaves the training weights bit-identical. The HF Trainer's FSDP cannot run on CPU (accelerate
 1.15 turns FSDP on only for GPU-type distributed setups), so ODM also runs through GrapeTrainer.compute_loss and
 the GrapeTrainerCallback's events on an HF Llama sharded here with FSDP2 (and GRAPE's layer-by-layer probe runs
-there, both ranks agreeing). R&B (the in-step engine) on a sharded
-model is refused in one line. One process group runs every case."""
+there, both ranks agreeing). R&B (the in-step engine) runs through GrapeTrainer.training_step on the Llama
+sharded with FSDP1 and with FSDP2, on the same batches: both give the same Gram and weights (float64, rtol 1e-10;
+tests/test_instep_fsdp.py checks the engine against the unsharded computation); FSDP1's HYBRID_SHARD is refused
+in one line. One process group runs every case."""
 
 from __future__ import annotations
 
@@ -133,20 +135,25 @@ def _hf_truth(model: torch.nn.Module, inputs: dict) -> list[list[float]]:
             for i in range(labels.shape[0])]
 
 
-def _hf_case(mixer, out: str, world: int, method: str = "odm", data: str = "") -> dict:
-    """ODM (or GRAPE's probe) through GrapeTrainer's loss and GrapeTrainerCallback's events, the Llama sharded
-    with FSDP2."""
+def _hf_case(mixer, out: str, world: int, method: str = "odm", data: str = "", kind: str = "fsdp2") -> dict:
+    """ODM, GRAPE's probe or R&B through GrapeTrainer's step and loss and GrapeTrainerCallback's events, the Llama
+    sharded with FSDP2 (or FSDP1)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from transformers import TrainerControl, TrainingArguments
 
     from grape_stream.integrations.hf import GrapeTrainer, GrapeTrainerCallback
 
     model = _llama()
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if kind == "fsdp1":
+        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({type(model.model.layers[0])}),
+                                         use_orig_params=True, device_id=torch.device("cpu"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     args = TrainingArguments(output_dir=f"{out}/hf", max_steps=STEPS, report_to=[], use_cpu=True, save_strategy="no")
     from grape_stream import TaskStream
 
@@ -156,6 +163,7 @@ def _hf_case(mixer, out: str, world: int, method: str = "odm", data: str = "") -
                                     **grape)
     trainer = GrapeTrainer(model=model, args=args, mixer=mixer, callbacks=[callback])
     callback.bind(trainer)
+    trainer.current_gradient_accumulation_steps = 1  # (the Trainer's train loop sets it)
     state, control = trainer.state, TrainerControl()
     loader = trainer.get_train_dataloader()
     callback.on_train_begin(args, state, control, model=model, train_dataloader=loader)  # refused FSDP before
@@ -163,9 +171,12 @@ def _hf_case(mixer, out: str, world: int, method: str = "odm", data: str = "") -
     batches, truth = iter(loader), []
     for step in range(1, STEPS + 1):
         inputs = next(batches)
-        if method != "grape":  # (a probe method's loader carries no mixer batch)
+        if method == "odm":  # (a probe method's loader carries no mixer batch)
             truth.append([step, _hf_truth(model, inputs)])
-        trainer.compute_loss(model, dict(inputs)).backward()
+        if method == "rnb":  # the Trainer's step: the observed step's forward and backward inside the engine
+            trainer.training_step(model, dict(inputs))
+        else:
+            trainer.compute_loss(model, dict(inputs)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         state.global_step = step
@@ -218,6 +229,11 @@ def _worker(rank: int, cfg: dict) -> None:
                 out["cases"][f"{kind}/{method}"] = _run_case(kind, method, mixer, loader, cfg["reference"], WORLD)
         out["cases"]["hf/odm"] = _hf_case(mixer, cfg["out"], WORLD)
         out["hf_grape"] = _hf_case(mixer, cfg["out"], WORLD, "grape", data)["history"]
+        for kind in KINDS:  # R&B: a fresh stream on its own copy of the data for each, the same batches
+            fresh = WeightedStreamingMixer([DomainStream(d, local=f"{data}-rnb-{kind}/{d}", split="train")
+                                            for d in DOMAINS], batch_size=4, seed=0)
+            out[f"hf_rnb_{kind}"] = _hf_case(fresh, cfg["out"], WORLD, "rnb", kind=kind)["history"]
+            fresh.close()
         out["refusal"] = _step_gram_refusal(mixer)
         mixer.close()
     except BaseException:
@@ -254,7 +270,8 @@ def _expected(case_ranks: list[dict], method: str, options: dict) -> list[dict]:
 @pytest.mark.timeout(600)
 def test_loss_driven_methods_on_fsdp_equal_the_unsharded_computation(tmp_path) -> None:
     data = str(tmp_path / "data")
-    write_dataset(data, domains=3, tasks=(0,), n_domain=160, n_val=16, n_test=8)
+    for copy in ("", "-rnb-fsdp1", "-rnb-fsdp2"):
+        write_dataset(data + copy, domains=3, tasks=(0,), n_domain=160, n_val=16, n_test=8)
     cfg = {"data": data, "out": str(tmp_path), "reference": str(tmp_path / "ref.pt")}
     mp.spawn(_worker, args=(cfg,), nprocs=WORLD, join=True)
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(WORLD)]
@@ -282,5 +299,17 @@ def test_loss_driven_methods_on_fsdp_equal_the_unsharded_computation(tmp_path) -
     assert grape[0] == grape[1] and [rec["step"] for rec in grape[0]] == [0, EVERY, 2 * EVERY]  # the probe ran
     assert all(len(rec["domain_alignment"]) == 3 for rec in grape[0][1:])
     assert grape[0][-1]["alpha"] != grape[0][0]["alpha"]
+    # R&B through the HF Trainer's step under FSDP1 and FSDP2: the same Gram and weights, on both ranks
+    rnb = {k: [[{f: rec.get(f) for f in ("step", "alpha", "domain_gram")} for rec in r[f"hf_rnb_{k}"]]
+               for r in ranks] for k in KINDS}
+    for k in KINDS:
+        assert rnb[k][0] == rnb[k][1] and len(rnb[k][0]) >= 2, k
+        assert rnb[k][0][-1]["alpha"] != rnb[k][0][0]["alpha"], k  # the weights moved
+    for a, b in zip(rnb["fsdp1"][0], rnb["fsdp2"][0]):
+        assert a["step"] == b["step"]
+        np.testing.assert_allclose(a["alpha"], b["alpha"], rtol=1e-10)
+        if a["domain_gram"] is not None:
+            np.testing.assert_allclose(np.array(a["domain_gram"], dtype=float), np.array(b["domain_gram"], dtype=float),
+                                       rtol=1e-10)
     msg = ranks[0]["refusal"]
     assert "\n" not in msg and "HYBRID_SHARD" in msg and "R&B's step Gram under FSDP1" in msg, msg

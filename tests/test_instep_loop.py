@@ -105,3 +105,28 @@ def test_steps_mode_serves_every_method_and_the_adam_geometry(tmp_path: Path, me
     assert (updates[-1]["z"] != history[0]["z"]) == (not method.startswith("doge"))
     if options.get("geometry") == "adam":
         assert updates[-1]["geometry"].startswith("adam")
+
+
+def test_an_error_inside_an_observed_step_reaches_the_caller_and_the_next_step_runs(tmp_path: Path) -> None:
+    """A trainer's own exception in the observed forward is raised as it is (the engine's "the backward must run
+    inside observe()" check would otherwise replace it), and the hooks are gone: the next observed step runs."""
+    data = str(tmp_path / "data")
+    write_dataset(data, domains=3, tasks=(0, 2), n_domain=32, n_val=8, n_test=4)
+    mixer = WeightedStreamingMixer(domains=[DomainStream(d, local=f"{data}/{d}", split="train") for d in DOMAINS],
+                                   batch_size=8, seed=0)
+    try:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=1, n_head=2, d_model=16, d_ff=32))
+        grape = GrapeController(mixer, [TaskStream(t, local=f"{data}/tasks/{t}") for t in TASKS], probe_task_batch=4,
+                                alpha_every=4, z_every=4, alignments="steps", alignment_steps=4)
+        grape.start()
+        batch = next(iter(mixer.dataloader(num_workers=0)))
+        with pytest.raises(KeyError, match="the trainer's own"):
+            with grape.observe(model, 1, batch):
+                per_sample_lm_loss(model, batch)
+                raise KeyError("the trainer's own")
+        with grape.observe(model, 1, batch):  # the same step again, for real
+            per_sample_lm_loss(model, batch).mean().backward()
+        assert grape.instep is not None and float(grape.instep.alignments.weights.sum()) > 0  # type: ignore[union-attr]
+    finally:
+        mixer.close()

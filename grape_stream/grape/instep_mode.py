@@ -21,6 +21,7 @@ different alpha / z periods are refused with one line. docs/alignment.md, "In-st
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from typing import Any, Callable, ContextManager, Iterator, Mapping, Optional
 
@@ -141,15 +142,23 @@ class InstepMode:
         sa = self._engine(model)
         if not self.has_direction:
             self.first_direction(model, step, optimizer, autocast)
-        self.end()  # a micro-batch whose end was never signalled (an exception in the trainer) is dropped
+        self.end(failed=True)  # a micro-batch whose end was never signalled (an exception in the trainer) is dropped
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(sa.observe(batch, domains))
         self._step_observed = True
 
-    def end(self) -> None:
-        """The backward of the micro-batch begun last has run."""
+    def end(self, failed: bool = False) -> None:
+        """The backward of the micro-batch begun last has run; ``failed``: it did not (an exception in the
+        forward or backward), so its hooks are removed and nothing is counted or checked (the checks would
+        hide the exception that stopped it)."""
         stack, self._stack = self._stack, None
-        if stack is not None:
+        if stack is None:
+            return
+        if failed:
+            why = sys.exc_info()
+            stack.__exit__(*why) if why[0] is not None else \
+                stack.__exit__(RuntimeError, RuntimeError("the observed micro-batch did not finish"), None)
+        else:
             stack.close()
 
     @contextlib.contextmanager
@@ -158,8 +167,10 @@ class InstepMode:
         self.begin(model, step, batch, domains, optimizer=optimizer, autocast=autocast)
         try:
             yield
-        finally:
-            self.end()
+        except BaseException:
+            self.end(failed=True)
+            raise
+        self.end()
 
     @property
     def pending(self) -> bool:
