@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results" / "alignment.json"
+from common import parser, write_json
 
 
 def _rss_bytes() -> int:
@@ -184,7 +184,7 @@ def _print_summary(summary: list[dict], title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, "alignment")
     ap.add_argument("--configs", default="7,6;20,8", help="K,N pairs separated by ';'")
     ap.add_argument("--variants", default="a_fused,a_micro,b_naive,c_step,c_micro")
     ap.add_argument("--per-group", type=int, default=4)
@@ -199,7 +199,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per variant (best of)")
     ap.add_argument("--small", action="store_true", help="tiny model for a smoke test")
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table per variant")
-    ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--before", default="", help="a results JSON of an earlier run (e.g. main's) to print beside")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variant", default="", help=argparse.SUPPRESS)
@@ -279,10 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.before:
         before = json.loads(Path(args.before).read_text())
         _print_summary(summarise(before["rows"], args.configs), f"before ({args.before})")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k not in ("worker", "variant")},
-                               "rows": rows, "summary": summary}, indent=2))
+    out = write_json(args.out, {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "variant")},
+                                "rows": rows, "summary": summary}, indent=2)
     print(f"\nwrote {out}")
     return 0
 

@@ -23,7 +23,6 @@ worker processes it reaped) gives the per-worker efficiency independently of tha
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
@@ -34,9 +33,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import parser, write_json
+
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
-RESULTS = Path(__file__).resolve().parent / "results" / "convert.json"
 DOMAINS = ("RedPajamaCommonCrawl", "RedPajamaC4", "RedPajamaGithub", "RedPajamaBook",
            "RedPajamaArXiv", "RedPajamaWikipedia", "RedPajamaStackExchange")
 COMMON = ("the of and to in a is that for it as was with be by on not he this are or his from at which but "
@@ -175,13 +175,12 @@ def _with_cpu(fn) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, "convert", out_help="where the JSON goes")
     ap.add_argument("--mb", type=int, default=64, help="uncompressed input size in MB (default: 64)")
     ap.add_argument("--files", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--data", default=os.path.join(tempfile.gettempdir(), "grape_bench_convert"))
     ap.add_argument("--repeat", type=int, default=1, help="runs per measurement; the best is kept")
-    ap.add_argument("--out", default=str(RESULTS), help="where the JSON goes")
     args = ap.parse_args(argv)
 
     root = Path(args.data) / "input"
@@ -242,16 +241,11 @@ def main(argv: list[str] | None = None) -> int:
           f"workers=2 {summary['cpu_efficiency_workers2_vs_limit']:.0%} of the limit")
     print(f"cpu count {os.cpu_count()}, load average now {os.getloadavg()[0]:.1f} (cores shared with other jobs)")
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({
+    write_json(args.out, {
         "benchmark": "convert", "input_mb": args.mb, "files": len(paths), "compressed_mb": compressed / 2**20,
         "seq_len": args.seq_len, "tokenizer": "gpt2", "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
         "runs": rows, "summary": summary,
-    }, indent=1) + "\n")
-    tmp.replace(out)
-    print(f"wrote {out}")
+    }, newline=True, say=True)
     return 0
 
 

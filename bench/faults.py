@@ -28,7 +28,6 @@ identical (same batches / same objects), lost and duplicated samples or document
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
@@ -45,9 +44,9 @@ from typing import Any, Callable
 
 import boto3
 import numpy as np
+from common import REPO as ROOT
+from common import parser, write_json
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results" / "faults.json"
 sys.path.insert(0, str(ROOT / "tests"))
 
 from _mds_fixtures import batch_identities, write_domains  # noqa: E402  (small real MDS writer)
@@ -401,11 +400,9 @@ def _print_row(r: dict[str, Any]) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, "faults", quick="one run, no 30 s outage, one worker setting")
     ap.add_argument("--runs", type=int, default=2, help="runs per scenario (default 2)")
-    ap.add_argument("--quick", action="store_true", help="one run, no 30 s outage, one worker setting")
     ap.add_argument("--only", default="mixer,store,converter", help="row groups to run (default: all)")
-    ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     only = set(args.only.split(","))
     runs = 1 if args.quick else args.runs
@@ -430,8 +427,7 @@ def main() -> int:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"runs": runs, "rows": rows}, indent=2) + "\n")
+    write_json(args.out, {"runs": runs, "rows": rows}, indent=2, newline=True)
     bad = [r for r in rows if r["survived"] != r["runs"] or r["identical"] != r["runs"]]
     print(f"\n{len(rows) - len(bad)}/{len(rows)} scenarios: every run survived with identical output; wrote {args.out}")
     for r in bad:

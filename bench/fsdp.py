@@ -40,11 +40,9 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from typing import Any, Callable
@@ -52,9 +50,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+from common import parser, write_json  # (it puts the repository on sys.path)
 
 from grape_stream.grape.gram.group_gram import group_gram  # noqa: E402
 from grape_stream.models import GPT, GPTConfig, per_sample_lm_loss  # noqa: E402
@@ -252,10 +248,7 @@ def _micro_claims(args: argparse.Namespace, ranks: list[dict], step_s: float,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="a smoke run: K=7, N=6 and the K=20, N=6 micro-batched line, a smaller model")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "fsdp.json"))
+    p = parser(__doc__, "fsdp", quick="a smoke run: K=7, N=6 and the K=20, N=6 micro-batched line, a smaller model")
     p.add_argument("--no-replica", action="store_true", help="skip the removed replica path's comparison")
     p.add_argument("--micro-probe-batch", type=int, default=4,
                    help="samples per group per rank of the micro-batched line's probe (default 4)")
@@ -342,9 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                   "micro_batch_size": args.micro_batch_size},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, result)
     print(f"wrote {args.out}")
     return 0
 

@@ -46,9 +46,7 @@ import traceback
 from typing import Any, Callable, Iterator
 
 import torch
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+from common import parser, write_json  # (it puts the repository on sys.path)
 
 from grape_stream.grape.gram.group_gram import group_gram  # noqa: E402
 from grape_stream.models import GPT, GPTConfig, per_sample_lm_loss  # noqa: E402
@@ -358,9 +356,8 @@ def one_line(e: BaseException) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a smaller m125 section (256 tokens, batch 8)")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "gpu_check.json"), help="JSON output path")
+    ap = parser(__doc__.split("\n\n")[0], "gpu_check", quick="a smaller m125 section (256 tokens, batch 8)",
+                out_help="JSON output path")
     ap.add_argument("--sections", default="exact,precision,instep,m125,fsdp,m125_fsdp2",
                     help="comma-separated sections to run (default: all), each in its own process")
     ap.add_argument("--section-only", default=None, help=argparse.SUPPRESS)
@@ -411,12 +408,9 @@ def main() -> int:
                           else f"{name:10} {key + '.' + k2:48} {v2}")
             else:
                 print(f"{name:10} {key:48} {value:.4g}" if isinstance(value, float) else f"{name:10} {key:48} {value}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1, default=str)
+    write_json(args.out, result, default=str)
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "gpu_check.json"), "w") as f:
-            json.dump(result, f, indent=1, default=str)
+        write_json(os.path.join(os.environ["OUT"], "gpu_check.json"), result, default=str)
     return 0
 
 

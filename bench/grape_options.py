@@ -33,8 +33,9 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "bench" / "results" / "grape_options.json"
+from common import REPO, parser, result_path, write_json
+
+RESULTS = result_path("grape_options")
 
 #: variant -> (reweighting method, recipe overrides on top of the mixture_quality bench settings)
 VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -109,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from grape_stream.apps.demo_run import recipe_overrides, run_method
 
     mq = _mq()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, from {', '.join(VARIANTS)}")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--steps", type=int, default=100)
@@ -203,11 +204,7 @@ def _write(args: argparse.Namespace, runs: Mapping[str, Mapping[int, Mapping[str
                                                     "seconds", "reused_from")}
                      for s, r in by_seed.items()} for v, by_seed in runs.items()},
     }
-    path = Path(args.results)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
-    tmp.replace(path)
+    write_json(args.results, doc)
 
 
 if __name__ == "__main__":

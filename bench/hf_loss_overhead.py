@@ -20,18 +20,13 @@ once in 20 steps (what the per-step update and its logged metrics cost is the di
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-
+from common import parser  # (it puts the repository on sys.path)
 from loss_overhead import _mixer, _write_domains, write_results  # noqa: E402 (bench/ is not a package)
 
 METHODS: dict[str, dict[str, Any]] = {
@@ -69,11 +64,10 @@ def run(method: str, root: str, steps: int, out: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__.split("\n")[0], "hf_loss_overhead",
+               quick="4 steps, 1 repeat (a smoke run; results not written)")
     p.add_argument("--steps", type=int, default=20, help="training steps per repeat")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats per method (median)")
-    p.add_argument("--quick", action="store_true", help="4 steps, 1 repeat (a smoke run; results not written)")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "hf_loss_overhead.json"))
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.repeats = 4, 1

@@ -20,9 +20,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results" / "huge_document.json"
+from common import parser, write_json
 
 
 def _write_doc(path: str, mb: int) -> None:
@@ -51,9 +50,8 @@ def _worker(src: str, out: str, tokenizer: str) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, "huge_document")
     ap.add_argument("--mb", type=int, default=50)
-    ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -70,8 +68,7 @@ def main() -> int:
     print("| tokenizer | peak RSS (MB) | above imports (MB) | seconds | tokens |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['tokenizer']} | {r['peak_rss_mb']} | {r['extra_mb']} | {r['seconds']} | {r['tokens']} |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"mb": args.mb, "rows": rows}, indent=2) + "\n")
+    write_json(args.out, {"mb": args.mb, "rows": rows}, indent=2, newline=True)
     print(f"\nwrote {args.out}")
     return 0
 

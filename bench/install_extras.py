@@ -17,7 +17,6 @@ a minute, as a user types the command. ``--no-hints`` is kept for a hint added l
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import os
@@ -27,8 +26,11 @@ import tempfile
 import time
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(REPO, "bench", "results", "install_extras.json")
+import common
+from common import parser, write_json
+
+REPO = str(common.REPO)
+RESULTS = common.result_path("install_extras")
 
 #: what each extra is installed together with (the issue's check: [foundry] beside llm-foundry 0.22.0);
 #: "a+b" installs the extras a and b together
@@ -216,8 +218,7 @@ def _cell(row: dict[str, Any], ok: str, sec: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="wheel + resolution only; nothing written without --out")
+    ap = parser(__doc__.split("\n")[0], None, quick="wheel + resolution only; nothing written without --out")
     ap.add_argument("--out", default=None, help=f"JSON results (default, full runs: {RESULTS})")
     ap.add_argument("--extras", default=",".join(EXTRAS), help="extras to resolve (comma-separated)")
     ap.add_argument("--install", default="foundry", help="extras to install in a fresh venv and run ('' for none)")
@@ -247,10 +248,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{_cell(row, 'runs', 'run_s'):<12} {shown or row.get('error', '')}")
     out = args.out or (None if args.quick else RESULTS)
     if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w", encoding="utf-8") as f:
-            json.dump({"python": sys.version.split()[0], "wheel_s": round(wheel_s, 1), "hints": hints,
-                       "extras": rows, "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, f, indent=2)
+        write_json(out, {"python": sys.version.split()[0], "wheel_s": round(wheel_s, 1), "hints": hints,
+                         "extras": rows, "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, indent=2)
         print(f"wrote {out}")
     return 0 if all(r["resolves"] and r.get("runs", True) for r in rows.values()) else 1
 

@@ -36,16 +36,11 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from typing import Any, Callable
 
 import numpy as np
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-
+from common import parser, write_json  # (it puts the repository on sys.path)
 from overhead import RULES, _seq  # noqa: E402  (the same data rules as the overhead bench)
 
 K, N = 7, 6
@@ -265,7 +260,7 @@ def overhead_runs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__.splitlines()[0], "instep", quick="")
     p.add_argument("--warm", type=int, default=150)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--probe-batch", type=int, default=8)
@@ -278,14 +273,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=40, help="independent probes per probe size")
     p.add_argument("--batches", type=int, default=200, help="observed training batches for the in-step noise")
     p.add_argument("--cost-repeats", type=int, default=15)
-    p.add_argument("--quick", action="store_true")
     p.add_argument("--overhead", action="store_true", help="also time full Composer runs (bench/overhead.py's set-up)")
     p.add_argument("--overhead-steps", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4, 10],
                    help="alignment_steps values of the in-step runs")
     p.add_argument("--overhead-repeats", type=int, default=3)
     p.add_argument("--overhead-run-steps", type=int, default=500)
     p.add_argument("--skip-noise", action="store_true", help="only the full runs (keeps the noise rows of --out)")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "instep.json"))
     args = p.parse_args(argv)
     if args.quick:
         args.warm, args.repeats, args.batches, args.cost_repeats = 20, 8, 24, 3
@@ -298,8 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             result = json.load(f)
         result["overhead"] = overhead_runs(args)
         print_overhead(result["overhead"])
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.out, result, indent=2)
         return 0
     model, opt = build(args)
     v, task_losses = target_direction(model, args)
@@ -338,9 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.overhead:
         result["overhead"] = overhead_runs(args)
         print_overhead(result["overhead"])
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
+    write_json(args.out, result, indent=2)
     print(f"wrote {args.out}")
     return 0
 

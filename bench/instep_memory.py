@@ -13,7 +13,6 @@ step: a growth that ``gc.collect()`` removes is memory held by reference cycles.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -23,8 +22,9 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "bench" / "results" / "instep_memory.json"
+from common import REPO, parser, result_path, write_json
+
+RESULTS = result_path("instep_memory")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -34,7 +34,7 @@ def rss_mb() -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--method", choices=("grape_steps", "grape"), default="grape_steps")
     p.add_argument("--steps", type=int, default=96)
     p.add_argument("--gc", action="store_true", help="gc.collect() after every step")
@@ -77,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "mb_per_step_after_step_10": slope, "peak_rss_mb": max(r[1] for r in rows),
                         "per_step": [{"step": s, "rss_mb": m, "gc_objects": o} for s, m, o, _ in rows],
                         "command": "python bench/instep_memory.py " + " ".join(sys.argv[1:])}
-    path.write_text(json.dumps(doc, indent=1))
+    write_json(path, doc)
     return 0
 
 

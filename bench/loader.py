@@ -42,8 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
+from common import parser, write_json
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -335,7 +334,8 @@ def _summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, "loader",
+                quick="a smoke run: 24 MB, K=7, 3 s per measurement (all storages, workers and batch sizes)")
     ap.add_argument("--size-mb", type=float, default=200.0, help="total token payload per K (default 200)")
     ap.add_argument("--domains", type=int, nargs="+", default=[7, 20])
     ap.add_argument("--workers", type=int, nargs="+", default=[0, 2])
@@ -347,15 +347,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="raw and mixer: best of this many passes (default 2; streaming runs once)")
     ap.add_argument("--change-every", type=int, default=100, help="mixer: new weights every N batches")
     ap.add_argument("--no-s3", action="store_true", help="skip the moto S3 runs")
-    ap.add_argument("--quick", action="store_true",
-                    help="a smoke run: 24 MB, K=7, 3 s per measurement (all storages, workers and batch sizes)")
     ap.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "grape_stream_bench"))
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "loader.json"))
     args = ap.parse_args(argv)
     if args.quick:
         args.size_mb, args.domains, args.seconds = 24.0, [7], 3.0
 
-    sys.path.insert(0, str(ROOT))
     data_root = Path(args.data_dir)
     data_root.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
@@ -391,14 +387,12 @@ def main(argv: list[str] | None = None) -> int:
             moto.stop()
 
     summary = _summary(rows, args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"load_avg_at_end": os.getloadavg(), "size_mb": args.size_mb, "seq_len": args.seq_len,
             "shard_mb": args.shard_mb, "batch_sizes": args.batch_sizes, "seconds": args.seconds,
             "repeats": args.repeats,
             "change_every": args.change_every, "cpu_count": os.cpu_count(), "quick": args.quick,
             "goal_raw_factor": GOAL_RAW_FACTOR, "note": "2 shared cores; timings are pessimistic"}
-    out.write_text(json.dumps({"meta": meta, "rows": rows, "summary": summary}, indent=2))
+    out = write_json(args.out, {"meta": meta, "rows": rows, "summary": summary}, indent=2)
     print(f"\nwrote {out}")
     return 0
 

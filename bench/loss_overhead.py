@@ -22,8 +22,6 @@ the issue sets aside). ``alpha_every=1`` for all (the papers' per-step updates);
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import statistics
@@ -32,8 +30,7 @@ import tempfile
 import time
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+from common import parser, write_json  # (it puts the repository on sys.path)
 
 K = 7
 OPTIONS: dict[str, dict[str, Any]] = {
@@ -101,13 +98,11 @@ def _write_domains(root: str, tokens: int, vocab: int, samples: int = 2000) -> N
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__.split("\n")[0], "loss_overhead", quick="5 steps, 1 repeat (a smoke run; results not written)")
     p.add_argument("--steps", type=int, default=20, help="training steps per repeat")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats per method (median)")
     p.add_argument("--small", action="store_true",
                    help="the unit tests' GPT (2 layers, d=64, vocab 512, seq 64, batch 8)")
-    p.add_argument("--quick", action="store_true", help="5 steps, 1 repeat (a smoke run; results not written)")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "loss_overhead.json"))
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.repeats = 5, 1
@@ -155,10 +150,7 @@ def write_results(path: str, bench: str, **fields: Any) -> None:
     bench/hf_loss_overhead.py."""
     doc = {"bench": bench, "command": f"python bench/{bench}.py " + " ".join(sys.argv[1:]), "K": K, **fields,
            "machine": platform.processor() or platform.machine(), "threads": 1}
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-    print(f"wrote {path}")
+    write_json(path, doc, say=True)
 
 
 if __name__ == "__main__":

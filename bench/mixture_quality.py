@@ -35,8 +35,9 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "bench" / "results" / "mixture_quality.json"
+from common import REPO, parser, result_path, write_json
+
+RESULTS = result_path("mixture_quality")
 
 
 def bench_settings(steps: int) -> Any:
@@ -184,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from grape_stream.apps.demo_corpus import ensure_converted, find_corpus
     from grape_stream.apps.demo_run import recipe_overrides, run_method
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     all_methods = demo_methods()  # the reweighting registry's methods that run from a recipe's options
     p.add_argument("--methods", default=",".join(all_methods))
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default: 0,1,2)")
@@ -374,10 +375,7 @@ def _write(path: str, runs: Mapping[str, Mapping[int, Mapping[str, Any]]], setti
                                                  "accuracy", "choice", "cost_seconds") if k in r}
                      for s, r in by_seed.items()} for m, by_seed in runs.items()},
     }
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
-    tmp.replace(path)
+    write_json(path, doc)
 
 
 if __name__ == "__main__":

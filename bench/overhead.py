@@ -33,20 +33,16 @@ under "families"). Goal (issue #14): overhead <= 3% on each family.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 import warnings
 from typing import Any
 
 import numpy as np
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+from common import parser, write_json  # (it puts the repository on sys.path)
 
 K, N = 7, 6
 FAMILIES = ("gpt", "hf-llama", "mpt")
@@ -299,7 +295,7 @@ def print_table(fams: dict[str, dict], args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__.splitlines()[0], "overhead", quick="a smoke run: 40 steps, updates every 10, one repeat")
     p.add_argument("--family", default=",".join(FAMILIES), help=f"comma-separated subset of {', '.join(FAMILIES)}")
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--repeats", type=int, default=3)
@@ -314,8 +310,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (default 1: on a shared 2-core machine two threads oversubscribe "
                         "and make every op several times slower; both methods use the same setting)")
-    p.add_argument("--quick", action="store_true", help="a smoke run: 40 steps, updates every 10, one repeat")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "overhead.json"))
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.every, args.repeats = 40, 10, 1
@@ -352,9 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         "goal_met_all_families": all(goal_met(r) for r in fams.values()),
     }
     print_table(fams, args)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
+    write_json(args.out, result, indent=2)
     print(f"wrote {args.out}")
     return 0
 

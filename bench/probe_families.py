@@ -33,19 +33,15 @@ Prints a table and writes bench/results/probe_families.json (--quick: tiny sizes
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import sys
 import time
 import warnings
 from typing import Any, Callable
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-
 import torch  # noqa: E402
+from common import parser, write_json  # (it puts the repository on sys.path)
 from torch import nn  # noqa: E402
 
 from grape_stream.grape.gram.capabilities import AUTO, demote  # noqa: E402
@@ -176,8 +172,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny sizes, 2 repeats; bench/results is left alone")
+    p = parser(__doc__.splitlines()[0], "probe_families", quick="tiny sizes, 2 repeats; bench/results is left alone")
     p.add_argument("--families", default=",".join(FAMILIES))
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
@@ -189,7 +184,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steady on a shared machine)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "probe_families.json"))
     args = p.parse_args(argv)
     if args.quick:
         args.d_model, args.layers, args.vocab, args.seq, args.train_batch, args.repeats = 64, 2, 1024, 32, 8, 2
@@ -204,9 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(bench_family(name, size, args, device))
         print_table(rows[-1:])
         if not args.quick:  # written after every family: a long run interrupted keeps what it measured
-            os.makedirs(os.path.dirname(args.out), exist_ok=True)
-            with open(args.out, "w") as fh:
-                json.dump({"config": config, "families": rows}, fh, indent=2)
+            write_json(args.out, {"config": config, "families": rows}, indent=2)
     print()
     print_table(rows)
     if not args.quick:

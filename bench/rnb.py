@@ -22,19 +22,12 @@ K gradient copies.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import platform
 import statistics
-import sys
 from typing import Any, Callable
 
 import numpy as np
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-
+from common import parser, write_json  # (it puts the repository on sys.path)
 from instep import K, N, _cpu, _domain_batch, _task_groups, build, target_direction  # noqa: E402
 
 
@@ -101,7 +94,7 @@ def costs(model: Any, opt: Any, v: dict, args: argparse.Namespace) -> tuple[dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser()
+    p = parser(None, "rnb", quick="")
     p.add_argument("--warm", type=int, default=150)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--probe-batch", type=int, default=8)
@@ -114,8 +107,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cost-repeats", type=int, default=15)
     p.add_argument("--observed", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4, 10, 100],
                    help="observed steps per interval to report")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "rnb.json"))
     args = p.parse_args(argv)
     if args.quick:
         args.warm, args.cost_repeats = 20, 5
@@ -143,9 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, x in per_update.items():
         print(f"  {k:<16} {x * 1e3:9.1f} ms  {100 * x / interval:6.2f} % of the interval")
     if not args.quick:
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.out, result)
         print(f"wrote {args.out}")
     return 0
 

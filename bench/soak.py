@@ -37,11 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results" / "soak.json"
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT))
+from common import REPO as ROOT
+from common import parser, write_json
 
 SIZES, SEQ, B, PER_SHARD = [6000, 4000, 3000], 64, 8, 100
 BLOCK = 3 * PER_SHARD  # a shuffle block's shards fit in a domain's share of the cache (docs/mixer.md)
@@ -264,7 +261,7 @@ def _fractions(ids: np.ndarray, schedule: list[dict[str, Any]], every: int) -> d
 
 def main(argv: list[str] | None = None) -> int:
     """Long because it is the scenario, step by step: data, server and proxy, two job runs with faults, checks."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, "soak")
     ap.add_argument("--batches", type=int, default=100_000)
     ap.add_argument("--change-every", type=int, default=100)
     ap.add_argument("--checkpoint-every", type=int, default=1000)
@@ -273,7 +270,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reset-rate", type=float, default=0.01, help="connection resets per request (default 0.01)")
     ap.add_argument("--outage", type=float, default=10.0, help="seconds of each of the two outages")
     ap.add_argument("--seed", type=int, default=3)
-    ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--job", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.job:
@@ -375,8 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         except subprocess.TimeoutExpired:
             proc_moto.kill()
     _print(result)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result, indent=2, newline=True)
     ok = (result["identical_batches"] and lost == 0 and dup == 0 and not left and tmp_after == tmp_before)
     print(f"\n{'PASS' if ok else 'FAIL'}; wrote {args.out}")
     return 0 if ok else 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Callable
 
 _handed_out: set[int] = set()
 
@@ -39,3 +40,36 @@ def free_port() -> int:
             _handed_out.add(port)
             return port
     raise RuntimeError("no free TCP port on 127.0.0.1")
+
+
+#: What the fork server of `spawn` imports once per worker (the ranks' heavy imports).
+SPAWN_PRELOAD = ("torch", "torch.distributed.fsdp", "streaming", "composer", "grape_stream.integrations.composer",
+                 "grape_stream.grape.controller")
+
+
+def spawn(fn: Callable[..., None], args: tuple = (), nprocs: int = 1) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs, join=True)`` with the ranks forked from a server that has
+    imported `SPAWN_PRELOAD` (multiprocessing's "forkserver" start method) instead of fresh interpreters that
+    import torch, streaming and Composer again: those imports were most of a short multi-rank test's CPU.
+
+    Each rank is still its own process that runs ``fn(rank, *args)`` on a freshly imported stack (the server only
+    imports: no thread, tensor or process group exists when it forks). The server keeps the environment it was
+    started with, so each rank is handed this process's environment as it is now (and its TMPDIR). Tests that
+    check shared memory or the resource tracker (the mixer's) keep ``mp.spawn``: a forked rank shares this
+    process's resource tracker."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(list(SPAWN_PRELOAD))
+    mp.start_processes(_in_env, args=(dict(os.environ), fn, args), nprocs=nprocs, join=True,
+                       start_method="forkserver")
+
+
+def _in_env(rank: int, env: dict[str, str], fn: Callable[..., None], args: tuple) -> None:
+    import tempfile
+
+    os.environ.clear()
+    os.environ.update(env)
+    tempfile.tempdir = None
+    fn(rank, *args)

@@ -28,7 +28,10 @@ machine), so:
 * Threads: each worker, and what it spawns, runs torch with one thread (`OMP_NUM_THREADS=1`): the workers
   are the parallelism.
 * Cost: a set-up several tests share is a module-scoped fixture; a module that takes minutes goes in
-  `SLOW_MODULES` (they start first, so no long module is left for the end while the other worker idles).
+  `SLOW_MODULES` (they start first, so no long module is left for the end while the other worker idles). A
+  training script run as a subprocess goes through `_warm.run` (a fork of a server that imported torch,
+  streaming, Composer, Transformers and Lightning once per worker: the imports were most of such a run's CPU);
+  launchers (torchrun, `composer -n`) and the runs that must start cold stay plain subprocesses.
 """
 
 from __future__ import annotations
@@ -107,6 +110,15 @@ INTEGRATION_TESTS = frozenset({
     "test_cli_train_runs_a_recipe_end_to_end",
     "test_two_ranks_give_the_gram_of_all_samples",
     "test_sigkill_then_autoresume_with_every_option_continues_the_same_trajectory",
+    # a CLI or interpreter subprocess each (the import checks of a fresh interpreter, a conversion's log)
+    "test_progress_in_a_log_is_plain_lines_and_on_a_terminal_bars",
+    "test_dry_run_refuses_missing_local_data_at_once_without_composer",
+    "test_light_imports",
+    "test_convert_cli_help_imports_no_torch",
+    "test_importing_the_integration_packages_loads_no_trainer",
+    # DataLoader worker processes; RegMix's proxy training runs
+    "test_save_at_8_resume_at_2_save_resume_at_8_with_workers_0_3_1",
+    "test_regmix_cli_runs_real_proxies_and_writes_weights",
 })
 
 

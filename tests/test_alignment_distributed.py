@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from _alignment_helpers import gpt, lm_groups
+from _parallel import spawn
 from grape_stream.grape.gram.group_gram import group_gram
 from grape_stream.grape.gram.sharding import ShardedGramError
 from grape_stream.models import per_sample_lm_loss
@@ -49,7 +49,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
 
 
 def test_two_ranks_average_and_agree(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    spawn(_worker, args=(2, str(tmp_path)), nprocs=2)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert not torch.equal(r0["local"], r1["local"])  # the probes differ
     assert torch.equal(r0["mean"], r1["mean"]) and torch.equal(r0["mean_losses"], r1["mean_losses"])

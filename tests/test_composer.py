@@ -9,12 +9,12 @@ import copy
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
+import _warm
 from _grape_data import SEQ, VOCAB, write_dataset
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -192,8 +192,7 @@ def _run(recipe: dict, path: str, *extra: str, check: bool = True) -> subprocess
     with open(path, "w", encoding="utf-8") as f:
         json.dump(recipe, f)
     env = dict(os.environ, PYTHONPATH=REPO)
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "_grape_run.py"), path, *extra], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=400)
+    proc = _warm.run(os.path.join(HERE, "_grape_run.py"), path, *extra, cwd=REPO, env=env, timeout=400)
     if check and proc.returncode != 0:
         raise AssertionError(f"training subprocess failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from _alignment_helpers import gpt
+from _parallel import spawn
 from grape_stream.grape.gram.sharding import is_sharded
 
 
@@ -131,7 +131,7 @@ def test_grape_algorithm_under_fsdp_matches_the_unsharded_run(tmp_path: Path) ->
     data = str(tmp_path / "data")
     for copy in ("plain", "fsdp") + tuple(f"{m}-{s}" for m in STEP_METHODS for s in (False, True)):
         write_dataset(f"{data}/{copy}", domains=2, tasks=(1,), n_domain=64, n_val=16, n_test=8)
-    mp.spawn(_algorithm_worker, args=(2, str(tmp_path), data), nprocs=2, join=True)
+    spawn(_algorithm_worker, args=(2, str(tmp_path), data), nprocs=2)
     r0, r1 = (torch.load(tmp_path / f"algo-rank{r}.pt", weights_only=False) for r in (0, 1))
     for got in (r0, r1):
         for key in ("alignment", "task_loss", "alpha", "z"):

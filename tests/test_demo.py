@@ -311,13 +311,7 @@ def test_strided_indices_cover_the_split() -> None:
 
 
 def test_tokens_to_reach_interpolates() -> None:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "mq", Path(__file__).resolve().parent.parent / "bench" / "mixture_quality.py")
-    mq = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(mq)
+    mq = _bench_module("mixture_quality")
     curve = {"tokens": [0, 100, 200, 300], "avg": [5.0, 4.0, 3.0, 2.5]}
     assert mq.tokens_to_reach(curve, 3.5) == pytest.approx(150.0)
     assert mq.tokens_to_reach(curve, 3.0) == pytest.approx(200.0)

@@ -22,10 +22,10 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from _alignment_helpers import lm_groups
+from _parallel import spawn
 from grape_stream.grape.gram.group_gram import group_gram
 from grape_stream.grape.reweighting import build_reweighter
 from grape_stream.testing.families import FamilySize, build_family
@@ -235,7 +235,7 @@ def _check(tmp: Path, world: int) -> dict[str, Any]:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_gram_equals_the_unsharded_computation(tmp_path: Path, world: int) -> None:
-    mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    spawn(_worker, args=(world, str(tmp_path)), nprocs=world)
     r0 = _check(tmp_path, world)
     if world != 2:
         return

@@ -20,9 +20,9 @@ import traceback
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from _grape_data import SHORT_RUN, write_dataset
+from _parallel import spawn
 from test_loss_mode import DOMAINS, _model
 
 WORLD = 2
@@ -273,7 +273,7 @@ def test_loss_driven_methods_on_fsdp_equal_the_unsharded_computation(tmp_path) -
     for copy in ("", "-rnb-fsdp1", "-rnb-fsdp2"):
         write_dataset(data + copy, domains=3, tasks=(0,), n_domain=160, n_val=16, n_test=8)
     cfg = {"data": data, "out": str(tmp_path), "reference": str(tmp_path / "ref.pt")}
-    mp.spawn(_worker, args=(cfg,), nprocs=WORLD, join=True)
+    spawn(_worker, args=(cfg,), nprocs=WORLD)
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(WORLD)]
     for r in ranks:
         assert "error" not in r, r["error"]

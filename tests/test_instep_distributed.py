@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from _alignment_helpers import gpt, lm_groups
 from _instep_helpers import directions, rel, truth
+from _parallel import spawn
 from grape_stream.grape.gram.batches import concat, map_tensors
 from grape_stream.grape.gram.instep import StepAlignments
 from grape_stream.models import per_sample_lm_loss
@@ -51,7 +51,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
 
 
 def test_two_ranks_sum_to_the_alignments_of_all_samples(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    spawn(_worker, args=(2, str(tmp_path)), nprocs=2)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert not torch.equal(r0["local"][0], r1["local"][0])  # each rank saw its own samples
     for key in ("sums", "weights", "samples"):
@@ -91,7 +91,7 @@ def _probe_worker(rank: int, world: int, tmp: str) -> None:
 def test_task_probe_over_two_ranks_is_the_probe_of_all_samples(tmp_path: Path) -> None:
     import numpy as np
 
-    mp.spawn(_probe_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    spawn(_probe_worker, args=(2, str(tmp_path)), nprocs=2)
     r0, r1 = (torch.load(tmp_path / f"probe{r}.pt", weights_only=False) for r in (0, 1))
     model = gpt(torch.float64, seed=1)
     fixed = directions(model, 1, seed=4)

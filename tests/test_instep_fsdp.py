@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from _alignment_helpers import gpt, lm_groups
 from _grape_data import write_dataset
 from _instep_helpers import directions, fsdp1, fsdp2, grad_sync, local_grads, rel, shard, truth
+from _parallel import spawn
 from grape_stream import DomainStream, GrapeController, WeightedStreamingMixer
 from grape_stream.grape.gram.batches import concat, map_tensors
 from grape_stream.grape.gram.instep import StepAlignments
@@ -189,7 +189,7 @@ def _rnb_truth() -> tuple[np.ndarray, np.ndarray]:
 def test_fsdp_instep_alignments_and_rnb_equal_the_unsharded_computation(tmp_path: Path) -> None:
     data = str(tmp_path / "data")
     write_dataset(data, domains=3, tasks=(0, 2), n_domain=32, n_val=8, n_test=4)
-    mp.spawn(_worker, args=(2, str(tmp_path), data), nprocs=2, join=True)
+    spawn(_worker, args=(2, str(tmp_path), data), nprocs=2)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     for kind in ("fsdp2", "fsdp1"):
         _check(r0, r1, kind)

@@ -20,6 +20,7 @@ import sys
 import pytest
 import torch
 
+import _warm
 from _grape_data import write_dataset
 from _parallel import free_port
 
@@ -36,10 +37,9 @@ BATCHES = 24
 def _run(data: str, out: str, case: tuple, *extra: str) -> subprocess.CompletedProcess:
     accumulate, steps, save_every = case[:3]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, os.path.join(HERE, "_lightning_run.py"), data, out, "--steps", str(steps),
-                           "--save-every", str(save_every), "--accumulate", str(accumulate), "--alignments",
-                           case[5], *extra],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    return _warm.run(os.path.join(HERE, "_lightning_run.py"), data, out, "--steps", str(steps), "--save-every",
+                     str(save_every), "--accumulate", str(accumulate), "--alignments", case[5], *extra, cwd=REPO,
+                     env=env, timeout=400)
 
 
 def _ok(proc: subprocess.CompletedProcess) -> None:

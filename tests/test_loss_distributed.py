@@ -9,10 +9,9 @@ import os
 import traceback
 
 import pytest
-import torch.multiprocessing as mp
 
 from _grape_data import write_dataset
-from _parallel import free_port
+from _parallel import free_port, spawn
 from test_loss_mode import DOMAINS, _model, _slow_truth
 
 WORLD = 2
@@ -77,7 +76,7 @@ def test_two_ranks_sum_every_sample_and_agree(tmp_path) -> None:
     data = str(tmp_path / "data")
     write_dataset(data, domains=3, tasks=(0,), n_domain=160, n_val=16, n_test=8)
     cfg = {"data": data, "out": str(tmp_path), "port": free_port(), "reference": str(tmp_path / "ref.pt")}
-    mp.spawn(_worker, args=(cfg,), nprocs=WORLD, join=True)
+    spawn(_worker, args=(cfg,), nprocs=WORLD)
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(WORLD)]
     for r in ranks:
         assert "error" not in r, r["error"]

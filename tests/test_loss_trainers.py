@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+import _warm
 from _grape_data import SHORT_RUN, write_dataset
 from _parallel import free_port
 from grape_stream.grape.reweighting import REWEIGHTERS
@@ -30,8 +31,7 @@ def data(tmp_path_factory) -> str:
 
 def _run(script: str, data: str, out: str, *extra: str) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, script), data, out, *extra], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=400)
+    proc = _warm.run(os.path.join(HERE, script), data, out, *extra, cwd=REPO, env=env, timeout=400)
     assert proc.returncode == 0, f"training subprocess failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
 
 

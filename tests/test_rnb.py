@@ -263,11 +263,11 @@ def _rank_worker(rank: int, world: int, tmp: str, data: str) -> None:
 
 
 def test_two_ranks_give_the_gram_of_all_samples(tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
+    from _parallel import spawn
 
     data = str(tmp_path / "data")
     write_dataset(data, domains=3, tasks=(0, 2), n_domain=32, n_val=8, n_test=4)
-    mp.spawn(_rank_worker, args=(2, str(tmp_path), data), nprocs=2, join=True)
+    spawn(_rank_worker, args=(2, str(tmp_path), data), nprocs=2)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     assert r0["rec"]["domain_gram"] == r1["rec"]["domain_gram"] and np.array_equal(r0["alpha"], r1["alpha"])
     model = gpt(torch.float64, seed=0)
