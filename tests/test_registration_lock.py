@@ -124,3 +124,21 @@ def test_a_symlink_in_place_of_the_lock_is_not_followed(dirs, tmp_path):
         pass
     assert target.read_text() == "keep"
     assert (tmp / f"grape_stream-{os.getuid()}" / "registration.lock").exists()
+
+
+def test_a_process_without_a_process_group_takes_the_lock_whatever_its_rank(monkeypatch):
+    """Ranks simulated in one process (a non-zero local rank, no torch.distributed) register on their own: they
+    must hold the lock, or they race a real job's leader for a prefix (seen: "shared memory registered does not
+    match local leader" in a 2-rank job beside an in-process 8-rank simulation)."""
+    from grape_stream.streaming_compat import registration
+
+    taken: list[bool] = []
+    real = registration.registration_lock
+
+    def spy(enabled: bool = True, **kw):  # type: ignore[no-untyped-def]
+        taken.append(enabled)
+        return real(enabled=enabled, **kw)
+
+    monkeypatch.setattr(registration, "registration_lock", spy)
+    assert registration.create_registered(lambda: "dataset", enabled=False) == "dataset"
+    assert taken == [True]

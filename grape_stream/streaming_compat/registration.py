@@ -137,10 +137,15 @@ def create_registered(factory: Callable[[], T], *, enabled: bool = True, attempt
     """``factory()`` (a StreamingDataset constructor) under :func:`registration_lock`, retried when the
     shared-memory prefix streaming chose was taken meanwhile by a job that does not take our lock (a plain
     streaming job, another library): streaming 0.13 then raises ``FileExistsError: '/NNNNNN_locals'``
-    before it registered anything, so trying again after a short random pause picks the next prefix."""
+    before it registered anything, so trying again after a short random pause picks the next prefix.
+    ``enabled``: this process is its node's leader (the other ranks wait at the barrier); without a process group
+    every process takes the lock."""
+    # Without a process group no barrier orders this process after a leader: it registers on its own (a single
+    # process, or ranks simulated in one process, as an elastic resume's planning does), so it takes the lock.
+    lock = enabled or not dist_active()
     for attempt in range(attempts):
         try:
-            with registration_lock(enabled=enabled):
+            with registration_lock(enabled=lock):
                 if dist_active():  # no rank scans for the prefix before this node's leader holds the lock
                     import torch.distributed as dist
 
