@@ -47,7 +47,6 @@ import numpy as np
 from scale_plan import RANKS_PER_NODE, SEED, WORKERS, G, K, Stream, topology, worker_runs
 from scale_reads import lane_walk, node_pass
 
-from grape_stream.mixing.quotas import lane_split
 from grape_stream.mixing.rows import emission
 from grape_stream.mixing.topology import RankBatch
 
@@ -70,7 +69,7 @@ def check_batches(stream: Stream, world: int, batches: list[int],
         run = [RankBatch(i, plan, r * b, True) for r in range(world)]
         dom, ids, _ = emission(orders, SEED, b, G, run)
         got = dom.astype(np.int64) * (1 << 40) + ids
-        start, share = plan.start.reshape(lanes, K), lane_split(plan.quota, lanes)
+        start, share = plan.start.reshape(lanes, K), plan.split()
         want = np.concatenate([k * (1 << 40) + orders[k].sample_ids(int(start[c, k]), int(share[c, k]), c)[0]
                                for c in range(lanes) for k in range(K)])
         uniq = np.unique(got)
