@@ -188,10 +188,10 @@ def global_walk(stream: Stream, lanes: int) -> dict[str, Any]:
 
 def lane_drift(batches: int, args: argparse.Namespace) -> dict[str, Any]:
     """How far apart the canonical nodes are in each domain after ``batches`` batches, in epochs of a node's
-    span (max - min over the nodes), and domain 0's epochs on nodes 0 and C-1: the round-robin deal gives the
-    low-numbered nodes the first domain's odd samples every batch, so they run ahead (a sample of one node's
-    span is then read many more times than one of another's, and two nodes in different epochs can put the
-    same sample twice in one global batch: the duplicates counted above)."""
+    span (max - min over the nodes), and domain 0's epochs on nodes 0 and C-1. Dealt from node 0 every batch
+    (``grape_stream.mixer/3``), the low-numbered nodes took a small first domain's samples every batch and ran
+    tens of epochs ahead; the rotating deal keeps them within a fraction of an epoch (what is left: each
+    weight piece's last partial block of offsets, a random walk over the pieces)."""
     stream = Stream(batches, args.samples_per_shard, args.weights_every)
     out: dict[str, Any] = {}
     for lanes in (8, 64, 128):

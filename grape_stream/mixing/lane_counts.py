@@ -70,19 +70,28 @@ class LaneCounts:
         self.piece, self.lanes = piece, int(lanes)
         c = self.lanes
         self.t = np.append(piece.threshold, np.int64(1) << U_BITS)  # the last row: every batch
+        self.strict: dict[int, np.ndarray] = {}  # S_lv(T), built by the first long stretch (_whole_blocks)
+        self.sigma: dict[int, np.ndarray] = {}
+        self.a, self.m = piece.floor // c, piece.floor % c
+        # the per-stretch lookups of counts(): fixed per piece, so indices are built once
+        k = len(self.m)
+        self._end = np.arange(c) + c + 1
+        self._start = self._end[None, :] - self.m[:, None]  # (K, C) into the doubled cumulative sum
+        self._edge = (np.arange(k)[:, None] * c + (np.arange(c)[None, :] - self.m[:, None]) % c).ravel()
+
+    def _whole_blocks(self) -> None:
+        """``S_lv(T)`` and ``sigma_lv(T)`` of every threshold (module docstring), for levels 1 to 3."""
+        c, rows = self.lanes, len(self.t)
         top = U_BITS - DIGIT_BITS
         digits = [self.t >> top] + [(self.t >> (top - DIGIT_BITS * i)) & (STRATA - 1) for i in range(1, LEVELS)]
-        rows = len(self.t)
         full = np.full(rows, STRATA % c)
         strict, sigma = _ind(digits[0], c), digits[0]
-        self.strict: dict[int, np.ndarray] = {1: strict.astype(np.float64)}
-        self.sigma: dict[int, np.ndarray] = {1: sigma % c}
+        self.strict[1], self.sigma[1] = strict.astype(np.float64), sigma % c
         for lv in range(1, LEVELS):
             strict = (STRATA // c) * strict.sum(axis=1, keepdims=True) + _window(strict, full) \
                 + _shift(_ind(digits[lv], c), sigma)
             sigma = sigma + digits[lv]
             self.strict[lv + 1], self.sigma[lv + 1] = strict.astype(np.float64), sigma % c
-        self.a, self.m = piece.floor // c, piece.floor % c
 
     def residues(self, level: int, lows: np.ndarray) -> np.ndarray:
         """(K+1, C) residue counts of the batches of whole blocks of ``1024**level`` batches with low bits
@@ -95,6 +104,8 @@ class LaneCounts:
         b = np.bincount((r[:, None] + c * np.arange(rows)[None, :])[hits], minlength=rows * c).reshape(rows, c)
         if level == 0:
             return b
+        if not self.strict:
+            self._whole_blocks()
         a = np.bincount(r, minlength=c).astype(np.float64)
         circulant = a[(np.arange(c)[None, :] - np.arange(c)[:, None]) % c]  # [y, s] = a[(s - y) mod C]
         # exact in float64: every count is an integer below 2**53 (at most 1024**3 tuples x 1023 blocks)
@@ -114,6 +125,9 @@ class LaneCounts:
             h = self.residues(0, self.piece.offsets(d0, d1))
         else:
             h = self.prefix(d1) - self.prefix(d0)
-        every, under = h[-1:], h[:-1]
-        edges = n * self.a[:, None] + _window(np.repeat(every, len(under), axis=0), self.m) + _shift(under, self.m)
-        return np.diff(edges.T, axis=1, prepend=0)
+        cs = np.zeros(2 * self.lanes + 1, np.int64)
+        np.cumsum(np.concatenate([h[-1], h[-1]]), out=cs[1:])
+        edges = (n * self.a)[:, None] + (cs[self._end][None, :] - cs[self._start])  # the rotations below m_k
+        edges += h[:-1].ravel()[self._edge].reshape(edges.shape)  # the batches whose edge k rose, at c' = m_k
+        edges[1:] -= edges[:-1].copy()
+        return edges.T

@@ -278,7 +278,8 @@ class PieceQuotas:
         if lanes == 1:
             return 0
         d = int(d)
-        return int(deal_rotation(int(self._offsets(d >> DIGIT_BITS)[d & (STRATA - 1)]), lanes))
+        u, top = int(self._offsets(d >> DIGIT_BITS)[d & (STRATA - 1)]), U_BITS - DIGIT_BITS
+        return sum((u >> (top - DIGIT_BITS * i)) & (STRATA - 1) for i in range(LEVELS)) % lanes  # deal_rotation
 
     # -- quotas and counts ---------------------------------------------------------------------------
     def counts(self, d0: int, d1: int) -> np.ndarray:
