@@ -204,6 +204,7 @@ class PieceQuotas:
         self.seed, self.origin, self.slots = int(seed), int(origin), int(slots)
         self._state = hash_int(self.seed, self.origin, TAG_STRATA)  # the keys' common prefix, mixed once
         self._block: tuple[int, np.ndarray] | None = None  # (level-0 block, U of its 1024 batches)
+        self._head: tuple[int, np.ndarray] | None = None  # (level-0 block, U of its first batches) of a prefix
 
     # -- the offsets ---------------------------------------------------------------------------------
     def _key(self, level: int, block: int) -> int:
@@ -250,9 +251,13 @@ class PieceQuotas:
             split = U_BITS - DIGIT_BITS * lv  # a block's U: free top bits above `split`, its `lows` below
             if lv == 0 and self._block is not None and self._block[0] == d >> DIGIT_BITS:
                 lows = self._block[1][:n]
+            elif lv == 0 and self._head is not None and self._head[0] == d >> DIGIT_BITS and len(self._head[1]) >= n:
+                lows = self._head[1][:n]
             else:
                 digits = self._digits(lv, d >> (DIGIT_BITS * (lv + 1)), n)
                 lows = (digits << (split - DIGIT_BITS)) | self._low(lv + 1, d)
+                if lv == 0:  # the stretch's lane counts want the same offsets (a walk over short pieces)
+                    self._head = (d >> DIGIT_BITS, lows)
             parts.append((lv, lows))
         return parts
 
@@ -266,11 +271,18 @@ class PieceQuotas:
         return out
 
     def offsets(self, d0: int, d1: int) -> np.ndarray:
-        """``U`` of the piece's batches ``d0 .. d1 - 1``."""
+        """``U`` of the piece's batches ``d0 .. d1 - 1`` (a block's 1024 are computed and kept only when the
+        stretch covers it or it is the one kept: a walk over many short pieces needs just its stretches)."""
         parts = []
         for block in range(d0 >> DIGIT_BITS, ((d1 - 1) >> DIGIT_BITS) + 1 if d1 > d0 else d0 >> DIGIT_BITS):
             lo, hi = max(d0 - (block << DIGIT_BITS), 0), min(d1 - (block << DIGIT_BITS), STRATA)
-            parts.append(self._offsets(block)[lo:hi])
+            if hi - lo == STRATA or (self._block is not None and self._block[0] == block):
+                parts.append(self._offsets(block)[lo:hi])
+            elif self._head is not None and self._head[0] == block and len(self._head[1]) >= hi:
+                parts.append(self._head[1][lo:hi])
+            else:
+                digits = keyed_permutation(self._key(0, block), STRATA, np.arange(lo, hi, dtype=np.int64))
+                parts.append((digits << (U_BITS - DIGIT_BITS)) | self._low(1, block << DIGIT_BITS))
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
     def rotation(self, d: int, lanes: int) -> int:
