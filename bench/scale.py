@@ -47,7 +47,6 @@ import numpy as np
 from scale_plan import RANKS_PER_NODE, SEED, WORKERS, G, K, Stream, topology, worker_runs
 from scale_reads import lane_walk, node_pass
 
-from grape_stream.mixing.quotas import lane_split
 from grape_stream.mixing.rows import emission
 from grape_stream.mixing.topology import RankBatch
 
@@ -70,7 +69,7 @@ def check_batches(stream: Stream, world: int, batches: list[int],
         run = [RankBatch(i, plan, r * b, True) for r in range(world)]
         dom, ids, _ = emission(orders, SEED, b, G, run)
         got = dom.astype(np.int64) * (1 << 40) + ids
-        start, share = plan.start.reshape(lanes, K), lane_split(plan.quota, lanes)
+        start, share = plan.start.reshape(lanes, K), plan.split()
         want = np.concatenate([k * (1 << 40) + orders[k].sample_ids(int(start[c, k]), int(share[c, k]), c)[0]
                                for c in range(lanes) for k in range(K)])
         uniq = np.unique(got)
@@ -189,10 +188,10 @@ def global_walk(stream: Stream, lanes: int) -> dict[str, Any]:
 
 def lane_drift(batches: int, args: argparse.Namespace) -> dict[str, Any]:
     """How far apart the canonical nodes are in each domain after ``batches`` batches, in epochs of a node's
-    span (max - min over the nodes), and domain 0's epochs on nodes 0 and C-1: the round-robin deal gives the
-    low-numbered nodes the first domain's odd samples every batch, so they run ahead (a sample of one node's
-    span is then read many more times than one of another's, and two nodes in different epochs can put the
-    same sample twice in one global batch: the duplicates counted above)."""
+    span (max - min over the nodes), and domain 0's epochs on nodes 0 and C-1. Dealt from node 0 every batch
+    (``grape_stream.mixer/3``), the low-numbered nodes took a small first domain's samples every batch and ran
+    tens of epochs ahead; the rotating deal keeps them within a fraction of an epoch (what is left: each
+    weight piece's last partial block of offsets, a random walk over the pieces)."""
     stream = Stream(batches, args.samples_per_shard, args.weights_every)
     out: dict[str, Any] = {}
     for lanes in (8, 64, 128):

@@ -187,6 +187,25 @@ def test_state_mid_global_batch_and_old_format_are_refused_with_one_line(dirs, m
         with pytest.raises(MixerStateError, match="grape_stream.mixer/1") as err:
             m.load_state_dict(old)
         assert "\n" not in str(err.value)
+        # /3 dealt each batch from canonical node 0: its node positions belong to another deal
+        assert state["format"] == "grape_stream.mixer/4" and state["canonical_nodes"] == CANON
+        with pytest.raises(MixerStateError, match="grape_stream.mixer/3 with canonical_nodes=4") as err:
+            m.load_state_dict({**state, "format": "grape_stream.mixer/3"})
+        assert "\n" not in str(err.value)
+
+
+def test_a_state_of_one_canonical_node_in_format_3_resumes_exactly(dirs, monkeypatch):
+    """With one canonical node the deals of /3 and /4 are the same stream: a /3 state continues exactly."""
+    with make(dirs, monkeypatch, 0, 1, G, canonical_nodes=1) as m:
+        ref = run_rank(m, 12)
+    with make(dirs, monkeypatch, 0, 1, G, canonical_nodes=1) as m:
+        head = run_rank(m, 6)
+        state = m.state_dict()
+    assert state["format"] == "grape_stream.mixer/4" and head == [r for r in ref if r[0] < 6]
+    with make(dirs, monkeypatch, 0, 1, G, canonical_nodes=None) as m:  # the default adopts the state's one node
+        m.load_state_dict(json.loads(json.dumps({**state, "format": "grape_stream.mixer/3"})))
+        assert m.topology.lanes == 1
+        assert run_rank(m, 12) == [r for r in ref if r[0] >= 6]
 
 
 def test_a_budget_spent_on_one_topology_is_spent_on_another(dirs, monkeypatch):

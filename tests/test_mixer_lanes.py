@@ -3,7 +3,8 @@
 Pure planning (no shards, no processes): the lanes' quotas add up to the batch's, their closed-form positions
 equal the batch-by-batch sums, every lane reads only its span of each epoch (whatever the weights), the lanes
 together read every sample of an epoch once, and a physical node count that neither divides the canonical
-one nor is a multiple of it is refused in one line.
+one nor is a multiple of it is refused in one line. The deal's rotation and its closed form:
+tests/test_mixer_lane_drift.py.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def test_lane_quotas_add_up_and_the_closed_form_matches_the_batches():
     for i in range(n):
         a, b = one.plan(i, sched.segments), lanes.plan(i, sched.segments)
         assert np.array_equal(a.quota, b.quota)  # the batch's quotas do not depend on the lanes
-        split = lane_split(b.quota, C)
+        split = lane_split(b.quota, C, rotation=b.rotation)
+        assert np.array_equal(split, b.split())
         assert (split.sum(axis=1) == G // C).all() and np.array_equal(split.sum(axis=0), b.quota)
         assert (np.abs(split - b.quota / C) < 1).all()  # each lane floor or ceil of its share
         assert np.array_equal(b.start.reshape(C, K), pos)
@@ -69,18 +71,20 @@ def test_lane_quotas_add_up_and_the_closed_form_matches_the_batches():
 
 def test_lane_split_deals_the_grouped_samples_round_robin():
     """lane_split's closed form (one comparison per lane and domain) against dealing the batch's samples,
-    grouped by domain, to the lanes one by one: zero quotas, one lane, many lanes, a subset of lanes."""
+    grouped by domain, to the lanes one by one from lane ``rotation``: zero quotas, one lane, many lanes, a
+    subset of lanes."""
     rng = np.random.default_rng(5)
     for _ in range(300):
         k, lanes = int(rng.integers(1, 12)), int(rng.choice([1, 2, 3, 4, 8, 128]))
         alpha = rng.dirichlet(np.ones(k)) * (rng.random(k) > 0.3)
         alpha = alpha / alpha.sum() if alpha.sum() else np.full(k, 1 / k)
         quota = rng.multinomial(lanes * int(rng.integers(1, 6)), alpha)
+        rotation = int(rng.integers(0, lanes))
         dealt = np.zeros((lanes, k), np.int64)
-        np.add.at(dealt, (np.arange(quota.sum()) % lanes, np.repeat(np.arange(k), quota)), 1)
-        assert np.array_equal(lane_split(quota, lanes), dealt)
+        np.add.at(dealt, ((np.arange(quota.sum()) + rotation) % lanes, np.repeat(np.arange(k), quota)), 1)
+        assert np.array_equal(lane_split(quota, lanes, rotation=rotation), dealt)
         which = range(int(rng.integers(0, lanes)), lanes)
-        assert np.array_equal(lane_split(quota, lanes, which), dealt[which.start:])
+        assert np.array_equal(lane_split(quota, lanes, which, rotation), dealt[which.start:])
 
 
 def lanes_at(sched: EffectiveSchedule, batch: int) -> np.ndarray:
@@ -101,13 +105,8 @@ def test_each_node_reads_only_its_spans_and_the_lanes_cover_each_epoch_once():
         dom, ids, epochs = emission(orders, SEED, G // nodes, G, [RankBatch(i, plans[i], topo.first_slot(i), True)
                                                                   for i in range(n)])
         for k in range(K):
-            o = orders[k]
-            for e in np.unique(epochs[dom == k]).tolist():  # the node's samples of epoch e: its lanes' spans
-                mine = ids[(dom == k) & (epochs == e)]
-                allowed: set[int] = set()
-                for c in topo.my_lanes():
-                    allowed |= set(_span_ids(o, e, int(o.span_starts[c]), int(o.span_starts[c + 1])).tolist())
-                assert set(mine.tolist()) <= allowed, (p, k, e)
+            allowed = set(np.concatenate([_span_ids(orders[k], c) for c in topo.my_lanes()]).tolist())
+            assert set(ids[dom == k].tolist()) <= allowed, (p, k)  # every epoch: its lanes' spans, the same
         for d, i, e in zip(dom.tolist(), ids.tolist(), epochs.tolist()):
             seen[(d, e, i)] = seen.get((d, e, i), 0) + 1
     assert max(seen.values()) == 1  # no sample read twice in one epoch, across nodes
@@ -115,12 +114,34 @@ def test_each_node_reads_only_its_spans_and_the_lanes_cover_each_epoch_once():
         assert sum(1 for (d, e, _) in seen if d == k and e == 0) == SIZES[k]
 
 
-def _span_ids(o: DomainOrder, epoch: int, lo: int, hi: int) -> np.ndarray:
-    """The sample ids at layout positions [lo, hi) of an epoch (the shards a span covers, in part)."""
-    order, starts = o._layout(epoch)
-    g = np.arange(lo, hi)
-    j = np.searchsorted(starts, g, side="right") - 1
-    return o.shard_offsets[order[j]] + (g - starts[j])
+def _span_ids(o: DomainOrder, lane: int) -> np.ndarray:
+    """The sample ids of a lane's span: ``span_starts[lane] ... span_starts[lane + 1]`` of the run's shard layout
+    (the shards, or parts of shards, that the lane reads every epoch)."""
+    first, lengths = o._span_pieces()[lane]
+    ids = np.concatenate([np.arange(f, f + n) for f, n in zip(first.tolist(), lengths.tolist())])
+    assert len(ids) == o.span_starts[lane + 1] - o.span_starts[lane]
+    return ids
+
+
+def test_the_spans_are_disjoint_cover_the_domain_and_stay_put_across_epochs():
+    """A lane reads the same samples in every epoch (its span of the run's shard layout, at most one shard
+    shared with each neighbour), each once an epoch, in a new order; so two lanes never read the same sample,
+    whatever epochs they are in."""
+    o = _orders()[1]  # 250 samples, 16 shards of 16 (the last of 10), 4 lanes
+    spans = [_span_ids(o, c) for c in range(C)]
+    assert sorted(np.concatenate(spans).tolist()) == list(range(SIZES[1]))
+    shards = [set(o.shard_of(s).tolist()) for s in spans]
+    for c in range(C):
+        for other in range(c + 1, C):
+            assert len(shards[c] & shards[other]) <= (1 if other == c + 1 else 0)
+    for c in range(C):
+        n = int(o.lane_lens[c])
+        orders_seen = set()
+        for e in range(4):
+            ids, epochs = o.sample_ids(e * n, n, c)
+            assert sorted(ids.tolist()) == sorted(spans[c].tolist()) and (epochs == e).all()
+            orders_seen.add(tuple(ids.tolist()))
+        assert len(orders_seen) == 4  # a new order every epoch
 
 
 def test_an_incompatible_node_count_is_refused_in_one_line():

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "TAG_DEAL",
     "TAG_MULTI",
     "TAG_OFFSET",
     "TAG_PERM",
@@ -40,6 +41,7 @@ TAG_REFILL = 0x5EF111
 TAG_MULTI = 0x3A17
 TAG_PROBE = 0x960BE
 TAG_STRATA = 0x57A7A
+TAG_DEAL = 0xDEA1
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)

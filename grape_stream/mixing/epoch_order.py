@@ -13,12 +13,17 @@ cache under ``cache_limit``), while a new seed per epoch reshuffles both levels.
 epoch permutation, blocks are built lazily and cached, so no process holds an ``N``-sized array: the
 cost is O(#shards + block_size) memory per domain, however large the domain.
 
-With ``C`` canonical nodes (``lanes``) each epoch's shard layout is cut into ``C`` consecutive spans of
-``floor(N / C)`` or ``ceil(N / C)`` samples, and lane ``c`` has its own endless stream: epoch after epoch,
-its span of that epoch's layout, block-shuffled within the span (streaming does the same per canonical
-node). A node therefore downloads the ~``#shards / C`` shards of its spans plus at most one shard at each
-end that it shares with a neighbour, whatever the weights. The spans of one epoch are disjoint and cover
-the epoch, so every sample is read once per epoch of its lane; ``C = 1`` is the single global stream.
+With ``C`` canonical nodes (``lanes``) the shards, laid out once for the whole run in a shuffled order,
+are cut into ``C`` consecutive spans of ``floor(N / C)`` or ``ceil(N / C)`` samples, and lane ``c`` has its
+own endless stream over its span: epoch after epoch, the span's shards (and the parts of the one or two it
+shares with a neighbour) in a new order, block-shuffled within the span -- streaming's canonical nodes do
+the same (its py1* shuffles fix the shard order of a run and reshuffle within each node's span). A node
+therefore downloads the ~``#shards / C`` shards of its span plus at most one shard at each end that it
+shares with a neighbour, whatever the weights, and the same ones every epoch (a cache that holds them
+downloads them once). The spans are disjoint for the whole run, so two lanes never read the same sample
+however far apart their epochs are (a lane's epoch advances with its own share of the batches: they are
+close but not in lockstep), and every sample is read once per epoch of its lane. ``C = 1`` is the single
+global stream, a new order of all the shards every epoch.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ class DomainOrder:
             raise ValueError(f"shuffle block size must be >= 1, got {block_size}")
         self.block_size = int(block_size)
         self.epoch_len = self.num_samples
-        self._layouts: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._layouts: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._blocks: OrderedDict[tuple[int, int, int], np.ndarray] = OrderedDict()
         self._cache_blocks_base = max(2, int(cache_blocks))
         self.window = 4096
@@ -66,7 +71,7 @@ class DomainOrder:
         self.set_lanes(lanes)
 
     def set_lanes(self, lanes: int, name: str = "") -> None:
-        """Cut every epoch into ``lanes`` spans, one per canonical node (module docstring)."""
+        """Cut the run's shard layout into ``lanes`` spans, one per canonical node (module docstring)."""
         if lanes < 1 or lanes > self.num_samples:
             raise ConfigError(f"domain {name!r} has {self.num_samples} samples, fewer than canonical_nodes={lanes}: "
                               "every canonical node needs a share of every domain")
@@ -77,23 +82,48 @@ class DomainOrder:
         self._cache_blocks = max(self._cache_blocks_base, 2 * self.lanes)
         self._blocks.clear()
         self._windows.clear()
+        self._layouts.clear()
+        self._pieces = self._span_pieces() if self.lanes > 1 else []
+
+    def _span_pieces(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per lane: (first sample id, length) of each shard, or part of a shard, of its span of the run's
+        shard layout."""
+        order = self._rng(2, self.lanes).permutation(self.samples_per_shard.size)
+        sizes = self.samples_per_shard[order]
+        ends = np.cumsum(sizes)
+        begins = ends - sizes
+        out = []
+        for lo, hi in zip(self.span_starts[:-1].tolist(), self.span_starts[1:].tolist()):
+            j0, j1 = np.searchsorted(ends, [lo, hi - 1], side="right").tolist()
+            part = slice(j0, j1 + 1)
+            b, e = np.maximum(begins[part], lo), np.minimum(ends[part], hi)
+            keep = e > b
+            out.append(((self.shard_offsets[order[part]] + b - begins[part])[keep], (e - b)[keep]))
+        return out
 
     # ------------------------------------------------------------------------------------------------
     def _rng(self, *coords: int) -> np.random.Generator:
         return np.random.default_rng([self.seed & 0xFFFFFFFF, self.seed >> 32, *coords])
 
-    def _layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """(shard order, first global position of each shard in that order) of an epoch."""
-        hit = self._layouts.get(epoch)
+    def _layout(self, epoch: int, lane: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """(first sample id, first position in the lane's span) of each piece of lane ``lane``'s span in
+        epoch ``epoch``: one lane, the domain's shards in a new order; several, the span's pieces in one."""
+        key = (epoch, lane)
+        hit = self._layouts.get(key)
         if hit is not None:
-            self._layouts.move_to_end(epoch)
+            self._layouts.move_to_end(key)
             return hit
-        order = self._rng(epoch, 0).permutation(self.samples_per_shard.size)
-        starts = np.concatenate([[0], np.cumsum(self.samples_per_shard[order])[:-1]])
-        self._layouts[epoch] = (order, starts)
-        while len(self._layouts) > 2:
+        if self.lanes == 1:
+            order = self._rng(epoch, 0).permutation(self.samples_per_shard.size)
+            first, lengths = self.shard_offsets[order], self.samples_per_shard[order]
+        else:
+            first, lengths = self._pieces[lane]
+            order = self._rng(epoch, 0, self.lanes, lane).permutation(first.size)
+            first, lengths = first[order], lengths[order]
+        self._layouts[key] = (first, np.concatenate([[0], np.cumsum(lengths)[:-1]]))
+        while len(self._layouts) > 2 * self.lanes:
             self._layouts.popitem(last=False)
-        return order, starts
+        return self._layouts[key]
 
     def _block(self, epoch: int, block: int, lane: int) -> np.ndarray:
         key = (epoch, block, lane)
@@ -111,25 +141,24 @@ class DomainOrder:
         return perm
 
     def epoch_map(self, epoch: int, g: np.ndarray, lane: int = 0) -> np.ndarray:
-        """Sample ids at positions ``g`` of lane ``lane``'s span of epoch ``epoch`` (a bijection of the span
+        """Sample ids at positions ``g`` of lane ``lane``'s span in epoch ``epoch`` (a bijection of the span
         onto its samples; of [0, N) with one lane)."""
         g = np.asarray(g, dtype=np.int64)
-        base = int(self.span_starts[lane])
         if not self.shuffle:
-            return g + base
-        order, starts = self._layout(epoch)
+            return g + int(self.span_starts[lane])
+        first, starts = self._layout(epoch, lane)
         blocks = g // self.block_size
         b0, b1 = int(blocks.min()), int(blocks.max())
         if b0 == b1:  # the common case: one block
-            out = base + b0 * self.block_size + self._block(epoch, b0, lane)[g - b0 * self.block_size]
+            out = b0 * self.block_size + self._block(epoch, b0, lane)[g - b0 * self.block_size]
         else:
             out = np.empty_like(g)
             for b in range(b0, b1 + 1):
                 sel = blocks == b
                 if sel.any():
-                    out[sel] = base + b * self.block_size + self._block(epoch, b, lane)[g[sel] - b * self.block_size]
+                    out[sel] = b * self.block_size + self._block(epoch, b, lane)[g[sel] - b * self.block_size]
         j = np.searchsorted(starts, out, side="right") - 1
-        return self.shard_offsets[order[j]] + (out - starts[j])
+        return first[j] + (out - starts[j])
 
     def sample_ids(self, start: int, count: int, lane: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """(sample ids, epochs) of positions ``[start, start + count)`` of lane ``lane``'s stream."""

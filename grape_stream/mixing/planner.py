@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from grape_stream.mixing.counter_rng import TAG_REFILL
+from grape_stream.mixing.lane_counts import LaneCounts
 from grape_stream.mixing.quotas import (
     COMPOSITIONS,
     BatchPlan,
@@ -27,6 +28,7 @@ from grape_stream.mixing.quotas import (
     StreamExhausted,
     batch_quota,
     effective_weights,
+    hashed_rotation,
     lane_split,
     multinomial_quota,
 )
@@ -66,6 +68,7 @@ class QuotaPlanner:
         self._budgeted = bool((self.budgets != _NO_BUDGET).any())
         self._all = np.ones(self.K, bool)
         self._pieces: dict[tuple[int, bytes, bytes], tuple[np.ndarray, PieceQuotas]] = {}
+        self._lane_counts: dict[PieceQuotas, LaneCounts] = {}
         self._last: BatchPlan | None = None
 
     # -- public ------------------------------------------------------------------------------------
@@ -89,10 +92,11 @@ class QuotaPlanner:
         except StreamExhausted:
             self.exhausted_at = batch
             return None
-        self._take(quota)
+        rotation = self._rotation(batch, seg)
+        self._take(quota, rotation)
         self.batch = batch + 1
         self._report_spent()
-        self._last = BatchPlan(batch, seg.version, alpha, quota, start, self.lanes)
+        self._last = BatchPlan(batch, seg.version, alpha, quota, start, self.lanes, rotation)
         return self._last
 
     def advance_to(self, batch: int, segments: Segments) -> None:
@@ -109,10 +113,21 @@ class QuotaPlanner:
         """(lanes * K,) every lane's position in its stream of every domain (a copy)."""
         return self._lane_pos.reshape(-1).copy()
 
-    def _take(self, quota: np.ndarray) -> None:
-        """Account for one batch of quotas ``quota`` (the lanes take their round-robin shares)."""
+    def _take(self, quota: np.ndarray, rotation: int) -> None:
+        """Account for one batch of quotas ``quota`` (the lanes take their round-robin shares, the deal
+        starting at lane ``rotation``)."""
         self.counts += quota
-        self._lane_pos += quota[None, :] if self.lanes == 1 else lane_split(quota, self.lanes)
+        self._lane_pos += quota[None, :] if self.lanes == 1 else lane_split(quota, self.lanes, rotation=rotation)
+
+    def _rotation(self, b: int, seg: Segment) -> int:
+        """Where the deal of global batch ``b`` starts: read off its systematic offset (which the piece's
+        renormalised weights after a spent budget share), else a hash of the batch."""
+        if self.lanes == 1:
+            return 0
+        if self.composition == "systematic":
+            return self._piece(seg, self.available if self._budgeted else self._all)[1].rotation(b - seg.origin,
+                                                                                                 self.lanes)
+        return hashed_rotation(self.seed, b, self.lanes)
 
     @property
     def available(self) -> np.ndarray:
@@ -144,9 +159,9 @@ class QuotaPlanner:
                 continue
             _, piece = self._piece(seg, avail if self._budgeted else self._all)
             d0, d1 = self.batch - seg.origin, seg.end - seg.origin
-            counts, hits = piece.counts_and_hits(d0, d1)
+            counts = piece.counts(d0, d1)
             if not self._budgeted or not (self.counts + counts >= self.budgets)[avail].any():
-                self._take_piece(piece, d0, d1, (counts, hits))
+                self._take_piece(piece, d0, d1, counts)
                 self.batch = seg.end
                 self._report_spent()
                 return
@@ -164,14 +179,17 @@ class QuotaPlanner:
             if self.exhausted_at is not None:
                 return
 
-    def _take_piece(self, piece: PieceQuotas, d0: int, d1: int,
-                    known: tuple[np.ndarray, np.ndarray] | None = None) -> None:
-        counts, hits = known or piece.counts_and_hits(d0, d1)
-        self.counts = self.counts + counts
+    def _take_piece(self, piece: PieceQuotas, d0: int, d1: int, counts: np.ndarray | None = None) -> None:
+        self.counts = self.counts + (piece.counts(d0, d1) if counts is None else counts)
         if self.lanes == 1:
             self._lane_pos = self.counts.reshape(1, -1).copy()
-        else:
-            self._lane_pos = self._lane_pos + piece.lane_counts(d0, d1, self.lanes, hits)
+            return
+        lane_counts = self._lane_counts.get(piece)
+        if lane_counts is None:
+            lane_counts = self._lane_counts[piece] = LaneCounts(piece, self.lanes)
+            if len(self._lane_counts) > 8:
+                self._lane_counts.pop(next(iter(self._lane_counts)))
+        self._lane_pos = self._lane_pos + lane_counts.counts(d0, d1)
 
     def _scalar_batch(self, b: int, seg: Segment) -> None:
         try:
@@ -179,7 +197,7 @@ class QuotaPlanner:
         except StreamExhausted:
             self.exhausted_at = b
             return
-        self._take(quota)
+        self._take(quota, self._rotation(b, seg))
         self.batch = b + 1
         self._report_spent()
 

@@ -13,10 +13,17 @@ schedule leads from the anchor to the stored positions (a walk over those few pi
 resume does not grow with the batch); a state without one (written before the anchor existed) is
 checked from its origin, over every piece.
 
-``grape_stream.mixer/3`` (this format) adds to ``/2`` the stream's ``canonical_nodes`` ``C`` and, when ``C >
-1``, every canonical node's position in its stream of every domain (``node_positions``, also in the origin
-and the anchor; ``positions`` stay the per-domain sums). A ``/2`` state is a ``/3`` state of one canonical
-node: it resumes exactly with ``canonical_nodes=1`` (the default adopts it).
+``grape_stream.mixer/4`` (this format) has the fields of ``/3``; its stream deals each global batch's samples
+to the canonical nodes from a rotating start (:func:`~grape_stream.mixing.quotas.lane_split`), where ``/3``
+dealt from node 0 every batch and let the nodes drift apart in the small domains. With one canonical node the
+two deals are the same stream, so a ``/3`` state of ``canonical_nodes=1`` and a ``/2`` state load exactly; a
+``/3`` state of several canonical nodes cannot be continued (its node positions belong to the old deal) and
+is refused with one line.
+
+``grape_stream.mixer/3`` adds to ``/2`` the stream's ``canonical_nodes`` ``C`` and, when ``C > 1``, every
+canonical node's position in its stream of every domain (``node_positions``, also in the origin and the
+anchor; ``positions`` stay the per-domain sums). A ``/2`` state is a state of one canonical node: it resumes
+exactly with ``canonical_nodes=1`` (the default adopts it).
 
 ``grape_stream.mixer/2`` adds to ``/1``: ``global_batch_size``, ``positions``, ``origin``
 (the batch, sample count and positions where the current global batch size took effect: 0 unless the
@@ -42,7 +49,8 @@ from grape_stream.mixing.schedule import WeightSchedule, read_entries
 __all__ = ["STATE_FORMAT", "TAIL_PIECES", "MixerStateError", "Origin", "SavedPosition", "StreamPosition", "check_state",
            "domain_stats", "make_state", "state_batch"]
 
-STATE_FORMAT = "grape_stream.mixer/3"
+STATE_FORMAT = "grape_stream.mixer/4"
+_FORMAT_3 = "grape_stream.mixer/3"
 _FORMAT_2 = "grape_stream.mixer/2"
 _FORMAT_1 = "grape_stream.mixer/1"
 
@@ -150,12 +158,12 @@ def make_state(batch: int, positions: np.ndarray, *, global_batch_size: int, ori
 
 def state_lanes(state: Mapping[str, Any]) -> int | None:
     """The canonical node count of a checkpoint's stream (1 for ``/2``; None: not a state this release reads)."""
-    if not isinstance(state, Mapping) or state.get("format") not in (STATE_FORMAT, _FORMAT_2):
+    if not isinstance(state, Mapping) or state.get("format") not in (STATE_FORMAT, _FORMAT_3, _FORMAT_2):
         return None
-    lanes = state.get("canonical_nodes", 1) if state.get("format") == STATE_FORMAT else 1
+    lanes = state.get("canonical_nodes", 1) if state.get("format") != _FORMAT_2 else 1
     if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
         raise MixerStateError(f"the checkpoint's canonical_nodes {lanes!r} is not a positive integer")
-    return lanes
+    return None if state.get("format") == _FORMAT_3 and lanes > 1 else lanes
 
 
 def _read_anchor(state: Mapping[str, Any], batch: int, positions: np.ndarray,
@@ -188,9 +196,16 @@ def check_state(state: Mapping[str, Any], fingerprint: Mapping[str, Any]) -> Sav
             f"topology-independent stream of {STATE_FORMAT} cannot continue it exactly; finish that run with the "
             "grape_stream release that wrote it, or start the data stream afresh"
         )
-    if fmt not in (STATE_FORMAT, _FORMAT_2):
+    if fmt not in (STATE_FORMAT, _FORMAT_3, _FORMAT_2):
         raise MixerStateError(f"not a WeightedStreamingMixer state (format {fmt!r}, expected {STATE_FORMAT!r})")
-    lanes = state_lanes(state) or 1
+    lanes = state_lanes(state)
+    if lanes is None:
+        raise MixerStateError(
+            f"the checkpoint's data position is {_FORMAT_3} with canonical_nodes={state.get('canonical_nodes')} "
+            f"(each batch dealt to the canonical nodes from node 0, which let them drift apart): {STATE_FORMAT} "
+            "deals from a rotating start and cannot continue it exactly; finish that run with the grape_stream "
+            "release that wrote it, or start the data stream afresh"
+        )
     diff = {k: (state.get(k), v) for k, v in fingerprint.items() if state.get(k) != v}
     if diff:
         detail = "; ".join(f"{k}: checkpoint {a!r} vs this mixer {b!r}" for k, (a, b) in diff.items())

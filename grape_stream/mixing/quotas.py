@@ -24,12 +24,17 @@ budget)``: no rank, no worker, no random state carried from batch to batch. Two 
     a few tens of samples of ``n G alpha_k`` over a piece of any length (within 2 after every
     aligned block of 1024 batches), where independent offsets drift like a random walk (``sqrt(n)``).
 Canonical nodes (``lanes``, :func:`lane_split`)
-    Laid out grouped by domain, the ``G`` samples of a batch are dealt to ``C`` lanes round-robin: lane
-    ``c`` takes grouped samples ``c, c + C, ...``, i.e. ``ceil((Q_k - c) / C) - ceil((Q_{k-1} - c) / C)``
-    of domain ``k`` (``Q`` the cumulative quotas): ``G / C`` samples in all, ``floor`` or ``ceil`` of
-    ``Q/C``-ish of each domain, and the lanes' quotas add up to the batch's exactly (the quotas above do
-    not depend on ``C``). With the systematic edges ``Q_k = F_k + [U < T_k]`` a lane's count over a piece
-    is ``d ceil((F_k - c) / C) + [F_k = c mod C] * #{U < T_k}``: the same closed form, no new threshold.
+    Laid out grouped by domain, the ``G`` samples of a batch are dealt to ``C`` lanes round-robin, the deal
+    starting at lane ``rho`` (the batch's *rotation*): grouped sample ``p`` goes to lane ``(p + rho) mod C``,
+    so lane ``c`` takes ``ceil((Q_k - c') / C) - ceil((Q_{k-1} - c') / C)`` of domain ``k`` (``Q`` the
+    cumulative quotas, ``c' = (c - rho) mod C``): ``G / C`` samples in all, ``floor`` or ``ceil`` of
+    ``q_k / C`` of each domain, and the lanes' quotas add up to the batch's exactly (the quotas above do
+    not depend on ``C``). Why rotate: dealt from lane 0 every batch, a domain whose share of a batch is
+    below ``C`` always lands on the low-numbered lanes, which then run epochs ahead of the others in that
+    domain. The systematic composition's rotation is the sum of the batch offset's three digits mod ``C``
+    (:func:`deal_rotation`): over every aligned block of 1024 batches each rotation comes up equally often
+    (``C`` dividing 1024) and a lane's count over a piece stays a closed formula of the same digits
+    (:mod:`grape_stream.mixing.lane_counts`); the multinomial composition's is a hash of the batch.
 ``"multinomial"``
     ``Multinomial(G, alpha)`` per batch (Philox keyed by ``(seed, i)``): i.i.d. domains, as in sampling
     one domain per sample. Higher variance; positions are summed batch by batch (resuming at batch ``n``
@@ -47,6 +52,7 @@ import numpy as np
 
 from grape_stream.config.choices import Composition, values
 from grape_stream.mixing.counter_rng import (
+    TAG_DEAL,
     TAG_MULTI,
     TAG_STRATA,
     hash64,
@@ -66,6 +72,7 @@ __all__ = [
     "batch_quota",
     "budget_for",
     "cumulative",
+    "deal_rotation",
     "default_on_spent",
     "effective_weights",
     "lane_split",
@@ -112,14 +119,13 @@ def systematic_counts(alpha: np.ndarray, slots: int, u: np.ndarray) -> np.ndarra
     return np.diff(edges, axis=1, prepend=0)
 
 
-def _ceil_div(a: np.ndarray, n: int) -> np.ndarray:
-    return -((-a) // n)
-
-
-def lane_split(quota: np.ndarray, lanes: int, which: np.ndarray | range | None = None) -> np.ndarray:
+def lane_split(quota: np.ndarray, lanes: int, which: np.ndarray | range | None = None,
+               rotation: int = 0) -> np.ndarray:
     """(len(which), K) samples of each domain that lanes ``which`` (default all) take of a batch's ``quota``
-    (module docstring: grouped samples dealt round-robin)."""
+    when the deal starts at lane ``rotation`` (module docstring: grouped samples dealt round-robin)."""
     c = np.arange(lanes, dtype=np.int64) if which is None else np.asarray(which, dtype=np.int64)
+    if rotation:
+        c = (c - int(rotation)) % lanes
     # ceil((Q - c) / C) = Q // C + [c < Q mod C] for 0 <= c < C: a comparison, not a (C, K) division (the
     # planner splits every batch it plans, so this is on its per-batch path)
     whole, rest = np.divmod(np.cumsum(quota), lanes)
@@ -127,6 +133,20 @@ def lane_split(quota: np.ndarray, lanes: int, which: np.ndarray | range | None =
     out = edges.copy()
     out[:, 1:] -= edges[:, :-1]
     return out
+
+
+def deal_rotation(offsets: np.ndarray | int, lanes: int) -> np.ndarray:
+    """The lane where the deal of batches with systematic offsets ``offsets`` (the integers ``U < 2**52``
+    of :class:`PieceQuotas`) starts: the sum of their three base-1024 digits, mod ``lanes``."""
+    u = np.asarray(offsets, dtype=np.int64)
+    top = U_BITS - DIGIT_BITS
+    digits = sum((u >> (top - DIGIT_BITS * i)) & (STRATA - 1) for i in range(LEVELS))
+    return np.asarray(digits % lanes, dtype=np.int64)
+
+
+def hashed_rotation(seed: int, batch: int, lanes: int) -> int:
+    """The multinomial composition's deal rotation of global batch ``batch`` (it has no offsets)."""
+    return hash_int(seed, batch, TAG_DEAL) % lanes if lanes > 1 else 0
 
 
 def batch_quota(composition: str, alpha: np.ndarray, slots: int, seed: int, batch: int, tag: int,
@@ -184,6 +204,7 @@ class PieceQuotas:
         self.seed, self.origin, self.slots = int(seed), int(origin), int(slots)
         self._state = hash_int(self.seed, self.origin, TAG_STRATA)  # the keys' common prefix, mixed once
         self._block: tuple[int, np.ndarray] | None = None  # (level-0 block, U of its 1024 batches)
+        self._head: tuple[int, np.ndarray] | None = None  # (level-0 block, U of its first batches) of a prefix
 
     # -- the offsets ---------------------------------------------------------------------------------
     def _key(self, level: int, block: int) -> int:
@@ -213,17 +234,16 @@ class PieceQuotas:
             self._block = (block, (perm << (U_BITS - DIGIT_BITS)) | self._low(1, block << DIGIT_BITS))
         return self._block[1]
 
-    def prefix_hits(self, d: int) -> np.ndarray:
-        """(K,) how many of the piece's batches ``0 .. d - 1`` have ``U < threshold_k``."""
+    def prefix_levels(self, d: int) -> list[tuple[int, np.ndarray]]:
+        """The piece's batches ``0 .. d - 1`` as whole aligned blocks: ``(level, lows)`` per level that has
+        some, ``lows`` the low ``52 - 10 * level`` bits of ``U`` shared by each block of ``1024**level``
+        batches (whose top ``10 * level`` bits take every value once); level 0: the batches' ``U``."""
         d = int(d)
-        f = self.threshold
+        parts = []
         top = d >> (DIGIT_BITS * LEVELS)
-        shift = _TOP_BITS
-        out = top * (f >> shift)
         if top:  # whole blocks of 1024**3 batches: one random low part each
             tops = hash64(self.seed, self.origin, TAG_STRATA, LEVELS, np.arange(top, dtype=np.int64))
-            top_lows = (tops >> np.uint64(64 - _TOP_BITS)).astype(np.int64)
-            out = out + (top_lows[:, None] < (f & ((1 << shift) - 1))[None, :]).sum(axis=0)
+            parts.append((LEVELS, (tops >> np.uint64(64 - _TOP_BITS)).astype(np.int64)))
         for lv in range(LEVELS - 1, -1, -1):  # whole blocks of 1024**lv batches under each digit before d's
             n = (d >> (DIGIT_BITS * lv)) & (STRATA - 1)
             if not n:
@@ -231,28 +251,53 @@ class PieceQuotas:
             split = U_BITS - DIGIT_BITS * lv  # a block's U: free top bits above `split`, its `lows` below
             if lv == 0 and self._block is not None and self._block[0] == d >> DIGIT_BITS:
                 lows = self._block[1][:n]
+            elif lv == 0 and self._head is not None and self._head[0] == d >> DIGIT_BITS and len(self._head[1]) >= n:
+                lows = self._head[1][:n]
             else:
                 digits = self._digits(lv, d >> (DIGIT_BITS * (lv + 1)), n)
                 lows = (digits << (split - DIGIT_BITS)) | self._low(lv + 1, d)
-            out = out + n * (f >> split) + (lows[:, None] < (f & ((1 << split) - 1))[None, :]).sum(axis=0)
+                if lv == 0:  # the stretch's lane counts want the same offsets (a walk over short pieces)
+                    self._head = (d >> DIGIT_BITS, lows)
+            parts.append((lv, lows))
+        return parts
+
+    def prefix_hits(self, d: int) -> np.ndarray:
+        """(K,) how many of the piece's batches ``0 .. d - 1`` have ``U < threshold_k``."""
+        f = self.threshold
+        out = np.zeros_like(f)
+        for lv, lows in self.prefix_levels(d):
+            split = U_BITS - DIGIT_BITS * lv
+            out = out + len(lows) * (f >> split) + (lows[:, None] < (f & ((1 << split) - 1))[None, :]).sum(axis=0)
         return out
+
+    def offsets(self, d0: int, d1: int) -> np.ndarray:
+        """``U`` of the piece's batches ``d0 .. d1 - 1`` (a block's 1024 are computed and kept only when the
+        stretch covers it or it is the one kept: a walk over many short pieces needs just its stretches)."""
+        parts = []
+        for block in range(d0 >> DIGIT_BITS, ((d1 - 1) >> DIGIT_BITS) + 1 if d1 > d0 else d0 >> DIGIT_BITS):
+            lo, hi = max(d0 - (block << DIGIT_BITS), 0), min(d1 - (block << DIGIT_BITS), STRATA)
+            if hi - lo == STRATA or (self._block is not None and self._block[0] == block):
+                parts.append(self._offsets(block)[lo:hi])
+            elif self._head is not None and self._head[0] == block and len(self._head[1]) >= hi:
+                parts.append(self._head[1][lo:hi])
+            else:
+                digits = keyed_permutation(self._key(0, block), STRATA, np.arange(lo, hi, dtype=np.int64))
+                parts.append((digits << (U_BITS - DIGIT_BITS)) | self._low(1, block << DIGIT_BITS))
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    def rotation(self, d: int, lanes: int) -> int:
+        """Where the deal of the piece's batch ``d`` starts (:func:`deal_rotation`)."""
+        if lanes == 1:
+            return 0
+        d = int(d)
+        u, top = int(self._offsets(d >> DIGIT_BITS)[d & (STRATA - 1)]), U_BITS - DIGIT_BITS
+        return sum((u >> (top - DIGIT_BITS * i)) & (STRATA - 1) for i in range(LEVELS)) % lanes  # deal_rotation
 
     # -- quotas and counts ---------------------------------------------------------------------------
     def counts(self, d0: int, d1: int) -> np.ndarray:
         """Samples of each domain in the piece's batches ``d0 .. d1 - 1`` (offsets from the origin)."""
-        return self.counts_and_hits(d0, d1)[0]
-
-    def counts_and_hits(self, d0: int, d1: int) -> tuple[np.ndarray, np.ndarray]:
-        """(:meth:`counts`, how many of those batches raise each edge: what :meth:`lane_counts` needs)."""
         hits = self.prefix_hits(d1) - self.prefix_hits(d0)
-        return np.diff((d1 - d0) * self.floor + hits, prepend=0), hits
-
-    def lane_counts(self, d0: int, d1: int, lanes: int, hits: np.ndarray) -> np.ndarray:
-        """(lanes, K) samples of each domain each lane takes in the piece's batches ``d0 .. d1 - 1``
-        (``hits`` from :meth:`counts_and_hits`)."""
-        f = self.floor[None, :] - np.arange(lanes, dtype=np.int64)[:, None]
-        edges = (d1 - d0) * _ceil_div(f, lanes) + (f % lanes == 0) * hits[None, :]
-        return np.diff(edges, axis=1, prepend=0)
+        return np.diff((d1 - d0) * self.floor + hits, prepend=0)
 
     def quota(self, d: int) -> np.ndarray:
         """Quotas (K,) of the piece's batch ``d`` (offset from the origin)."""
@@ -280,7 +325,8 @@ class Segment:
 @dataclass
 class BatchPlan:
     """What global batch ``batch`` takes: ``quota[k]`` samples of domain k; lane ``c`` takes its share
-    (:func:`lane_split`) at positions ``start[c * K + k] ...`` of its stream of domain k."""
+    (:func:`lane_split`, the deal starting at lane ``rotation``) at positions ``start[c * K + k] ...`` of its
+    stream of domain k."""
 
     batch: int
     version: int
@@ -288,12 +334,17 @@ class BatchPlan:
     quota: np.ndarray
     start: np.ndarray  # (lanes * K,) lane positions before the batch
     lanes: int = 1
+    rotation: int = 0
+
+    def split(self, which: range | None = None) -> np.ndarray:
+        """(len(which), K) the share of lanes ``which`` (default all) of each domain."""
+        return lane_split(self.quota, self.lanes, which, self.rotation)
 
     def end(self) -> np.ndarray:
         """Lane positions after the batch."""
         if self.lanes == 1:
             return self.start + self.quota
-        return self.start + lane_split(self.quota, self.lanes).reshape(-1)
+        return self.start + self.split().reshape(-1)
 
 
 class StreamExhausted(Exception):

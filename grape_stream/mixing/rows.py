@@ -22,7 +22,6 @@ import numpy as np
 from grape_stream.mixing.batch_read import BatchReader
 from grape_stream.mixing.counter_rng import TAG_PERM, hash64, keyed_permutation
 from grape_stream.mixing.epoch_order import DomainOrder
-from grape_stream.mixing.quotas import lane_split
 from grape_stream.mixing.shard_reader import DomainReader
 from grape_stream.mixing.topology import RankBatch
 
@@ -39,8 +38,9 @@ def emission(orders: Sequence[DomainOrder], seed: int, batch_size: int, global_b
     Row ``t`` of a loader batch is slot ``s = first_slot + t`` of its global batch, slot ``l = s mod L`` of
     lane (canonical node) ``c = s // L`` (``L = G / C`` slots a lane): the lane's grouped sample ``g =
     perm_c(l)``, i.e. the ``g - c_{k-1}``-th of the lane's samples of domain ``k`` (``c`` the lane's
-    cumulative quotas, ``c_{k-1} <= g < c_k``), at position ``start_{c,k} + g - c_{k-1}`` of the lane's
-    stream of domain ``k``. One lane: the permutation is keyed by ``(seed, batch)`` alone.
+    cumulative quotas -- its share of the batch's deal, :meth:`BatchPlan.split` -- ``c_{k-1} <= g < c_k``),
+    at position ``start_{c,k} + g - c_{k-1}`` of the lane's stream of domain ``k``. One lane: the permutation
+    is keyed by ``(seed, batch)`` alone.
     """
     n_rows, g_size = int(batch_size), int(global_batch_size)
     runs = len(batches)
@@ -54,7 +54,7 @@ def emission(orders: Sequence[DomainOrder], seed: int, batch_size: int, global_b
     c0, c1 = int(lane.min()), int(lane.max()) + 1  # the lanes these rows touch
     span = c1 - c0
     # (J, span, K) the lanes' quotas and read positions
-    quota = np.stack([b.plan.quota if lanes == 1 else lane_split(b.plan.quota, lanes, range(c0, c1))
+    quota = np.stack([b.plan.quota if lanes == 1 else b.plan.split(range(c0, c1))
                       for b in batches]).reshape(runs, span, k_count)
     start = np.stack([b.plan.start.reshape(lanes, k_count)[c0:c1] for b in batches])
     if lanes == 1:
