@@ -110,3 +110,12 @@ def grad_sync(model: nn.Module, sync: bool) -> Iterator[None]:
     else:
         with model.no_sync():  # type: ignore[operator]
             yield
+
+
+def run_two_ranks(worker: Callable[..., None], tmp_path: Any, data: str) -> tuple[dict, dict]:
+    """``worker(rank, 2, tmp, data)`` on 2 ranks (each saves ``rank{r}.pt`` in ``tmp``); both ranks' results."""
+    from _parallel import spawn
+
+    spawn(worker, args=(2, str(tmp_path), data), nprocs=2)
+    r0, r1 = (torch.load(f"{tmp_path}/rank{r}.pt", weights_only=False) for r in (0, 1))
+    return r0, r1

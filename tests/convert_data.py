@@ -286,11 +286,11 @@ def read_mds(path: str | os.PathLike, cache: str | os.PathLike | None = None) ->
     from streaming import StreamingDataset
 
     cache = str(cache) if cache else tempfile.mkdtemp(prefix="mds_read_")
-    from grape_stream.streaming_compat.registration import registration_lock
+    from grape_stream.streaming_compat.registration import create_registered
     from grape_stream.streaming_compat.shm import release_streaming_dataset
 
-    with registration_lock():  # (a multi-rank job on the other xdist worker must not pick this prefix meanwhile)
-        ds = StreamingDataset(remote=str(path), local=cache, shuffle=False, batch_size=1)
+    # under the registration lock: a multi-rank job on the other xdist worker must not pick this prefix meanwhile
+    ds = create_registered(lambda: StreamingDataset(remote=str(path), local=cache, shuffle=False, batch_size=1))
     try:
         return [ds[i] for i in range(len(ds))]
     finally:

@@ -24,8 +24,7 @@ from torch import nn
 
 from _alignment_helpers import gpt, lm_groups
 from _grape_data import write_dataset
-from _instep_helpers import directions, fsdp1, fsdp2, grad_sync, local_grads, rel, shard, truth
-from _parallel import spawn
+from _instep_helpers import directions, fsdp1, fsdp2, grad_sync, local_grads, rel, run_two_ranks, shard, truth
 from grape_stream import DomainStream, GrapeController, WeightedStreamingMixer
 from grape_stream.grape.gram.batches import concat, map_tensors
 from grape_stream.grape.gram.instep import StepAlignments
@@ -143,7 +142,7 @@ def _explicit(model: nn.Module, batch: dict, sums: list, counts: list) -> None:
         counts[k] += int(mask.sum())
 
 
-def _check(r0: dict, r1: dict, kind: str) -> None:
+def _check(r0: dict, r1: dict, kind: str, gram: np.ndarray, alpha: np.ndarray) -> None:
     # in-step alignments: each rank its own samples, sharded directions, one all-reduce
     a0, a1 = r0[kind]["alignments"], r1[kind]["alignments"]
     for key in ("sums", "weights", "samples"):
@@ -164,7 +163,6 @@ def _check(r0: dict, r1: dict, kind: str) -> None:
     # R&B: the Gram of the domains' mean gradients over both ranks' samples, two steps, alpha
     g0, g1 = r0[kind]["rnb"], r1[kind]["rnb"]
     assert g0["rec"]["domain_gram"] == g1["rec"]["domain_gram"] and np.array_equal(g0["alpha"], g1["alpha"])
-    gram, alpha = _rnb_truth()
     np.testing.assert_allclose(np.array(g0["rec"]["domain_gram"]), gram, rtol=1e-10)
     np.testing.assert_allclose(g0["alpha"], alpha, rtol=1e-10)
 
@@ -189,13 +187,12 @@ def _rnb_truth() -> tuple[np.ndarray, np.ndarray]:
 def test_fsdp_instep_alignments_and_rnb_equal_the_unsharded_computation(tmp_path: Path) -> None:
     data = str(tmp_path / "data")
     write_dataset(data, domains=3, tasks=(0, 2), n_domain=32, n_val=8, n_test=4)
-    spawn(_worker, args=(2, str(tmp_path), data), nprocs=2)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    r0, r1 = run_two_ranks(_worker, tmp_path, data)
+    gram, alpha = _rnb_truth()
     for kind in ("fsdp2", "fsdp1"):
-        _check(r0, r1, kind)
+        _check(r0, r1, kind, gram, alpha)
 
     # HSDP (each shard held by both ranks): the same Gram and alpha, each shard counted once
-    gram, alpha = _rnb_truth()
     for r in (r0, r1):
         np.testing.assert_allclose(np.array(r["rnb_hsdp"]["rec"]["domain_gram"]), gram, rtol=1e-10)
         np.testing.assert_allclose(r["rnb_hsdp"]["alpha"], alpha, rtol=1e-10)

@@ -27,8 +27,7 @@ from torch import nn
 
 from _alignment_helpers import gpt, lm_groups
 from _grape_data import SEQ, write_dataset
-from _instep_helpers import directions, fsdp2, grad_sync, shard, truth
-from _parallel import spawn
+from _instep_helpers import directions, fsdp2, grad_sync, run_two_ranks, shard, truth
 from grape_stream import DomainStream, GrapeController, TaskStream, WeightedStreamingMixer
 from grape_stream.grape.gram.batches import concat, map_tensors
 from grape_stream.grape.gram.shard_layout import shard_layouts
@@ -285,8 +284,7 @@ def _reference(data: str, method: str) -> dict:
 def test_fsdp_alignments_steps_equal_the_unsharded_computation(tmp_path: Path) -> None:
     data = str(tmp_path / "data")
     write_dataset(data, domains=3, tasks=(0, 2), n_domain=32, n_val=16, n_test=4)
-    spawn(_worker, args=(2, str(tmp_path), data), nprocs=2)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    r0, r1 = run_two_ranks(_worker, tmp_path, data)
 
     for kind in ("fsdp2", "fsdp1"):
         _check_probe(r0["probe"][kind], r1["probe"][kind], kind)

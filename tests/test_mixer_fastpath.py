@@ -64,11 +64,11 @@ def _write(out, rows, columns):
 def _layout(ds_dir):
     from streaming import StreamingDataset
 
-    from grape_stream.streaming_compat.registration import registration_lock
+    from grape_stream.streaming_compat.registration import create_registered
     from grape_stream.streaming_compat.shm import release_streaming_dataset
 
-    with registration_lock():  # (a multi-rank job on the other xdist worker must not pick this prefix meanwhile)
-        ds = StreamingDataset(local=str(ds_dir), batch_size=1)
+    # under the registration lock: a multi-rank job on the other xdist worker must not pick this prefix meanwhile
+    ds = create_registered(lambda: StreamingDataset(local=str(ds_dir), batch_size=1))
     try:
         shard = ds.shards[0]
         m = MappedShard(f"{ds_dir}/{shard.raw_data.basename}")

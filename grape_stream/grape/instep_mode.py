@@ -154,12 +154,13 @@ class InstepMode:
         stack, self._stack = self._stack, None
         if stack is None:
             return
-        if failed:
-            why = sys.exc_info()
-            stack.__exit__(*why) if why[0] is not None else \
-                stack.__exit__(RuntimeError, RuntimeError("the observed micro-batch did not finish"), None)
-        else:
+        if not failed:
             stack.close()
+            return
+        why: tuple[Any, Any, Any] = sys.exc_info()
+        if why[0] is None:  # (begin() dropping a micro-batch nobody ended: no exception is being handled)
+            why = (RuntimeError, RuntimeError("the observed micro-batch did not finish"), None)
+        stack.__exit__(*why)
 
     @contextlib.contextmanager
     def observe(self, model: nn.Module, step: int, batch: Any, domains: Optional[torch.Tensor] = None, *,

@@ -54,7 +54,7 @@ def sharded_task_probe(model: nn.Module, per_sample_loss: PerSampleLoss, groups:
     layouts = sa.pieces
     sizes = [batch_size(g, f"groups[{i}]") for i, g in enumerate(groups)]
     n_tasks = len(groups)
-    device = layouts[id(params[0])].zeros_local().device
+    device = layouts[id(params[0])].device
     batch = concat(list(groups))
     task_of = torch.repeat_interleave(torch.arange(n_tasks, device=device), torch.tensor(sizes, device=device))
     inv = 1.0 / torch.tensor(sizes, dtype=torch.float64, device=device)

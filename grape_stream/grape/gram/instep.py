@@ -247,10 +247,10 @@ class StepAlignments:
                 p = names.get(key) if isinstance(key, str) else key
                 if p is None or id(p) not in stacks:
                     raise ValueError(f"direction {d}: {key!r} is not a trainable parameter of the model")
-                lay = self.pieces.get(id(p))
-                if tuple(t.shape) not in {tuple(p.shape), tuple(lay.shape if lay is not None else p.shape)}:
+                whole = self.pieces[id(p)].shape if id(p) in self.pieces else p.shape  # (FSDP1: p is a piece)
+                if tuple(t.shape) not in {tuple(p.shape), tuple(whole)}:
                     raise ValueError(f"direction {d}: {key!r} has shape {tuple(t.shape)}, the parameter "
-                                     f"{tuple(lay.shape if lay is not None else p.shape)}")
+                                     f"{tuple(whole)}")
                 stacks[id(p)][d] = t
         self.engine.directions = {}
         for p in self.scope:

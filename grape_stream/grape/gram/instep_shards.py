@@ -37,11 +37,11 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from grape_stream.grape.gram.instep_grads import PartStore
 
-__all__ = ["ShardedParts", "fsdp2_scope", "gather", "is_dtensor", "like_param", "local_of", "local_shard",
+__all__ = ["ShardedParts", "gather", "is_dtensor", "like_param", "local_of", "local_shard",
            "reduce_scatter_parts", "replicas", "scatter_parts", "shard_like", "sharded_gram", "stack_sharded",
            "whole_of"]
 
@@ -233,8 +233,3 @@ def sharded_gram(sums: Mapping[Any, Tensor], num_domains: int, group: Optional[A
     out = g.to(collective_device(None, group))
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out.cpu()
-
-
-def fsdp2_scope(model: nn.Module) -> bool:
-    """True when the in-step engine's parameters are FSDP2 DTensors (hooks see the gathered tensors)."""
-    return any(is_dtensor(p) for p in model.parameters())

@@ -41,6 +41,7 @@ class ShardLayout(Protocol):
     """How one parameter's (L, *shape) stacks are split over the ranks."""
 
     shape: torch.Size  # the parameter's whole shape
+    device: torch.device  # where this rank's piece lives
     replicas: int  # ranks holding each piece (HSDP's replicate dimension; 1 otherwise)
 
     def stack(self, ts: list[Optional[Tensor]]) -> Tensor:
@@ -86,6 +87,7 @@ class DTensorLayout:
     def __init__(self, p: Any) -> None:
         self.p = p
         self.shape = p.shape
+        self.device = p.to_local().device
         self.replicas = dt.replicas(p)
 
     def stack(self, ts: list[Optional[Tensor]]) -> Tensor:
