@@ -19,6 +19,14 @@ so a straight and a resumed run iterate their sets in one order (the FSDP, torch
 still resume in fresh interpreters).
 
     proc = _warm.run(script, *args, cwd=..., env=..., timeout=400)   # a subprocess.CompletedProcess (text)
+    proc = _warm.run(script, *args, cwd=..., env=..., ranks=2)       # as `torchrun --nproc_per_node 2 script ...`
+
+With ``ranks=n`` the server forks n such processes at once with the variables torchrun gives its workers (RANK,
+LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_*, MASTER_ADDR / MASTER_PORT, TORCHELASTIC_RUN_ID), and
+waits for them as torchrun does: the first rank that fails takes the others down (SIGKILL) and its exit status is
+the run's; their stdout and stderr go, line-interleaved, to one stdout and one stderr. The ranks of a warm launch
+share one hash seed, where torchrun's fresh interpreters each draw their own: the DDP tests that launch with real
+torchrun (tests/test_lightning.py, test_hf_trainer.py) still check that ranks agree whatever their set order.
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ import tempfile
 import threading
 import time
 from typing import Any
+
+from _parallel import free_port
 
 #: What the server imports before its first fork (the union of what the training scripts import).
 PRELOAD = ("torch", "streaming", "transformers", "transformers.trainer", "composer", "lightning.pytorch",
@@ -81,21 +91,20 @@ class _Server:
         return line.decode()
 
     def run(self, cmd: list[str], script: str, args: list[str], cwd: str, env: dict[str, str],
-            timeout: float) -> subprocess.CompletedProcess:
+            timeout: float, ranks: int = 0) -> subprocess.CompletedProcess:
         fd_out, out = tempfile.mkstemp(prefix="warm-out-")
         fd_err, err = tempfile.mkstemp(prefix="warm-err-")
         os.close(fd_out)
         os.close(fd_err)
         try:
-            request = {"script": script, "args": args, "cwd": cwd, "env": env, "stdout": out, "stderr": err}
+            request = {"script": script, "args": args, "cwd": cwd, "env": env, "stdout": out, "stderr": err,
+                       "ranks": ranks, "port": free_port() if ranks else 0}
             os.write(self.req, (json.dumps(request) + "\n").encode())
-            pid = int((self._line(60) or "pid -1").split()[1])
+            pids = [int(p) for p in (self._line(60) or "pid").split()[1:]]
             status = self._line(timeout)
             if status is None:
-                try:
-                    os.killpg(pid, signal.SIGKILL)  # the run and whatever it started
-                except ProcessLookupError:
-                    pass
+                for pid in pids:
+                    _kill_tree(pid)
                 self._line(60)
                 raise subprocess.TimeoutExpired(cmd, timeout, _read(out), _read(err))
             return subprocess.CompletedProcess(cmd, int(status.split()[1]), _read(out), _read(err))
@@ -113,20 +122,45 @@ class _Server:
         os.unlink(self.log.name)
 
 
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a run and whatever it started: its process group (its own session, once it has called setsid)
+    and the process itself (before it has, the group does not exist yet)."""
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _read(path: str) -> str:
     with open(path, encoding="utf-8", errors="replace") as f:
         return f.read()
 
 
-def run(script: str, *args: str, cwd: str, env: dict[str, str], timeout: float = 400) -> subprocess.CompletedProcess:
+def run(script: str, *args: str, cwd: str, env: dict[str, str], timeout: float = 400,
+        ranks: int = 0) -> subprocess.CompletedProcess:
     """``subprocess.run([sys.executable, script, *args], cwd=cwd, env=env, capture_output=True, text=True,
-    timeout=timeout)``, run as a fork of this worker's warm server (started on first use)."""
+    timeout=timeout)``, run as a fork of this worker's warm server (started on first use); ``ranks=n``: as
+    ``torchrun --nproc_per_node n`` would run it (the module's docstring says what differs)."""
     global _server
     with _lock:
         if _server is None:
             _server = _Server(env)
             atexit.register(_server.close)
-        return _server.run([sys.executable, script, *args], os.path.abspath(script), list(args), cwd, env, timeout)
+        cmd = [sys.executable, script, *args]
+        if ranks:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), *cmd[1:]]
+        return _server.run(cmd, os.path.abspath(script), list(args), cwd, env, timeout, ranks)
+
+
+def _rank_env(env: dict[str, str], rank: int, ranks: int, port: int) -> dict[str, str]:
+    """What torchrun (torch.distributed.run, one node) puts in worker ``rank``'s environment."""
+    n = str(ranks)
+    return {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": n, "LOCAL_WORLD_SIZE": n,
+            "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": n,
+            "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "TORCHELASTIC_RUN_ID": f"warm-{port}", "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0", "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -142,8 +176,8 @@ def _child(req: dict[str, Any], rep_fd: int) -> None:
     try:
         os.setsid()
         os.close(rep_fd)  # (the request pipe's read end is closed as the SystemExit unwinds the server's loop)
-        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, req["stdout"], os.O_WRONLY),
-                                (2, req["stderr"], os.O_WRONLY)):
+        append = os.O_WRONLY | os.O_APPEND  # (the ranks of one launch share the files)
+        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, req["stdout"], append), (2, req["stderr"], append)):
             new = os.open(path, flags)
             os.dup2(new, fd)
             os.close(new)
@@ -163,6 +197,23 @@ def _child(req: dict[str, Any], rep_fd: int) -> None:
     raise SystemExit(code)
 
 
+def _wait_all(pids: list[int]) -> int:
+    """Wait for every process of a launch; as torchrun, the first that fails takes the others down and its exit
+    status is the launch's (0 when all exit 0)."""
+    left, code = set(pids), 0
+    while left:
+        pid, status = os.waitpid(-1, 0)
+        if pid not in left:
+            continue
+        left.discard(pid)
+        exit_code = os.waitstatus_to_exitcode(status)
+        if exit_code != 0 and code == 0:
+            code = exit_code
+            for other in left:
+                _kill_tree(other)
+    return code
+
+
 def _serve(req_fd: int, rep_fd: int) -> None:
     import importlib
 
@@ -174,12 +225,16 @@ def _serve(req_fd: int, rep_fd: int) -> None:
     with os.fdopen(req_fd, "rb", buffering=0) as requests:
         for line in iter(requests.readline, b""):
             req = json.loads(line)
-            pid = os.fork()
-            if pid == 0:
-                _child(req, rep_fd)
-            os.write(rep_fd, f"pid {pid}\n".encode())
-            _, status = os.waitpid(pid, 0)
-            os.write(rep_fd, f"status {os.waitstatus_to_exitcode(status)}\n".encode())
+            ranks = int(req.get("ranks") or 0)
+            envs = [_rank_env(req["env"], r, ranks, req["port"]) for r in range(ranks)] if ranks else [req["env"]]
+            pids = []
+            for env in envs:
+                pid = os.fork()
+                if pid == 0:
+                    _child({**req, "env": env}, rep_fd)
+                pids.append(pid)
+            os.write(rep_fd, ("pid " + " ".join(map(str, pids)) + "\n").encode())
+            os.write(rep_fd, f"status {_wait_all(pids)}\n".encode())
     os._exit(0)  # the server has nothing to finalise, and the native threads its imports started (jemalloc's,
     # torch's) made a normal interpreter exit linger for seconds
 

@@ -31,7 +31,8 @@ machine), so:
   `SLOW_MODULES` (they start first, so no long module is left for the end while the other worker idles). A
   training script run as a subprocess goes through `_warm.run` (a fork of a server that imported torch,
   streaming, Composer, Transformers and Lightning once per worker: the imports were most of such a run's CPU);
-  launchers (torchrun, `composer -n`) and the runs that must start cold stay plain subprocesses.
+  `_warm.run(..., ranks=n)` starts n ranks as torchrun would. The DDP tests that check real torchrun, `composer -n`
+  and the runs that must start cold stay plain subprocesses.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ INTEGRATION_MODULES = frozenset({
     "test_rnb_composer",
     "test_run_ux",
     "test_s3_fixture",
+    "test_warm_launch",
 })
 _INTEGRATION_FIXTURES = frozenset({"s3_server", "s3_bucket", "fault_proxy"})
 #: Single tests in otherwise fast modules that train, kill or start processes.

@@ -127,13 +127,12 @@ def test_lightning_ddp_two_ranks_agree_on_alpha_and_read_disjoint_samples(data, 
 
 
 def _fsdp2_run(data: str, out: str, *extra: str, devices: int = 2) -> None:
-    """A float64 GPT under ModelParallelStrategy, global batch 16 on any number of ranks, probes replicated."""
+    """A float64 GPT under ModelParallelStrategy, global batch 16 on any number of ranks, probes replicated; the
+    ranks started as torchrun starts them, forked warm (tests/_warm.py)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(devices),
-                           "--master_port", str(free_port()), os.path.join(HERE, "_lightning_run.py"), data, out,
-                           "--devices", str(devices), "--steps", "8", "--save-every", "3", "--strategy",
-                           "model_parallel", "--global-batch", "16", "--double", "--probe-mode", "replicated", *extra],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    proc = _warm.run(os.path.join(HERE, "_lightning_run.py"), data, out, "--devices", str(devices), "--steps", "8",
+                     "--save-every", "3", "--strategy", "model_parallel", "--global-batch", "16", "--double",
+                     "--probe-mode", "replicated", *extra, cwd=REPO, env=env, timeout=400, ranks=devices)
     with open(out + ".stderr", "w", encoding="utf-8") as f:  # (a killed run's log, for a failure after it)
         f.write(proc.stderr)
     assert proc.returncode == 0 or "--kill-at" in extra, proc.stderr[-4000:]

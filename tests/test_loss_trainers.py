@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 import _warm
 from _grape_data import SHORT_RUN, write_dataset
-from _parallel import free_port
 from grape_stream.grape.reweighting import REWEIGHTERS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -118,11 +115,11 @@ def test_hf_model_without_logits_is_refused_in_one_line(data, tmp_path, method) 
 
 
 def _torchrun(script: str, data: str, out: str, *extra: str) -> None:
-    """2 ranks under torchrun (gloo on CPU); a SIGKILLed run (``--kill-at``) may exit non-zero."""
+    """2 ranks as torchrun starts them (gloo on CPU; forked warm, tests/_warm.py); a SIGKILLed run (``--kill-at``)
+    may exit non-zero."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), os.path.join(HERE, script), data, out, "--devices", "2", *extra], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=400)
+    proc = _warm.run(os.path.join(HERE, script), data, out, "--devices", "2", *extra, cwd=REPO, env=env,
+                     timeout=400, ranks=2)
     assert proc.returncode == 0 or "--kill-at" in extra, f"torchrun failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
 
 
