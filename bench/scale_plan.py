@@ -20,6 +20,12 @@ least of ``--repeats`` runs.
                       entries): ``load_state_dict`` + the first batch (0 workers, 1 rank: the one process
                       reads all ``C`` canonical nodes' shares, the most a rank can) of a checkpoint written
                       with ``C`` canonical nodes; and the writer's cold ``seek`` to that batch
+  rank resume s       the same checkpoint resumed by one rank of a real job of ``--rank-worlds`` ranks (8 a
+                      node; the mixer is told its rank and world size where it reads them, as
+                      tests/test_mixer_elastic.py does): ``load_state_dict`` + its first loader batch of
+                      ``G / R`` samples, at the default ``C`` (the node count: 1, 8, 128 for 8, 64, 1,024
+                      ranks; the code before canonical nodes has one stream), the first rank of the first
+                      and of the last node (the least over ``--repeats`` of each, the two averaged)
 
     PYTHONPATH=<tree> .venv/bin/python bench/scale_plan.py --out plan.json [--batches 5000] [--canonical 1,8,128]
 """
@@ -38,6 +44,7 @@ import numpy as np
 
 import grape_stream
 from grape_stream.mixing import DomainStream, WeightedStreamingMixer
+from grape_stream.mixing import mixer as mixer_module
 from grape_stream.mixing.compose import message_size
 from grape_stream.mixing.epoch_order import DomainOrder
 from grape_stream.mixing.loader import DEFAULT_MAX_DEPTH, SAMPLES_PER_MESSAGE
@@ -45,6 +52,7 @@ from grape_stream.mixing.planner import QuotaPlanner
 from grape_stream.mixing.rows import emission
 from grape_stream.mixing.schedule import EffectiveSchedule
 from grape_stream.mixing.topology import RankBatch, Topology
+from grape_stream.world import World
 
 K, G, WORKERS, SEED, RANKS_PER_NODE = 20, 1024, 8, 7, 8
 
@@ -128,19 +136,54 @@ def planning(stream: Stream, worlds: list[int], lanes_list: list[int], at: int, 
     return out
 
 
-def resume(at: int, every: int, lanes_list: list[int], repeats: int) -> dict[str, Any]:
-    """``load_state_dict`` + first batch at global batch ``at`` of checkpoints written with each ``C``."""
+def has_canonical_nodes() -> bool:
+    """Whether the measured tree plans for canonical nodes (the code before them has one stream)."""
+    return "nodes" in dir(World)
+
+
+def rank_world(rank: int, world: int) -> World:
+    """Rank ``rank`` of ``world`` ranks, 8 a node, in the measured tree's ``World`` (the code before
+    canonical nodes has no ``local_size``)."""
+    local = min(world, RANKS_PER_NODE)
+    return World(rank, world, rank % local, local) if has_canonical_nodes() else World(rank, world, rank % local)
+
+
+def timed_resume(doms: list[DomainStream], state: str, cap: int, at: int, batch_size: int,
+                 repeats: int) -> dict[str, float]:
+    """The least CPU of ``repeats`` resumes of ``state``: ``load_state_dict`` + the first loader batch."""
+    best: dict[str, float] = {}
+    for _ in range(repeats):
+        with WeightedStreamingMixer(doms, batch_size=batch_size, global_batch_size=G, seed=3,
+                                    schedule_capacity=cap) as m:
+            c0, w0 = time.process_time(), time.perf_counter()
+            m.load_state_dict(json.loads(state))
+            c1 = time.process_time()
+            batch = next(iter(m.dataloader(num_workers=0)))
+            c2, w2 = time.process_time(), time.perf_counter()
+            assert int(batch["batch_index"][0]) == at and len(batch["batch_index"]) == batch_size
+        got = {"load_state_dict_cpu_s": c1 - c0, "first_batch_cpu_s": c2 - c1, "total_cpu_s": c2 - c0,
+               "total_wall_s": w2 - w0}
+        best = {k: min(v, best.get(k, v)) for k, v in got.items()}
+    return best
+
+
+def resume(at: int, every: int, lanes_list: list[int], repeats: int, rank_worlds: list[int]) -> dict[str, Any]:
+    """``load_state_dict`` + first batch at global batch ``at`` of checkpoints written with each ``C``: in
+    one process of one rank, and by one rank of each of ``rank_worlds``."""
     sys.path.insert(0, str(Path(grape_stream.__file__).resolve().parents[1] / "tests"))
     from _mds_fixtures import write_domains  # the measured tree's small real MDS writer
 
     rng = np.random.default_rng(1)
     schedule = [(f, rng.dirichlet(np.ones(K))) for f in range(every, at, every)]
     cap = 2 * (at // every) + 16
+    canon = has_canonical_nodes()
+    rank_lanes = {w: max(1, w // RANKS_PER_NODE) if canon else 1 for w in rank_worlds}
     out: dict[str, Any] = {"at_batch": at, "schedule_entries": len(schedule) + 1}
     with tempfile.TemporaryDirectory() as tmp:
         dirs = write_domains(tmp, [500 + 37 * k for k in range(K)], samples_per_shard=64)
         doms = [DomainStream(f"d{k}", local=d) for k, d in enumerate(dirs)]
-        for lanes in lanes_list:
+        states: dict[int, str] = {}
+        for lanes in sorted(set(lanes_list) | set(rank_lanes.values())):
             extra = {} if lanes == 1 else {"canonical_nodes": lanes}
             with WeightedStreamingMixer(doms, batch_size=G, seed=3, schedule_capacity=cap, **extra) as m:
                 for f, w in schedule:
@@ -148,21 +191,25 @@ def resume(at: int, every: int, lanes_list: list[int], repeats: int) -> dict[str
                 t0 = time.process_time()
                 m.seek(at)
                 seek_s = time.process_time() - t0
-                state = json.dumps(m.state_dict())
-            best: dict[str, float] = {}
-            for _ in range(repeats):
-                with WeightedStreamingMixer(doms, batch_size=G, seed=3, schedule_capacity=cap) as m:
-                    c0, w0 = time.process_time(), time.perf_counter()
-                    m.load_state_dict(json.loads(state))
-                    c1 = time.process_time()
-                    batch = next(iter(m.dataloader(num_workers=0)))
-                    c2, w2 = time.process_time(), time.perf_counter()
-                    assert int(batch["batch_index"][0]) == at
-                got = {"load_state_dict_cpu_s": c1 - c0, "first_batch_cpu_s": c2 - c1, "total_cpu_s": c2 - c0,
-                       "total_wall_s": w2 - w0}
-                best = {k: min(v, best.get(k, v)) for k, v in got.items()}
-            out[f"C{lanes}"] = {**best, "cold_seek_cpu_s": seek_s}
-            print(f"resume C {lanes}: {out[f'C{lanes}']}", flush=True)
+                states[lanes] = json.dumps(m.state_dict())
+            if lanes in lanes_list:
+                out[f"C{lanes}"] = {**timed_resume(doms, states[lanes], cap, at, G, repeats),
+                                    "cold_seek_cpu_s": seek_s}
+                print(f"resume C {lanes}: {out[f'C{lanes}']}", flush=True)
+        ranks: dict[str, Any] = {}
+        real_world = mixer_module.streaming_world
+        try:
+            for world in rank_worlds:
+                got = []
+                for rank in sorted({0, world - min(world, RANKS_PER_NODE)}):  # local rank 0 of nodes 0, last
+                    mixer_module.streaming_world = lambda r=rank, w=world: rank_world(r, w)  # type: ignore
+                    got.append(timed_resume(doms, states[rank_lanes[world]], cap, at, G // world, repeats))
+                ranks[f"world{world}"] = {**{k: float(np.mean([g[k] for g in got])) for k in got[0]},
+                                          "canonical_nodes": rank_lanes[world], "ranks_timed": len(got)}
+                print(f"rank resume world {world}: {ranks[f'world{world}']}", flush=True)
+        finally:
+            mixer_module.streaming_world = real_world
+        out["rank"] = ranks
     return out
 
 
@@ -174,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, default=10_000, help="loader batches of the planning window")
     ap.add_argument("--resume-at", type=int, default=1_000_000)
     ap.add_argument("--repeats", type=int, default=3, help="resume runs (the least is kept)")
+    ap.add_argument("--rank-worlds", default="8,64,1024", help="world sizes of the one-rank resume")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     lanes_list = [int(c) for c in args.canonical.split(",")]
@@ -181,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"code": str(Path(grape_stream.__file__).resolve().parents[1]), "at": args.at, "batches": args.batches,
               "plan_us_per_batch_per_rank": planning(stream, [int(w) for w in args.worlds.split(",")], lanes_list,
                                                      args.at, args.batches),
-              "resume": resume(args.resume_at, 100, lanes_list, args.repeats)}
+              "resume": resume(args.resume_at, 100, lanes_list, args.repeats,
+                                [int(w) for w in args.rank_worlds.split(",") if w])}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 

@@ -323,3 +323,30 @@ def test_hash64_scalar_prefix_is_bit_identical_to_numpy():
                                       _hash64_numpy(np.int64(scalars[0]), np.uint64(1 << 63), 3))
     with pytest.raises(OverflowError):
         hash64(1 << 64)
+
+
+class _ReferenceOrder(DomainOrder):
+    """DomainOrder with the generators built as they were first written: ``default_rng`` of a list of Python
+    ints for every order and block, one-element orders included (the reference the fast build must match)."""
+
+    def _rng(self, *coords: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed & 0xFFFFFFFF, self.seed >> 32, *coords])
+
+    @staticmethod
+    def _permutation(rng, n: int) -> np.ndarray:
+        return rng().permutation(n)
+
+
+@pytest.mark.parametrize("lanes", [1, 4, 37])
+def test_domain_order_generators_are_those_of_the_reference(lanes):
+    """The cheaper generator build changes no sample: every position of several epochs of every canonical
+    node (spans inside one shard, of one piece, among them), for seeds whose words are 0, small and all ones."""
+    sizes = np.array([37, 50, 50, 13, 50, 44, 9, 64])
+    for seed in (0, 5, (1 << 32) - 1, 1 << 32, 0xFFFFFFFFFFFFFFFF, 0x9E3779B97F4A7C15):
+        fast, ref = (cls(sizes, seed, True, block_size=16, lanes=lanes) for cls in (DomainOrder, _ReferenceOrder))
+        for lane in range(lanes):
+            n = 5 * int(fast.lane_lens[lane])
+            np.testing.assert_array_equal(fast.sample_ids(0, n, lane)[0], ref.sample_ids(0, n, lane)[0])
+    big = DomainOrder(sizes, 3, True, block_size=16)  # a coordinate past one word: numpy's own list path
+    np.testing.assert_array_equal(big._rng(1 << 33, 1).permutation(50),
+                                  np.random.default_rng([3, 0, 1 << 33, 1]).permutation(50))

@@ -29,6 +29,7 @@ global stream, a new order of all the shards every epoch.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Callable
 
 import numpy as np
 
@@ -103,7 +104,22 @@ class DomainOrder:
 
     # ------------------------------------------------------------------------------------------------
     def _rng(self, *coords: int) -> np.random.Generator:
-        return np.random.default_rng([self.seed & 0xFFFFFFFF, self.seed >> 32, *coords])
+        """``default_rng([seed low, seed high, *coords])``, built from a uint32 array when every coordinate
+        fits one word: the same generator (a seed sequence splits each int into 32-bit words, one for any int
+        below 2**32) at a third of the cost -- numpy coerces a list of Python ints one by one, which made
+        this the largest cost of a process that reads many canonical nodes' shares (one per epoch and
+        block of each node it reads)."""
+        words = (self.seed & 0xFFFFFFFF, self.seed >> 32, *coords)
+        if max(words) <= 0xFFFFFFFF and min(words) >= 0:
+            seq = np.random.SeedSequence(np.array(words, dtype=np.uint32))
+            return np.random.Generator(np.random.PCG64(seq))
+        return np.random.default_rng(list(words))
+
+    @staticmethod
+    def _permutation(rng: Callable[[], np.random.Generator], n: int) -> np.ndarray:
+        """``rng().permutation(n)``; no generator for one element (its only order: a small domain's span
+        inside one shard, read by a process that holds many canonical nodes, has many such)."""
+        return rng().permutation(n) if n > 1 else np.zeros(n, np.int64)
 
     def _layout(self, epoch: int, lane: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """(first sample id, first position in the lane's span) of each piece of lane ``lane``'s span in
@@ -114,11 +130,11 @@ class DomainOrder:
             self._layouts.move_to_end(key)
             return hit
         if self.lanes == 1:
-            order = self._rng(epoch, 0).permutation(self.samples_per_shard.size)
+            order = self._permutation(lambda: self._rng(epoch, 0), self.samples_per_shard.size)
             first, lengths = self.shard_offsets[order], self.samples_per_shard[order]
         else:
             first, lengths = self._pieces[lane]
-            order = self._rng(epoch, 0, self.lanes, lane).permutation(first.size)
+            order = self._permutation(lambda: self._rng(epoch, 0, self.lanes, lane), first.size)
             first, lengths = first[order], lengths[order]
         self._layouts[key] = (first, np.concatenate([[0], np.cumsum(lengths)[:-1]]))
         while len(self._layouts) > 2 * self.lanes:
@@ -133,8 +149,8 @@ class DomainOrder:
             return hit
         begin = block * self.block_size
         size = min(self.block_size, int(self.lane_lens[lane]) - begin)
-        rng = self._rng(epoch, 1, block) if self.lanes == 1 else self._rng(epoch, 1, block, self.lanes, lane)
-        perm = rng.permutation(size).astype(np.int32 if size < 1 << 31 else np.int64)
+        coords = (epoch, 1, block) if self.lanes == 1 else (epoch, 1, block, self.lanes, lane)
+        perm = self._permutation(lambda: self._rng(*coords), size).astype(np.int32 if size < 1 << 31 else np.int64)
         self._blocks[key] = perm
         while len(self._blocks) > self._cache_blocks:
             self._blocks.popitem(last=False)
