@@ -99,7 +99,7 @@ class GrapeLoop:
         return reweighter_options(self.config)
 
     @property
-    def signal(self) -> Signal:
+    def signal_kind(self) -> Signal:
         """Where this run's updates read their numbers from (grape.algorithm_config.signal_source), known before the
         controller is built: ``.reads_training_losses`` -- the trainer must show each (micro-)batch's per-sample
         loss and domains (grape.loss_mode); ``.reads_step_gradients`` (``alignments: steps``, R&B's Gram) -- it must

@@ -119,10 +119,10 @@ class GrapeTrainer(Trainer):
         return MixerTrainLoader(loader, transform)
 
     def _loss_callbacks(self) -> list[GrapeTrainerCallback]:
-        return [cb for cb in self.grape_callbacks() if cb.loop.signal.reads_training_losses]
+        return [cb for cb in self.grape_callbacks() if cb.loop.signal_kind.reads_training_losses]
 
     def _step_callbacks(self) -> list[GrapeTrainerCallback]:
-        return [cb for cb in self.grape_callbacks() if cb.loop.signal.reads_step_gradients]
+        return [cb for cb in self.grape_callbacks() if cb.loop.signal_kind.reads_step_gradients]
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
                       ) -> torch.Tensor:
