@@ -127,6 +127,7 @@ class GrapeController:
         self.signal: SignalSource = self._build_signal(kind)
 
     def _build_signal(self, kind: Signal) -> SignalSource:
+        """The one source of ``kind``, built from the explicit parts it reads (no reference to this controller)."""
         if self.reweighter is None or kind in (Signal.none, Signal.replay):
             return QuietSignal(kind)
         parts = SignalParts(config=self.config, reweighter=self.reweighter, reweighter_options=self.reweighter_options,
