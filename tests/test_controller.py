@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from _grape_data import SEQ, VOCAB, write_dataset
+from grape_stream.config.choices import Signal
 from grape_stream.grape.controller import GrapeController, filter_reweighter_options, load_trajectory
 from grape_stream.grape.reweighting import build_reweighter
 from grape_stream.grape.tasks import TaskStream, probe_indices
@@ -157,7 +158,7 @@ def test_alpha_and_z_on_different_periods(data_dir):
 def test_uniform_draws_no_probe_and_keeps_weights(data_dir):
     mixer = _mixer(data_dir, weights=[0.5, 0.3, 0.2])
     ctl = GrapeController(mixer, [], method="uniform", alpha_every=2, z_every=2)
-    assert not ctl.needs_probe
+    assert ctl.signal.kind is Signal.none
     rec = ctl.maybe_update(_model(), 2, lr=1e-3)
     assert rec["alpha"] == pytest.approx([1 / 3] * 3) and "alignment" not in rec
     np.testing.assert_allclose(mixer.weights, [1 / 3] * 3)  # the controller's initial weights win

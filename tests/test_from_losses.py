@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from grape_stream.config.choices import Signal
 from grape_stream.grape.reweighting import DomainLosses, Reweighter
 
 
@@ -14,8 +15,7 @@ class _TowardsLoss(Reweighter):
     """A toy loss-driven method: log alpha += loss, with a counter as its own state."""
 
     method = "towards_loss_test"
-    needs_probe = False
-    needs_training_losses = True
+    signal = Signal.training_losses
     moves_alpha = True
 
     def __init__(self, *args, **kwargs):

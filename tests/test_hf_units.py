@@ -159,15 +159,15 @@ def test_a_loss_built_from_each_sample_s_is_the_models_own_loss(data, tmp_path, 
                 # a batch_transform that masks other labels than loss_mask: the loss is still the model's own
                 relabelled = {**inputs, "labels": inputs["labels"].clone()}
                 relabelled["labels"][1, :9] = IGNORE_INDEX
-                ctl.losses._step_sums = None
+                ctl.signal._step_sums = None
                 mine = trainer.compute_loss(model, {**relabelled, GRAPE_BATCH: gb}, num_items_in_batch=items)
                 assert mine.requires_grad
                 theirs = Trainer.compute_loss(trainer, model, dict(relabelled), num_items_in_batch=items)
                 torch.testing.assert_close(mine, theirs, rtol=2e-6, atol=0)
-                ctl.losses._step_sums = None
+                ctl.signal._step_sums = None
                 own = trainer.compute_loss(model, {**inputs, GRAPE_BATCH: gb}, num_items_in_batch=items)
-                sums = ctl.losses._step_sums.clone()
-                ctl.losses._step_sums = None
+                sums = ctl.signal._step_sums.clone()
+                ctl.signal._step_sums = None
                 with torch.no_grad():
                     each = logits_per_sample_loss(model, gb).double()
                 want_sums = torch.zeros(3, dtype=torch.float64).index_add_(0, gb["domain"], each)

@@ -43,7 +43,7 @@ def test_observed_step_in_a_trainer_is_exact(data_dir, tmp_path) -> None:
 
         def batch_end(self, state, logger):
             if int(state.timestamp.batch) == 2:
-                instep = built.algorithm.controller.instep
+                instep = built.algorithm.controller.signal
                 seen["totals"] = {k: v.clone() for k, v in instep.totals.items()}
                 seen["direction"] = instep.alignments.state_dict()["directions"]
 

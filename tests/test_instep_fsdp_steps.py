@@ -137,7 +137,7 @@ def _controller(rank: int, world: int, data: str, method: str, kind: str = "fsdp
             opt.step()
             opt.zero_grad(set_to_none=True)
             rec = grape.maybe_update(model, step, lr=LR, optimizer=opt)
-        state = grape.instep.alignments.state_dict()  # type: ignore[union-attr]  # (gathered whole: every rank)
+        state = grape.signal.alignments.state_dict()  # type: ignore[union-attr]  # (gathered whole: every rank)
         return {"rec": rec, "alpha": grape.alpha, "z": grape.reweighter.z, "v": state["directions"]}
     finally:
         mixer.close()

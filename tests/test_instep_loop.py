@@ -11,6 +11,7 @@ import torch
 
 from _grape_data import SEQ, VOCAB, write_dataset
 from grape_stream import DomainStream, GrapeController, TaskStream, WeightedStreamingMixer
+from grape_stream.config.choices import Signal
 from grape_stream.errors import ConfigError
 from grape_stream.grape.gram.batches import map_tensors
 from grape_stream.models import GPT, GPTConfig, per_sample_lm_loss
@@ -127,6 +128,6 @@ def test_an_error_inside_an_observed_step_reaches_the_caller_and_the_next_step_r
                 raise KeyError("the trainer's own")
         with grape.observe(model, 1, batch):  # the same step again, for real
             per_sample_lm_loss(model, batch).mean().backward()
-        assert grape.instep is not None and float(grape.instep.alignments.weights.sum()) > 0  # type: ignore[union-attr]
+        assert grape.signal.kind is Signal.step_alignments and float(grape.signal.alignments.weights.sum()) > 0  # type: ignore[union-attr]
     finally:
         mixer.close()

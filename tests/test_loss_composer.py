@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from _grape_data import SHORT_RUN, write_dataset
+from grape_stream.config.choices import Signal
 from grape_stream.grape.reweighting import REWEIGHTERS
 from test_composer import _run, _trajectory, tiny_recipe
 from test_loss_mode import _slow_doremi, _slow_truth
 
-LOSS_METHODS = [m for m, c in REWEIGHTERS.items() if c.needs_training_losses]
+LOSS_METHODS = [m for m, c in REWEIGHTERS.items() if c.signal is Signal.training_losses]
 
 
 @pytest.fixture(scope="module")

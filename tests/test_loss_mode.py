@@ -15,13 +15,14 @@ import torch
 
 from _grape_data import SEQ, VOCAB, write_dataset
 from grape_stream import DomainStream, GrapeController, WeightedStreamingMixer
+from grape_stream.config.choices import Signal
 from grape_stream.errors import ConfigError
 from grape_stream.grape.gram.batches import map_tensors
 from grape_stream.grape.reweighting import REWEIGHTERS
 from grape_stream.models import GPT, GPTConfig, per_sample_lm_loss
 
 DOMAINS = ["d0", "d1", "d2"]
-LOSS_METHODS = [m for m, c in REWEIGHTERS.items() if c.needs_training_losses]
+LOSS_METHODS = [m for m, c in REWEIGHTERS.items() if c.signal is Signal.training_losses]
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,12 @@ import pytest
 
 import _warm
 from _grape_data import SHORT_RUN, write_dataset
+from grape_stream.config.choices import Signal
 from grape_stream.grape.reweighting import REWEIGHTERS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-LOSS_METHODS = [m for m, c in REWEIGHTERS.items() if c.needs_training_losses]
+LOSS_METHODS = [m for m, c in REWEIGHTERS.items() if c.signal is Signal.training_losses]
 
 
 @pytest.fixture(scope="module")

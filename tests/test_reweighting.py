@@ -16,6 +16,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from grape_stream.config.choices import Signal
 from grape_stream.grape.reweighting import (
     REWEIGHTERS,
     Reweighter,
@@ -546,9 +547,9 @@ def test_exponent_overflow_is_skipped():
 def test_registry_and_names():
     assert available_methods() == METHODS + ["rnb", "doremi"] + LOSS_METHODS  # rnb, doremi: own test files
     assert set(REWEIGHTERS) == set(METHODS + LOSS_METHODS) | {"rnb", "doremi"}
-    assert REWEIGHTERS["doremi"].needs_training_losses and REWEIGHTERS["doremi"].needs_reference
-    assert all(REWEIGHTERS[m].needs_training_losses and not REWEIGHTERS[m].needs_probe for m in LOSS_METHODS)
-    assert not any(REWEIGHTERS[m].needs_training_losses for m in METHODS)
+    assert REWEIGHTERS["doremi"].signal is Signal.training_losses and REWEIGHTERS["doremi"].needs_reference
+    assert all(REWEIGHTERS[m].signal is Signal.training_losses for m in LOSS_METHODS)
+    assert not any(REWEIGHTERS[m].signal is Signal.training_losses for m in METHODS)
     for name in METHODS + LOSS_METHODS:
         r = build_reweighter(name, 2, 2, **options_for(name, 2))
         assert isinstance(r, Reweighter) and r.method == name and REWEIGHTERS[name].description

@@ -151,7 +151,7 @@ def _run(data: str, steps: int, resume: dict | None, **options) -> dict:
     try:
         for step in range(first, steps + 1):
             batch = next(loader)
-            if resume is None and grape.instep.observed(step):
+            if resume is None and grape.signal.observed(step):
                 _explicit(model, batch, explicit["sums"], explicit["counts"], options.get("rnb_params"))
             for half in (slice(0, 3), slice(3, 8)):  # gradient accumulation over two unequal micro-batches
                 micro = map_tensors(batch, lambda t, h=half: t[h])

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from _grape_data import write_dataset
+from grape_stream.config.choices import Signal
 from test_composer import tiny_recipe
 
 
@@ -33,7 +34,7 @@ def test_rnb_trains_from_a_recipe(data_dir, tmp_path) -> None:
         history = controller.history
     finally:
         built.close()
-    assert not controller.needs_probe and controller.reweighter.options["rnb_lambda"] == 2.0
+    assert controller.signal.kind is Signal.step_gram and controller.reweighter.options["rnb_lambda"] == 2.0
     updates = [r for r in history if not r.get("initial")]
     assert [r["step"] for r in updates] == [4, 8] and all(r.get("skipped") is None for r in updates)
     assert all(r["instep"]["observed_steps"] == 4 and sum(r["instep"]["samples"]) == 32 for r in updates)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-__all__ = ["Alignments", "Composition", "Geometry", "ProbeMode", "values"]
+__all__ = ["Alignments", "Composition", "Geometry", "ProbeMode", "Signal", "values"]
 
 
 class Alignments(StrEnum):
@@ -39,6 +39,41 @@ class Composition(StrEnum):
 
     systematic = "systematic"  # exact quotas: systematic sampling of the cumulative weights
     multinomial = "multinomial"  # independent draws
+
+
+class Signal(StrEnum):
+    """Where a reweighting update's numbers come from: one value per method class (``Reweighter.signal``) and one
+    per run (``grape.algorithm_config.signal_source``, which adds the two a config decides: ``alignments: steps``
+    turns ``probe`` into ``step_alignments``, ``method: schedule`` is ``replay``). Not a setting: a capability,
+    read by the controller (which source it builds) and by the trainer integrations (what they must show it)."""
+
+    none = "none"  # the weights never move (uniform, static): nothing is read
+    probe = "probe"  # the K domain + N task probes' Gram (GRAPE, DoGE, ...; grape.probe_stage)
+    step_alignments = "step_alignments"  # alignments: steps: the domain side from the steps (grape.instep_mode)
+    step_gram = "step_gram"  # the per-domain Gram of the training steps (R&B; grape.instep_gram)
+    training_losses = "training_losses"  # each domain's training loss (DoReMi, ODM, ADO; grape.loss_mode)
+    replay = "replay"  # a recorded trajectory (method: schedule; grape.replay)
+
+    @property
+    def probes_tasks(self) -> bool:
+        """Whether updates run a task probe (so the run needs target tasks): the probe and in-step alignments."""
+        return self in (Signal.probe, Signal.step_alignments)
+
+    @property
+    def reads_step_gradients(self) -> bool:
+        """Whether the training steps' own backward is observed (the integrations put an observed step's batch
+        in domain order and keep each sample's loss in the backward's graph)."""
+        return self in (Signal.step_alignments, Signal.step_gram)
+
+    @property
+    def reads_training_losses(self) -> bool:
+        """Whether each (micro-)batch's per-sample training loss and domains are read (every step)."""
+        return self is Signal.training_losses
+
+    @property
+    def watches_steps(self) -> bool:
+        """Whether the trainer must wrap training steps' forward + backward in ``observe`` at all."""
+        return self.reads_step_gradients or self.reads_training_losses
 
 
 def values(choice: type[StrEnum]) -> tuple[str, ...]:

@@ -22,7 +22,7 @@ import logging
 from typing import Any, Mapping
 
 from grape_stream.config import AlgorithmConfig, field_names, with_overrides
-from grape_stream.config.choices import ProbeMode, values
+from grape_stream.config.choices import ProbeMode, Signal, values
 from grape_stream.errors import ConfigError, UnknownOptionError, did_you_mean
 from grape_stream.grape.geometry import GEOMETRIES
 from grape_stream.grape.instep_mode import ALIGNMENTS
@@ -31,7 +31,7 @@ from grape_stream.grape.reweighting import REWEIGHTERS, all_options, available_m
 from grape_stream.grape.reweighting.registry import canonical_method, method_options_class
 
 __all__ = ["PROBE_MODES", "algorithm_config", "check_algorithm", "check_option_names", "check_reweighter_options",
-           "controller_methods", "filter_reweighter_options", "reweighter_options"]
+           "controller_methods", "filter_reweighter_options", "reweighter_options", "signal_source"]
 
 log = logging.getLogger(__name__)
 
@@ -136,23 +136,24 @@ def check_algorithm(config: AlgorithmConfig, *, prefix: str = "") -> None:
         raise ConfigError(f"{prefix}schedule_stretch must be > 0, got {config.schedule_stretch}")
     if config.method == REPLAY_METHOD and not config.schedule_path:
         raise ConfigError(f"{prefix}method=schedule needs {prefix}schedule_path (a trajectory JSONL)")
-    if config.method != REPLAY_METHOD and config.alignments == "steps" \
-            and REWEIGHTERS[canonical_method(config.method)].needs_training_losses:
+    if config.alignments == "steps" and signal_source(config) is Signal.training_losses:
         raise ConfigError(f"{prefix}alignments: steps does not apply to method {config.method!r}: it reads the "
                           "training losses, not alignments; leave alignments at 'probe'")
 
 
-def step_observation(config: AlgorithmConfig) -> str | None:
-    """What the training steps' own backward is read for: ``"alignments"`` (``alignments: steps`` with a probing
-    method, grape.instep_mode), ``"gram"`` (a method that reads the per-domain Gram, R&B: grape.instep_gram), or
-    None. One rule for the controller, which builds the mode, and the trainer integrations, which must arrange
-    the observed steps before the controller exists."""
+def signal_source(config: AlgorithmConfig) -> Signal:
+    """Where this run's updates read their numbers from: the method class's ``signal``, except that ``method:
+    schedule`` is :attr:`Signal.replay` and ``alignments: steps`` turns a probing method's :attr:`Signal.probe` into
+    :attr:`Signal.step_alignments` (the domain side from the training steps; other methods keep theirs: a method
+    that never moves, R&B, the loss-driven ones, which check_algorithm refuses with steps). The one rule for the
+    controller, which builds the source, and for GrapeLoop, the trainer integrations and the recipe checks, which
+    must know it before a controller exists."""
     if config.method == REPLAY_METHOD:
-        return None
-    cls = REWEIGHTERS[canonical_method(config.method)]
-    if config.alignments == "steps" and cls.needs_probe:
-        return "alignments"
-    return "gram" if getattr(cls, "needs_step_gram", False) else None
+        return Signal.replay
+    signal = REWEIGHTERS[canonical_method(config.method)].signal
+    if config.alignments == "steps" and signal is Signal.probe:
+        return Signal.step_alignments
+    return signal
 
 
 def check_reweighter_options(config: AlgorithmConfig, num_domains: int, num_tasks: int) -> None:

@@ -6,7 +6,9 @@ probe stage (grape.probe_stage: one probe batch per domain and per target task, 
 ``(seed, step, rank)``, and the (K+N) x (K+N) Gram matrix of the groups' mean-loss gradients from one
 fused forward/backward that never touches ``.grad``), (3) feeds it, the task losses and the current
 learning rate to the reweighter (grape.reweighting) and (4) hands the new domain weights to the mixer
-(grape.mixer_port: ``mixer.set_weights``).
+(grape.mixer_port: ``mixer.set_weights``). Steps (1)-(3) are the run's signal source (grape.signal: one
+protocol; the probe is one source, the training steps' alignments or Gram and the training losses others), which
+the controller holds as ``signal`` and calls without asking which it is.
 
 Its settings are one :class:`~grape_stream.config.AlgorithmConfig` (``GrapeController(mixer, tasks,
 config)``, or keyword overrides of its fields and of the reweighter's options; grape.algorithm_config
@@ -21,7 +23,6 @@ module.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 
 from grape_stream.config import AlgorithmConfig
+from grape_stream.config.choices import Signal
 from grape_stream.errors import ConfigError
 from grape_stream.grape.algorithm_config import (
     algorithm_config,
@@ -40,7 +42,7 @@ from grape_stream.grape.algorithm_config import (
     controller_methods,
     filter_reweighter_options,
     reweighter_options,
-    step_observation,
+    signal_source,
 )
 from grape_stream.grape.checkpoint import STATE_FORMAT, check_state_format, from_plain, history_tail, to_plain
 from grape_stream.grape.collectives import agree_with_rank_zero
@@ -49,10 +51,12 @@ from grape_stream.grape.instep_mode import InstepMode
 from grape_stream.grape.loss_mode import LossMode
 from grape_stream.grape.metrics import update_metrics
 from grape_stream.grape.mixer_port import MixerPort, check_mixer, push_weights
+from grape_stream.grape.probe_signal import ProbeSignal, QuietSignal
 from grape_stream.grape.probe_stage import PerSampleLoss, ProbeStage
 from grape_stream.grape.probes import module_device, unwrap_for_probe
 from grape_stream.grape.replay import REPLAY_METHOD, ScheduleReplay
 from grape_stream.grape.reweighting import Reweighter, build_reweighter, method_options
+from grape_stream.grape.signal import SignalParts, SignalSource, UpdateCall
 from grape_stream.grape.tasks import TaskStream, task_names
 from grape_stream.grape.trajectory import floats, jsonable, load_trajectory, write_trajectory
 from grape_stream.models import per_sample_lm_loss
@@ -115,18 +119,24 @@ class GrapeController:
             self.schedule_path = self.replay.path
         else:
             self.reweighter = self._build_reweighter()
-        self.needs_probe = self.reweighter is not None and self.reweighter.needs_probe
-        if self.needs_probe and not self.task_names:
+        kind = signal_source(self.config)
+        if kind.probes_tasks and not self.task_names:
             raise ConfigError(f"method {self.method!r} needs at least one target task")
-        #: ``alignments: steps``: the domain side from the training steps (grape.instep_mode); None: probes
-        #: a method that reads the training steps' per-domain Gram (R&B) keeps it there too (grape.instep_gram)
-        observation = step_observation(self.config)
-        self.instep: InstepMode | None = (
-            InstepMode(self, self.config) if observation == "alignments"
-            else StepGramMode(self, self.config) if observation == "gram" else None)
-        #: loss-driven methods (DoReMi, ODM, ADO): per-domain training losses of every step (grape.loss_mode)
-        self.losses = (LossMode(self, self.config)
-                       if self.reweighter is not None and self.reweighter.needs_training_losses else None)
+        #: where each update's numbers come from (grape.signal): the probe, the training steps' alignments or
+        #: per-domain Gram, the training losses, or nothing (the weights never move, or a replay sets them)
+        self.signal: SignalSource = self._build_signal(kind)
+
+    def _build_signal(self, kind: Signal) -> SignalSource:
+        """The one source of ``kind``, built from the explicit parts it reads (no reference to this controller)."""
+        if self.reweighter is None or kind in (Signal.none, Signal.replay):
+            return QuietSignal(kind)
+        parts = SignalParts(config=self.config, reweighter=self.reweighter, reweighter_options=self.reweighter_options,
+                            domain_names=tuple(self.domain_names), task_names=tuple(self.task_names),
+                            per_sample_loss=self.per_sample_loss, probe=self.probe)
+        sources: dict[Signal, Callable[[SignalParts], SignalSource]] = {
+            Signal.probe: ProbeSignal, Signal.step_alignments: InstepMode, Signal.step_gram: StepGramMode,
+            Signal.training_losses: LossMode}
+        return sources[kind](parts)
 
     def _build_reweighter(self) -> Reweighter:
         opts = dict(self.reweighter_options)
@@ -168,7 +178,7 @@ class GrapeController:
             "seed": self.config.seed,
             "options": {k: jsonable(v) for k, v in self.reweighter_options.items()},
             **self.probe.meta(),
-            **({} if self.instep is None else {"alignments": "steps", "alignment_steps": self.instep.steps}),
+            **self.signal.meta(),
         }
 
     def metrics(self, record: Mapping[str, Any] | None = None, *, alignment: bool = True) -> dict[str, float]:
@@ -208,27 +218,17 @@ class GrapeController:
         return step % self.config.alpha_every == 0, step % self.config.z_every == 0
 
     def acts_at(self, step: int) -> bool:
-        """Whether :meth:`maybe_update` does anything after ``step`` (an update is due, a replay runs, or an
-        observed step's in-step sums are to be folded in):
+        """Whether :meth:`maybe_update` does anything after ``step`` (an update is due, a replay runs, or a
+        watched step's sums are to be folded in):
         a loop may skip the call (and what it costs to prepare) otherwise."""
-        mode = self.step_mode
-        return self.replay is not None or any(self.due(step)) or (mode is not None and mode.pending)
-
-    @property
-    def step_mode(self) -> InstepMode | LossMode | None:
-        """What watches the training steps' forward + backward: ``alignments: steps`` (grape.instep_mode), a
-        loss-driven method's training losses (grape.loss_mode), or nothing (None)."""
-        return self.instep if self.instep is not None else self.losses
+        return self.replay is not None or any(self.due(step)) or self.signal.pending
 
     def observe(self, model: nn.Module, step: int, batch: Any, domains: torch.Tensor | None = None, *,
                 optimizer: Any = None, autocast: Callable[[], ContextManager[Any]] | None = None) -> ContextManager:
-        """``alignments: steps`` and the loss-driven methods: wrap the forward + backward of each (micro-)batch of
-        optimizer step ``step`` (1-based: the step being trained) in it (grape.instep_mode, grape.loss_mode); a
-        no-op otherwise and on steps not observed."""
-        mode = self.step_mode
-        if mode is None:
-            return contextlib.nullcontext()
-        return mode.observe(model, step, batch, domains, optimizer=optimizer, autocast=autocast)
+        """A signal that watches the training steps (``signal.kind.watches_steps``: ``alignments: steps``, R&B, the
+        loss-driven methods): wrap the forward + backward of each (micro-)batch of optimizer step ``step`` (1-based:
+        the step being trained) in it (grape.signal); a no-op otherwise and on steps not observed."""
+        return self.signal.observe(model, step, batch, domains, optimizer=optimizer, autocast=autocast)
 
     # ------------------------------------------------------------------------------------------------
     def maybe_update(
@@ -252,9 +252,7 @@ class GrapeController:
         training optimizer, read (never changed) by ``geometry="adam"``.
         """
         self._consumed = consumed_batches
-        mode = self.step_mode
-        if mode is not None:
-            mode.after_step()
+        self.signal.after_step()
         if not self._started:
             self.start()
         if self.replay is not None:
@@ -267,12 +265,8 @@ class GrapeController:
         rank, world = collective_rank_size()
         device = module_device(model)
         rec: dict[str, Any] = {"type": "update", "step": int(step), "lr": float(lr), "method": self.method}
-        if self.instep is not None:
-            self.instep.update(model, step, lr, optimizer, autocast, rec, seconds)
-        elif self.losses is not None:
-            self.losses.update(step, lr, rec, seconds)
-        elif self.needs_probe:
-            self._probe_and_reweight(model, step, lr, a_due, z_due, autocast, rank, world, rec, seconds, optimizer)
+        self.signal.update(UpdateCall(model=model, step=int(step), lr=float(lr), update_alpha=a_due, update_z=z_due,
+                                      optimizer=optimizer, autocast=autocast), rec, seconds)
         alpha, z = self.alpha, self.z
         if world > 1:
             t = time.perf_counter()
@@ -296,28 +290,6 @@ class GrapeController:
         log.debug("GRAPE update at step %d (lr %.3g) took %.3fs: alpha=%s", step, lr, seconds["total"],
                  np.round(alpha, 4).tolist())
         return rec
-
-    def _probe_and_reweight(self, model: nn.Module, step: int, lr: float, a_due: bool, z_due: bool,
-                            autocast: Callable[[], ContextManager[Any]] | None, rank: int, world: int,
-                            rec: dict[str, Any], seconds: dict[str, float], optimizer: Any) -> None:
-        """The probe stage, then the reweighter; fill `rec` with what each did."""
-        assert self.reweighter is not None
-        # Sharded: every rank probed different samples; the Gram and losses are averaged over the ranks
-        # (one all-reduce), so every rank feeds identical numbers to the reweighter.
-        gram, losses = self.probe.run(model, step, rank=rank, world=world, reweighter=self.reweighter,
-                                      autocast=autocast, optimizer=optimizer, rec=rec, seconds=seconds)
-        t = time.perf_counter()
-        k = len(self.domain_names)
-        self.reweighter.update(gram, losses[k:], float(lr), step=step, update_alpha=a_due, update_z=z_due)
-        seconds["reweight"] = time.perf_counter() - t
-        last = self.reweighter.history[-1] if self.reweighter.history else {}
-        if last.get("b") is not None:
-            rec["domain_alignment"] = last["b"]
-        if last.get("a") is not None:
-            rec["task_alignment"] = last["a"]
-        if last.get("skipped"):
-            rec["skipped"] = last["skipped"]
-            log.warning("GRAPE update at step %d skipped: %s", step, last["skipped"])
 
     # ------------------------------------------------------------------------------------------------
     def probe_batches(self, step: int, device: torch.device | str | None = None, *,
@@ -361,9 +333,15 @@ class GrapeController:
             "history": json.loads(json.dumps(tail)),
             "history_dropped": dropped,
             **({} if self.probe.sizer is None else {"probe_size": self.probe.state_dict()}),
-            **({} if self.instep is None else {"instep": self.instep.state_dict()}),
-            **({} if self.losses is None else {"training_losses": self.losses.state_dict()}),
+            **self._signal_state(),
         }
+
+    def _signal_state(self) -> dict[str, Any]:
+        """The signal source's state under its entry (``instep``, ``training_losses``: the names these entries have
+        always had, so a checkpoint written before grape.signal existed loads), or nothing."""
+        key = self.signal.state_key
+        state = None if key is None else self.signal.state_dict()
+        return {} if key is None or state is None else {key: state}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a checkpoint (this format or the older int 1). The mixer's weights are restored by the
@@ -378,10 +356,9 @@ class GrapeController:
         self.history = list(state.get("history", []))
         self.history_dropped = int(state.get("history_dropped", 0))
         self.probe.load_state_dict(state.get("probe_size"))
-        if self.instep is not None and state.get("instep") is not None:
-            self.instep.load_state_dict(state["instep"])
-        if self.losses is not None and state.get("training_losses") is not None:
-            self.losses.load_state_dict(state["training_losses"])
+        key = self.signal.state_key
+        if key is not None and state.get(key) is not None:
+            self.signal.load_state_dict(state[key])
         self._resumed = True
 
     def write_trajectory(self, path: str | os.PathLike[str]) -> str:

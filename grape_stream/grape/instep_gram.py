@@ -13,9 +13,10 @@ micro-batches, steps and ranks, so at the round's end
 
 is exactly the Gram of the domains' mean gradients over the round (the paper's |S_i||S_j| normalisation when
 every sample weighs the same). Several ranks: each observed step's parts are summed over the ranks (one
-all-reduce of K gradient copies) so that every rank holds and checkpoints the same sums. The controller keeps
-this object where in-step alignments keep theirs (``controller.instep``): every trainer integration that
-observes steps for ``alignments: steps`` observes them for this too. docs/reweighting.md, "R&B".
+all-reduce of K gradient copies) so that every rank holds and checkpoints the same sums. It is the signal source
+``Signal.step_gram`` (grape.signal), observed where in-step alignments are (``Signal.reads_step_gradients``):
+every trainer integration that observes steps for ``alignments: steps`` observes them for this too, and its state
+sits under the same checkpoint entry (``instep``). docs/reweighting.md, "R&B".
 """
 
 from __future__ import annotations
@@ -23,14 +24,13 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import time
-from typing import Any, Callable, ContextManager, Mapping, Optional, Sequence
+from typing import Any, Callable, ClassVar, ContextManager, Mapping, Optional, Protocol, Sequence, cast
 
 import numpy as np
 import torch
 from torch import nn
 
-from grape_stream.config import AlgorithmConfig
-from grape_stream.config.choices import Geometry
+from grape_stream.config.choices import Geometry, Signal
 from grape_stream.errors import ConfigError
 from grape_stream.grape.gram.instep import StepAlignments
 from grape_stream.grape.gram.instep_grads import PartStore
@@ -38,11 +38,19 @@ from grape_stream.grape.gram.instep_shards import sharded_gram
 from grape_stream.grape.gram.shard_layout import named_parameters
 from grape_stream.grape.instep_mode import InstepMode
 from grape_stream.grape.probes import unwrap_for_probe
+from grape_stream.grape.signal import SignalParts, UpdateCall
 from grape_stream.world import dist_active
 
-__all__ = ["STEP_GRAM_FORMAT", "StepGramMode", "gram_of_sums", "kept_parameters"]
+__all__ = ["STEP_GRAM_FORMAT", "FromStepGram", "StepGramMode", "gram_of_sums", "kept_parameters"]
 
 STEP_GRAM_FORMAT = "grape_stream.step_gram/1"
+
+
+class FromStepGram(Protocol):
+    """What a ``Signal.step_gram`` method's reweighter takes (grape.reweighting.rnb)."""
+
+    def update_from_step_gram(self, gram: Any, samples: Any, lr: float | None = None,
+                              step: int | None = None) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 def gram_of_sums(sums: Mapping[Any, torch.Tensor], weights: torch.Tensor, squared: bool = False) -> np.ndarray:
@@ -81,14 +89,17 @@ class StepGramMode(InstepMode):
     no task probe runs.
     """
 
-    def __init__(self, controller: Any, config: AlgorithmConfig) -> None:  # noqa: D107 (no InstepMode checks)
-        self.controller = controller
+    kind: ClassVar[Signal] = Signal.step_gram
+
+    def __init__(self, parts: SignalParts) -> None:  # noqa: D107 (no InstepMode checks)
+        config = parts.config
+        self.parts = parts
         self.config = config
-        self.reweighter = controller.reweighter
-        self.num_domains = len(controller.domain_names)
+        self.reweighter = parts.reweighter
+        self.num_domains = len(parts.domain_names)
         self.period = config.alpha_every
         self.steps = min(config.alignment_steps, config.alpha_every)
-        self.per_sample_loss: Callable[[nn.Module, Any], torch.Tensor] = controller.per_sample_loss
+        self.per_sample_loss: Callable[[nn.Module, Any], torch.Tensor] = parts.per_sample_loss
         self.geometry = Geometry.sgd
         self.alignments: Optional[StepAlignments] = None
         self._tasks = None
@@ -206,17 +217,16 @@ class StepGramMode(InstepMode):
             return gram_of_sums({0: sharded_gram(sums, self.num_domains, copies=copies)}, self.weights, squared=True)
         return gram_of_sums(sums, self.weights)
 
-    def update(self, model: nn.Module, step: int, lr: float, optimizer: Any,
-               autocast: Optional[Callable[[], ContextManager[Any]]], rec: dict[str, Any],
-               seconds: dict[str, float]) -> None:
+    def update(self, call: UpdateCall, rec: dict[str, Any], seconds: dict[str, float]) -> None:
         """The round's Gram, the method's update; fills the update record ``rec``."""
+        step, lr = call.step, call.lr
         t0 = time.perf_counter()
         gram = self.gram()
         samples = self.samples.numpy().copy()
         seconds["gram"] = time.perf_counter() - t0
         rw = self.reweighter
         t1 = time.perf_counter()
-        rw.update_from_step_gram(gram, samples, lr, step=step)
+        cast(FromStepGram, rw).update_from_step_gram(gram, samples, lr, step=step)
         seconds["reweight"] = time.perf_counter() - t1
         last = rw.history[-1] if rw.history else {}
         rec.update(domain_gram=np.where(np.isfinite(gram), gram, np.nan).tolist(), domain_score=last.get("b"),

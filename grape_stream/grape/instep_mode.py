@@ -23,21 +23,21 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from typing import Any, Callable, ContextManager, Iterator, Mapping, Optional
+from typing import Any, Callable, ClassVar, ContextManager, Iterator, Mapping, Optional
 
 import numpy as np
 import torch
 from torch import nn
 
-from grape_stream.config import AlgorithmConfig
-from grape_stream.config.choices import Alignments, values
+from grape_stream.config.choices import Alignments, Signal, values
 from grape_stream.errors import ConfigError
 from grape_stream.grape.geometry import adam_preconditioner
 from grape_stream.grape.gram.instep import StepAlignments
 from grape_stream.grape.gram.sharding import common_length, is_sharded
 from grape_stream.grape.instep_probe import task_probe
 from grape_stream.grape.probes import module_device, pad_groups, unwrap_for_probe
-from grape_stream.world import dist_active
+from grape_stream.grape.signal import SignalParts, UpdateCall
+from grape_stream.world import collective_rank_size, dist_active
 
 __all__ = ["ALIGNMENTS", "InstepMode", "first_moment", "probe_context"]
 
@@ -80,11 +80,16 @@ def first_moment(optimizer: Any, params: list[nn.Parameter]) -> Optional[dict[nn
 
 
 class InstepMode:
-    """The state of ``alignments: steps`` inside a GrapeController (built only for that mode)."""
+    """The signal source of ``alignments: steps`` (``Signal.step_alignments``; grape.signal.SignalSource)."""
 
-    def __init__(self, controller: Any, config: AlgorithmConfig) -> None:
-        reweighter, alpha_every, steps = controller.reweighter, config.alpha_every, config.alignment_steps
-        reweighter_options: Mapping[str, Any] = controller.reweighter_options
+    kind: ClassVar[Signal] = Signal.step_alignments
+    #: the controller's state_dict entry (the name it has always had: older checkpoints load)
+    state_key: ClassVar[Optional[str]] = "instep"
+
+    def __init__(self, parts: SignalParts) -> None:
+        config = parts.config
+        reweighter, alpha_every, steps = parts.reweighter, config.alpha_every, config.alignment_steps
+        reweighter_options = parts.reweighter_options
         refused = {"alpha_every != z_every": alpha_every != config.z_every, "probe_rse": config.probe_rse is not None,
                    "clip_norm": reweighter_options.get("clip_norm") is not None,
                    "alignment: cosine": reweighter_options.get("alignment", "inner") != "inner",
@@ -95,13 +100,13 @@ class InstepMode:
                               f"Gram, or one period for alpha and z); use alignments: probe ({_WHERE})")
         if not reweighter.moves_alpha:
             raise ConfigError(f"alignments: steps needs a method that moves alpha (got {reweighter.method!r})")
-        self.controller = controller  # draws the task probe groups
+        self.parts = parts  # its probe stage draws the task probe groups
         self.config = config  # its probe mode and train mode apply to the task probe
         self.reweighter = reweighter
-        self.num_domains = num_domains = len(controller.domain_names)
+        self.num_domains = num_domains = len(parts.domain_names)
         self.period = alpha_every
         self.steps = min(steps, alpha_every)  # observed steps per interval, evenly spaced, the last one included
-        self.per_sample_loss: Callable[[nn.Module, Any], torch.Tensor] = controller.per_sample_loss
+        self.per_sample_loss: Callable[[nn.Module, Any], torch.Tensor] = parts.per_sample_loss
         self.geometry = config.geometry
         self.alignments: Optional[StepAlignments] = None
         self._tasks: Optional[StepAlignments] = None
@@ -208,10 +213,13 @@ class InstepMode:
             b = np.where(seen, b, np.sum(t["sums"][seen]) / np.sum(t["weights"][seen]))
         return b, np.sqrt(np.maximum(var, 0.0))
 
-    def update(self, model: nn.Module, step: int, lr: float, optimizer: Any,
-               autocast: Optional[Callable[[], ContextManager[Any]]], rec: dict[str, Any],
-               seconds: dict[str, float]) -> None:
+    def meta(self) -> dict[str, Any]:
+        """The trajectory's meta entries: the observed steps per interval."""
+        return {"alignments": "steps", "alignment_steps": self.steps}
+
+    def update(self, call: UpdateCall, rec: dict[str, Any], seconds: dict[str, float]) -> None:
         """Task probe, both weight steps, the next direction; fills the update record ``rec``."""
+        model, step, lr, optimizer, autocast = call.model, call.step, call.lr, call.optimizer, call.autocast
         t0 = time.perf_counter()
         rw = self.reweighter
         groups = self._task_groups(model, step)
@@ -264,7 +272,8 @@ class InstepMode:
         """This rank's N task probe batches; under FSDP padded to the longest of all ranks (every rank's
         forward gathers the units: one batch shape)."""
         inner = unwrap_for_probe(model, sharded_ok=True)
-        groups = self.controller.probe_batches(step, module_device(inner), tasks_only=True)
+        rank, world = collective_rank_size()
+        groups = self.parts.probe.groups(step, rank, world, module_device(inner), tasks_only=True)
         if dist_active() and is_sharded(inner):
             groups = pad_groups(groups, common_length(groups, module_device(inner)))
         return groups
@@ -273,7 +282,7 @@ class InstepMode:
         """The task probe's hooks (one "domain" per task), kept: their layouts are learnt once."""
         inner = unwrap_for_probe(model, sharded_ok=True)
         if self._tasks is None or self._tasks.model is not inner:
-            self._tasks = StepAlignments(model, self.per_sample_loss, len(self.controller.task_names))
+            self._tasks = StepAlignments(model, self.per_sample_loss, len(self.parts.task_names))
         return self._tasks
 
     def _preconditioner(self, optimizer: Any, model: nn.Module, rec: dict[str, Any]) -> Optional[dict]:

@@ -1,6 +1,7 @@
 """The training-loss mode: what the loss-driven methods (DoReMi, ODM, ADO) read instead of a probe.
 
-Built by the controller when ``reweighter.needs_training_losses``. On every training step the trainer wraps
+The signal source ``Signal.training_losses`` (grape.signal), built by the controller for a method whose class says
+so. On every training step the trainer wraps
 each (micro-)batch's forward + backward in :meth:`LossMode.begin` / :meth:`LossMode.end` (or
 :meth:`LossMode.observe`); meanwhile the per-sample loss vector the training loss is made of passes through
 :func:`~grape_stream.models.loss_watch.watch_losses` and is summed per domain (``batch["domain"]``), detached,
@@ -21,16 +22,17 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Any, Callable, ContextManager, Iterator, Mapping, Optional
+from typing import Any, Callable, ClassVar, ContextManager, Iterator, Mapping, Optional
 
 import numpy as np
 import torch
 from torch import nn
 
-from grape_stream.config import AlgorithmConfig
+from grape_stream.config.choices import Signal
 from grape_stream.errors import ConfigError
 from grape_stream.grape.reference_model import ReferenceModel
 from grape_stream.grape.reweighting import DomainLosses
+from grape_stream.grape.signal import SignalParts, UpdateCall
 from grape_stream.models.loss_watch import watching_losses
 from grape_stream.world import dist_active
 
@@ -80,15 +82,19 @@ class _Window:
 
 
 class LossMode:
-    """The per-domain training-loss sums of a loss-driven method inside a GrapeController."""
+    """The per-domain training-loss sums of a loss-driven method (``Signal.training_losses``)."""
 
-    def __init__(self, controller: Any, config: AlgorithmConfig) -> None:
-        reweighter = controller.reweighter
-        if config.alignments == "steps":
+    kind: ClassVar[Signal] = Signal.training_losses
+    #: the controller's state_dict entry (the name it has always had: older checkpoints load)
+    state_key: ClassVar[Optional[str]] = "training_losses"
+
+    def __init__(self, parts: SignalParts) -> None:
+        reweighter = parts.reweighter
+        if parts.config.alignments == "steps":
             raise ConfigError(f"alignments: steps does not apply to method {reweighter.method!r}: it reads the "
                               f"training losses, not alignments; leave alignments at 'probe' ({_WHERE})")
         self.reweighter = reweighter
-        self.num_domains = len(controller.domain_names)
+        self.num_domains = len(parts.domain_names)
         self.reference: Optional[ReferenceModel] = None
         if reweighter.needs_reference:
             path = reweighter.options.get("reference")
@@ -97,7 +103,7 @@ class LossMode:
                                   "model's weights (a Composer checkpoint or a state_dict file)")
             if not os.path.exists(str(path)):
                 raise ConfigError(f"algorithm.options.reference: no reference model file at {path!r}")
-            self.reference = ReferenceModel(str(path), controller.per_sample_loss,
+            self.reference = ReferenceModel(str(path), parts.per_sample_loss,
                                             trusted=bool(reweighter.options.get("reference_trusted")))
         #: the interval's sums (rows: loss, samples, excess, tokens), summed over ranks
         self.totals = torch.zeros(_ROWS, self.num_domains, dtype=torch.float64)
@@ -115,6 +121,10 @@ class LossMode:
         return self._step_sums
 
     # ------------------------------------------------------------------------------------------ steps
+    def observed(self, step: int) -> bool:
+        """Every optimizer step is watched (1-based)."""
+        return step > 0
+
     def begin(self, model: nn.Module, step: int, batch: Any, domains: Optional[torch.Tensor] = None, *,
               optimizer: Any = None, autocast: Optional[Callable[[], ContextManager[Any]]] = None) -> None:
         """Watch the training loss of one (micro-)batch of step ``step`` (every step is watched)."""
@@ -177,8 +187,12 @@ class LossMode:
             excess = np.where(t[3] > 0, t[2] / t[3], np.nan) if self.reference is not None else None
         return DomainLosses(loss=loss, samples=t[1].copy(), steps=max(self.steps, 1), excess=excess)
 
-    def update(self, step: int, lr: float, rec: dict[str, Any], seconds: dict[str, float]) -> None:
+    def meta(self) -> dict[str, Any]:
+        return {}
+
+    def update(self, call: UpdateCall, rec: dict[str, Any], seconds: dict[str, float]) -> None:
         """The reweighter's update from the interval's losses; fills the update record ``rec``."""
+        step, lr = call.step, call.lr
         t0 = time.perf_counter()
         if self.steps == 0 or float(self.totals[1].sum()) == 0.0:
             raise ConfigError(f"method {self.reweighter.method!r} saw no training losses before the update at step "

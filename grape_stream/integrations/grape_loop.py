@@ -25,14 +25,13 @@ import torch
 from torch import nn
 
 from grape_stream.config import AlgorithmConfig
+from grape_stream.config.choices import Signal
 from grape_stream.errors import ConfigError, DataError
-from grape_stream.grape.algorithm_config import algorithm_config, reweighter_options, step_observation
-from grape_stream.grape.controller import REPLAY_METHOD, GrapeController
+from grape_stream.grape.algorithm_config import algorithm_config, reweighter_options, signal_source
+from grape_stream.grape.controller import GrapeController
 from grape_stream.grape.gram.instep_scope import refuse_sharded
 from grape_stream.grape.gram.sharding import check_sharded
 from grape_stream.grape.probes import unwrap_for_probe
-from grape_stream.grape.reweighting import REWEIGHTERS
-from grape_stream.grape.reweighting.registry import canonical_method
 from grape_stream.grape.trajectory import TRAJECTORY_FILE
 from grape_stream.integrations.common import as_task
 from grape_stream.integrations.progress import UpdateProgress
@@ -100,18 +99,13 @@ class GrapeLoop:
         return reweighter_options(self.config)
 
     @property
-    def needs_training_losses(self) -> bool:
-        """Whether the method reads the training steps' per-domain losses (grape.loss_mode): the trainer must show
-        each (micro-)batch's per-sample loss and domains (known before the controller is built)."""
-        method = self.config.method
-        return method != REPLAY_METHOD and REWEIGHTERS[canonical_method(method)].needs_training_losses
-
-    @property
-    def observes_training_steps(self) -> bool:
-        """Whether the method reads the training steps' own backward (``alignments: steps``, R&B's Gram): the trainer
-        must run each observed (micro-)batch's forward + backward inside :meth:`observe` with each sample's loss in
-        that backward's graph (known before the controller is built)."""
-        return step_observation(self.config) is not None
+    def signal_kind(self) -> Signal:
+        """Where this run's updates read their numbers from (grape.algorithm_config.signal_source), known before the
+        controller is built: ``.reads_training_losses`` -- the trainer must show each (micro-)batch's per-sample
+        loss and domains (grape.loss_mode); ``.reads_step_gradients`` (``alignments: steps``, R&B's Gram) -- it must
+        run each observed (micro-)batch's forward + backward inside :meth:`observe` with each sample's loss in that
+        backward's graph."""
+        return signal_source(self.config)
 
     def default_trajectory(self, folder: str | os.PathLike[str]) -> None:
         """Write the trajectory into ``folder`` (``TRAJECTORY_FILE``) unless the config says otherwise."""
@@ -125,7 +119,7 @@ class GrapeLoop:
             self.mixer = mixer
             self.controller = GrapeController(mixer, self.tasks, config=self.config,
                                               per_sample_loss=self.per_sample_loss)
-            if self.controller.needs_probe:
+            if self.controller.signal.kind.probes_tasks:
                 for task in self.tasks:  # open the probe splits now: a wrong path fails before training starts
                     task.dataset()
         elif self.controller.mixer is not mixer:
@@ -141,10 +135,10 @@ class GrapeLoop:
         (grape.gram.sharding), R&B's step Gram and ``alignments: steps`` FSDP2 and FSDP1 models (gram.shard_layout,
         the task probe in grape.instep_probe_shards). The loss-driven methods (DoReMi, ODM, ADO) read each sample's
         training loss and never differentiate the model: any model."""
-        ctl = self._ctl()
-        if ctl.instep is not None:  # R&B's step Gram and alignments: steps: FSDP2 / FSDP1 (shard_layout.py)
+        kind = self._ctl().signal.kind
+        if kind.reads_step_gradients:  # R&B's step Gram and alignments: steps: FSDP2 / FSDP1 (shard_layout.py)
             refuse_sharded(unwrap_for_probe(model, sharded_ok=True))
-        elif ctl.needs_probe and check_sharded(unwrap_for_probe(model, sharded_ok=True)) is not None:
+        elif kind is Signal.probe and check_sharded(unwrap_for_probe(model, sharded_ok=True)) is not None:
             if self.config.geometry != "sgd":  # (what the layer-by-layer probe cannot take: ShardedGramError above)
                 raise ConfigError("geometry='adam' is not supported under FSDP: the optimizer's second moments are "
                                   "sharded like the parameters; use geometry='sgd' (the paper) or train with DDP")
@@ -167,9 +161,7 @@ class GrapeLoop:
         """``alignments: steps`` and the loss-driven methods: before the forward of each (micro-)batch of optimizer
         step ``step`` (1-based: the step being trained); :meth:`end_step` after its backward. A no-op otherwise
         and on unobserved steps."""
-        mode = self._ctl().step_mode
-        if mode is not None:
-            mode.begin(model, step, batch, optimizer=optimizer, autocast=autocast)
+        self._ctl().signal.begin(model, step, batch, optimizer=optimizer, autocast=autocast)
 
     def observe(self, model: nn.Module, step: int, batch: Any, *, optimizer: Any = None,
                 autocast: Callable[[], ContextManager[Any]] | None = None) -> ContextManager[Any]:
@@ -178,9 +170,7 @@ class GrapeLoop:
 
     def end_step(self) -> None:
         """After the backward of the (micro-)batch :meth:`begin_step` began."""
-        mode = self._ctl().step_mode
-        if mode is not None:
-            mode.end()
+        self._ctl().signal.end()
 
     def after_step(self, model: nn.Module, step: int, lr: float, *,
                    autocast: Callable[[], ContextManager[Any]] | None = None, optimizer: Any = None,
@@ -197,7 +187,7 @@ class GrapeLoop:
                                    optimizer=optimizer)
         if rec is None:
             return None
-        if ctl.needs_probe:
+        if ctl.signal.kind.probes_tasks:
             self.progress.finished(index, step, rec)
         if self.write_trajectory and self.trajectory and process_world().is_leader:
             ctl.write_trajectory(self.trajectory)
@@ -206,9 +196,10 @@ class GrapeLoop:
     def _progress(self, index: int, step: int) -> ContextManager[Any]:
         """The progress context of the update at ``step`` (nothing for methods that do not probe)."""
         ctl = self._ctl()
-        if not ctl.needs_probe or not any(ctl.due(step)):
+        kind = ctl.signal.kind
+        if not kind.probes_tasks or not any(ctl.due(step)):
             return contextlib.nullcontext()
-        k, n = 0 if ctl.instep is not None else len(ctl.domain_names), len(ctl.task_names)  # steps: tasks only
+        k, n = 0 if kind is Signal.step_alignments else len(ctl.domain_names), len(ctl.task_names)  # steps: tasks
         domain_batch, task_batch = ctl.probe.sizes()
         return self.progress.update(index, step, k, n, k * domain_batch + n * task_batch)
 

@@ -24,9 +24,12 @@ from typing import Any, Mapping
 
 from grape_stream.config import DataConfig, RecipeConfig
 from grape_stream.errors import ConfigError, ConfigKeyError, ConfigTypeError
-from grape_stream.grape.algorithm_config import check_algorithm, check_option_names, check_reweighter_options
-from grape_stream.grape.replay import REPLAY_METHOD
-from grape_stream.grape.reweighting import method_needs_probe
+from grape_stream.grape.algorithm_config import (
+    check_algorithm,
+    check_option_names,
+    check_reweighter_options,
+    signal_source,
+)
 from grape_stream.recipe.schema import as_recipe
 
 __all__ = ["ENTRY_KEYS", "MODEL_KINDS", "OPTIMIZERS", "SCHEDULERS", "TIME_KEYS", "check_time", "validate"]
@@ -117,7 +120,7 @@ def _check_algorithm(cfg: RecipeConfig) -> None:
     check_option_names(a.options, where="algorithm.options.", what="recipe key")
     check_algorithm(a, prefix="algorithm.")
     check_reweighter_options(a, len(cfg.data.domains), len(cfg.data.tasks))
-    if a.method != REPLAY_METHOD and method_needs_probe(a.method) and not cfg.data.tasks:
+    if signal_source(a).probes_tasks and not cfg.data.tasks:
         raise ConfigError(f"algorithm.method={a.method} needs target tasks: set 'data.tasks'")
 
 

@@ -20,7 +20,8 @@ training losses: ``ado_step``). docs/reweighting.md has the equations as impleme
 
 Adding a method: one file here with an options dataclass (fields = the options it accepts, ``resolve``
 = their checks), its step as a pure function, and a ``Reweighter`` subclass decorated with ``@register``
-(``method``, ``description``, ``Options``, ``needs_probe``, ``moves_alpha`` / ``moves_z``, and
+(``method``, ``description``, ``Options``, ``signal`` (where its updates' numbers come from, a
+``config.choices.Signal``; default: the probe), ``moves_alpha`` / ``moves_z``, and
 ``_scores`` / ``_step`` calling the pure function); then one import line in the ``isort: off`` block
 below (its position there is the method's position in every listing). Adding an option: one field (and
 its check) in one options dataclass. The recipe's method choices and option checks, the controller's
@@ -46,6 +47,7 @@ from grape_stream.grape.reweighting.registry import (
     method_description,
     method_needs_probe,
     method_options,
+    method_signal,
     register,
     reweighter_from_state_dict,
 )
@@ -126,6 +128,7 @@ __all__ = [
     "method_description",
     "method_needs_probe",
     "method_options",
+    "method_signal",
     "mirror_step",
     "odm_step",
     "pcgrad_coefficients",

@@ -19,6 +19,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
+from grape_stream.config.choices import Signal
 from grape_stream.errors import ConfigError
 from grape_stream.grape.reweighting.ado_fit import Bins, PowerLaw, add_point, fit_power_law
 from grape_stream.grape.reweighting.base import Reweighter
@@ -181,8 +182,7 @@ class AdoReweighter(Reweighter):
     description = "ADO (Jiang et al. 2025): per-domain power-law fits of the training loss, weight by learning speed"
     Options = AdoOptions
     moves_alpha = True
-    needs_probe = False
-    needs_training_losses = True
+    signal = Signal.training_losses
 
     _state: AdoState
 

@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
+from grape_stream.config.choices import Signal
 from grape_stream.errors import UnknownOptionError, did_you_mean
 from grape_stream.grape.reweighting import noise, step_rule
 from grape_stream.grape.reweighting.from_losses import FromLosses
@@ -62,8 +63,9 @@ class Reweighter(FromScores, FromLosses):
     options_accepted: ClassVar[tuple[str, ...]] = option_names(ReweighterOptions)
     moves_alpha: ClassVar[bool] = False
     moves_z: ClassVar[bool] = False
-    #: Whether an update needs the probe Gram (False: the weights never move, so no probe is run).
-    needs_probe: ClassVar[bool] = True
+    #: Where an update's numbers come from (the one capability; config.choices.Signal): the probe Gram (the
+    #: default), nothing (the weights never move), the training losses, the training steps' per-domain Gram.
+    signal: ClassVar[Signal] = Signal.probe
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

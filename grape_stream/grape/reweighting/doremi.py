@@ -27,6 +27,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
+from grape_stream.config.choices import Signal
 from grape_stream.errors import ConfigError
 from grape_stream.grape.reweighting.base import Reweighter
 from grape_stream.grape.reweighting.from_losses import DomainLosses
@@ -76,8 +77,7 @@ class DoremiReweighter(Reweighter):
     method = "doremi"
     description = "DoReMi (Xie et al. 2023): alpha from the excess training loss over a reference model (reference=...)"
     Options = DoremiOptions
-    needs_probe = False
-    needs_training_losses = True
+    signal = Signal.training_losses
     needs_reference = True
     moves_alpha = True
 

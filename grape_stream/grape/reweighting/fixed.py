@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from grape_stream.config.choices import Signal
 from grape_stream.errors import ConfigError
 from grape_stream.grape.reweighting.base import Reweighter
 from grape_stream.grape.reweighting.options import ReweighterOptions
@@ -21,7 +22,7 @@ __all__ = ["StaticOptions", "StaticReweighter", "UniformReweighter"]
 class UniformReweighter(Reweighter):
     method = "uniform"
     description = "alpha fixed at 1/K (baseline); alignments are still logged"
-    needs_probe = False
+    signal = Signal.none
 
 
 @dataclass
@@ -42,7 +43,7 @@ class StaticReweighter(Reweighter):
     method = "static"
     description = "alpha fixed at given weights, e.g. a published mixture (weights=...)"
     Options = StaticOptions
-    needs_probe = False
+    signal = Signal.none
 
     @property
     def options(self) -> dict[str, Any]:

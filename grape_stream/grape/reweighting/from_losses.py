@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional
 
 import numpy as np
 
+from grape_stream.config.choices import Signal
 from grape_stream.simplex import log_normalize, probs_from_log
 
 __all__ = ["DomainLosses", "FromLosses"]
@@ -53,7 +54,7 @@ class DomainLosses:
 class FromLosses:
     """The training-loss side of a Reweighter (uses its log-weights, ``_check_lr``, ``_record``, ``_skip``).
 
-    A method sets ``needs_training_losses = True`` (and ``needs_probe = False``: no probe runs), optionally
+    A method sets ``signal = Signal.training_losses`` (no probe runs), optionally
     ``needs_reference = True`` (DoReMi: the loop computes a reference model's losses on the same batch), and
     implements :meth:`_loss_step`. Its own state (a bandit's estimates, a loss history) goes through
     :meth:`_method_state` / :meth:`_load_method_state`, which the base state_dict carries as ``method_state``.
@@ -68,8 +69,7 @@ class FromLosses:
     _alpha: np.ndarray
     _z: np.ndarray
     _history: Any
-    #: whether updates read the training steps' per-domain losses (:meth:`update_from_losses`)
-    needs_training_losses: ClassVar[bool] = False
+    signal: ClassVar[Signal]  # Signal.training_losses: updates read the steps' per-domain losses (update_from_losses)
     #: whether those losses need a reference model's loss on the same tokens (DoReMi's excess loss)
     needs_reference: ClassVar[bool] = False
 
@@ -86,7 +86,7 @@ class FromLosses:
         """One update from the interval's per-domain training losses. Returns copies of (alpha, z).
 
         Non-finite losses of a domain that was seen skip the update (recorded in ``history``)."""
-        if not self.needs_training_losses:
+        if self.signal is not Signal.training_losses:
             raise NotImplementedError(f"method {self.method!r} does not update from training losses")
         losses.check(self.num_domains)
         index = self._num_updates

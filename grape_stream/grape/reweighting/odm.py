@@ -16,6 +16,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
+from grape_stream.config.choices import Signal
 from grape_stream.errors import ConfigError
 from grape_stream.grape.reweighting.base import Reweighter
 from grape_stream.grape.reweighting.from_losses import DomainLosses
@@ -95,8 +96,7 @@ class OdmReweighter(Reweighter):
     description = "ODM (Albalak et al. 2023): EXP3 bandit over domains, reward = training loss (no probe)"
     Options = OdmOptions
     moves_alpha = True
-    needs_probe = False
-    needs_training_losses = True
+    signal = Signal.training_losses
     _rewards: np.ndarray
     _steps_seen: int
 

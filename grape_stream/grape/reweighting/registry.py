@@ -2,7 +2,8 @@
 tables, the demo) is derived from it.
 
 A method class states its own facts as class attributes (``method``, ``description``, ``Options`` --
-the dataclass whose fields are its options, read here as ``options_accepted`` -- and ``needs_probe``) and
+the dataclass whose fields are its options, read here as ``options_accepted`` -- and ``signal``: where its
+updates' numbers come from) and
 joins the registry with ``@register``; nothing else needs editing. The registry keeps registration order,
 which is the order methods are listed everywhere.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, TypeVar
 
+from grape_stream.config.choices import Signal
 from grape_stream.errors import UnknownOptionError
 from grape_stream.grape.reweighting.base import Reweighter
 
@@ -22,6 +24,7 @@ __all__ = [
     "canonical_method",
     "method_description",
     "method_needs_probe",
+    "method_signal",
     "method_options",
     "method_options_class",
     "register",
@@ -33,12 +36,20 @@ REWEIGHTERS: dict[str, type[Reweighter]] = {}
 
 R = TypeVar("R", bound="type[Reweighter]")
 
+#: the booleans ``signal`` replaced (a class setting one is refused with a line naming ``signal``)
+_OLD_FLAGS = ("needs_probe", "needs_training_losses", "needs_step_gram")
+
 
 def register(cls: R) -> R:
     """Class decorator: add a Reweighter subclass under its ``method`` name (which must be new)."""
     name = getattr(cls, "method", "")
     if not isinstance(name, str) or not name or name != name.strip().lower().replace("-", "_"):
         raise ValueError(f"{cls.__name__}.method must be a lower-case snake_case name, got {name!r}")
+    old = sorted(f for f in _OLD_FLAGS if hasattr(cls, f))
+    if old:  # a method written for an older release: one line saying what replaced the flag
+        raise TypeError(f"{cls.__name__} sets {', '.join(old)}: a method states where its updates' numbers come "
+                        f"from in one class attribute, signal = Signal.<{'|'.join(Signal)}> "
+                        "(grape_stream.config.choices.Signal; docs/reweighting.md)")
     if name in REWEIGHTERS and REWEIGHTERS[name] is not cls:
         raise ValueError(f"reweighting method {name!r} is registered twice "
                          f"({REWEIGHTERS[name].__name__}, {cls.__name__})")
@@ -71,9 +82,16 @@ def method_options(name: str) -> tuple[str, ...]:
     return REWEIGHTERS[canonical_method(name)].options_accepted
 
 
+def method_signal(name: str) -> Signal:
+    """Where `name`'s updates read their numbers from (its class's ``signal``; for a whole config, with
+    ``alignments: steps`` and ``method: schedule``, grape.algorithm_config.signal_source)."""
+    return REWEIGHTERS[canonical_method(name)].signal
+
+
 def method_needs_probe(name: str) -> bool:
-    """Whether `name`'s updates read the probe Gram (uniform and static never do)."""
-    return REWEIGHTERS[canonical_method(name)].needs_probe
+    """Whether `name`'s updates read the probe Gram (``method_signal(name) is Signal.probe``; uniform and static
+    never do, nor the methods that read the training steps)."""
+    return method_signal(name) is Signal.probe
 
 
 def method_description(name: str) -> str:

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
 
 import numpy as np
 
+from grape_stream.config.choices import Signal
 from grape_stream.errors import ConfigError
 from grape_stream.grape.reweighting.base import Reweighter
 from grape_stream.grape.reweighting.options import ReweighterOptions, real
@@ -88,10 +89,9 @@ class RnbReweighter(Reweighter):
     description = ("R&B (Ge et al. 2025): alpha = softmax(lambda Gp / ||Gp||), G the per-domain Gram of the training "
                    "steps' own gradients; no probe, no tasks")
     Options = RnbOptions
-    needs_probe = False
     moves_alpha = True
     #: updates read the per-domain Gram summed over the training steps (grape.instep_gram)
-    needs_step_gram: ClassVar[bool] = True
+    signal = Signal.step_gram
 
     def update(self, gram: Any, task_losses: Any, lr: float | None, step: int | None = None, *,
                update_alpha: bool = True, update_z: bool = True) -> tuple[np.ndarray, np.ndarray]:

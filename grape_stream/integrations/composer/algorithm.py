@@ -91,7 +91,7 @@ class GrapeAlgorithm(Algorithm):
     # -- Composer hooks ------------------------------------------------------------------------------
     def match(self, event: Event, state: State) -> bool:
         if event in _STEP_EVENTS:  # alignments: steps / a loss-driven method observes the training forward + backward
-            return self.controller is not None and self.controller.step_mode is not None
+            return self.controller is not None and self.controller.signal.kind.watches_steps
         return event in (Event.FIT_START, Event.BATCH_END)
 
     def apply(self, event: Event, state: State, logger: Logger) -> Optional[int]:
@@ -118,11 +118,11 @@ class GrapeAlgorithm(Algorithm):
         make the per-domain gradients plain matmuls of views); each micro-batch's forward + backward is observed
         (step = the optimizer step being trained, 1-based)."""
         assert self.controller is not None
-        instep = self.controller.instep
+        signal = self.controller.signal
         step = int(state.timestamp.batch) + 1
         if event == Event.AFTER_DATALOADER:
             sortable = isinstance(state.batch, Mapping) and "domain" in state.batch
-            if instep is not None and instep.observed(step) and sortable:
+            if signal.kind.reads_step_gradients and signal.observed(step) and sortable:
                 state.batch = sort_by_domain(state.batch)
         elif event == Event.BEFORE_FORWARD:
             self.loop.begin_step(state.model, step, state.batch,

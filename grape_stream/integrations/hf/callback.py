@@ -83,11 +83,11 @@ class GrapeTrainerCallback(TrainerCallback):
         self.loop.default_trajectory(_output_dir(args))
         ctl = self.loop.attach(mixer)
         self.loop.check_model(kwargs["model"])  # what this method cannot differentiate fails here, before step 1
-        if ctl.instep is not None and self._trainer is None:
+        if ctl.signal.kind.reads_step_gradients and self._trainer is None:
             raise ConfigError("alignments: steps and method rnb read the training steps' own backward, with each "
                               "sample's loss in its graph: train with grape_stream.integrations.hf.GrapeTrainer, "
                               "which computes the step's loss that way (docs/hf.md)")
-        if ctl.losses is not None and self._trainer is None:
+        if ctl.signal.kind.reads_training_losses and self._trainer is None:
             raise ConfigError(f"method {self.loop.method!r} reads each sample's training loss: train with "
                               "grape_stream.integrations.hf.GrapeTrainer, which shows it (docs/hf.md)")
         folder = self.resume_from

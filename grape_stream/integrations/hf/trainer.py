@@ -119,10 +119,10 @@ class GrapeTrainer(Trainer):
         return MixerTrainLoader(loader, transform)
 
     def _loss_callbacks(self) -> list[GrapeTrainerCallback]:
-        return [cb for cb in self.grape_callbacks() if cb.loop.needs_training_losses]
+        return [cb for cb in self.grape_callbacks() if cb.loop.signal_kind.reads_training_losses]
 
     def _step_callbacks(self) -> list[GrapeTrainerCallback]:
-        return [cb for cb in self.grape_callbacks() if cb.loop.observes_training_steps]
+        return [cb for cb in self.grape_callbacks() if cb.loop.signal_kind.reads_step_gradients]
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
                       ) -> torch.Tensor:
@@ -132,7 +132,7 @@ class GrapeTrainer(Trainer):
         batch = inputs.get(GRAPE_BATCH) if isinstance(inputs, dict) and callbacks else None
         step = self.state.global_step + 1
         ctl = callbacks[0].controller if callbacks else None
-        if batch is None or ctl is None or ctl.instep is None or not ctl.instep.observed(step):
+        if batch is None or ctl is None or not ctl.signal.observed(step):
             return super().training_step(model, inputs, num_items_in_batch)
         order = domain_order(batch)
         inputs = reorder_rows({k: v for k, v in inputs.items() if k != GRAPE_BATCH}, order)
