@@ -132,7 +132,12 @@ def run_child(method: str, steps: int, collect: bool, work: Path, mds: Path, qui
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"{method} (gc={collect}) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        rec = json.loads(out.read_text())
+        return summarise(json.loads(out.read_text()), steps)
+
+
+def summarise(rec: dict[str, Any], steps: int) -> dict[str, Any]:
+    """A child's record with its growth per 100 steps (fitted after the first update), the collector's objects
+    per step and the live tensors at the first and last census."""
     rows, every = rec["per_step"], rec["update_every"]
     start = every if steps >= 3 * every else min(10, steps // 2)  # after the first update's allocations
     rec["rss_growth_mb_per_100_steps"] = slope_per_100([(r["step"], r["rss_mb"]) for r in rows if r["step"] >= start])
