@@ -39,6 +39,7 @@ BENCHES = (
     Bench("fsdp", ("--quick",), "--out"),
     Bench("loss_overhead", ("--quick", "--small"), "--out"),
     Bench("hf_loss_overhead", ("--quick",), "--out"),
+    Bench("memory", ("--quick",), "--out"),
     Bench("install_extras", ("--quick",), "--out"),  # needs the package registry (network)
     Bench("mixture_quality", ("--seeds", "0", "--methods", "uniform,grape", "--steps", "20", "--fresh"),
           "--results"),

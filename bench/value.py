@@ -19,7 +19,8 @@ The setting (``docs/results.md`` says why each choice was made):
   (seed 0) and scored on the probe split; the best becomes ``oracle``.
 
 Every run is the product path (``grape-stream convert`` shards -> recipe -> Composer Trainer with
-``GrapeAlgorithm``) through :func:`grape_stream.apps.demo_run.run_method`. Runs already finished with identical
+``GrapeAlgorithm``) through :func:`grape_stream.apps.demo_run.run_method`, each run in a fresh process of its own
+(so its ``peak_rss_mb``, the process's ``ru_maxrss``, is that run's). Runs already finished with identical
 settings are reused (``--fresh`` redoes them), so an interrupted bench continues where it stopped;
 ``bench/results/value.json`` is rewritten after every run, with a ``claims`` object computed from the runs.
 
@@ -33,9 +34,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import resource
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -311,7 +314,7 @@ def _plan(method: str, seed: int, steps: int, mds: Path, out: Path, docs: Mappin
 
 def _run(method: str, seed: int, steps: int, mds: Path, out: Path, docs: Mapping[str, Any],
          runs: Mapping[str, Mapping[int, Mapping[str, Any]]], fresh: bool, extra: Sequence[str]) -> dict[str, Any]:
-    from grape_stream.apps.demo_run import finished_result, run_method
+    from grape_stream.apps.demo_run import finished_result
 
     plan = _plan(method, seed, steps, mds, out, docs, runs, extra)
     run_dir, want = plan["run_dir"], plan["want"]
@@ -328,15 +331,29 @@ def _run(method: str, seed: int, steps: int, mds: Path, out: Path, docs: Mapping
         print(f"{method} seed {seed}: the same run as {twin['run_dir']}", flush=True)
         return res
     t0 = time.perf_counter()
-    res = run_method(plan["base"], mds=mds, out_dir=run_dir, settings=plan["settings"], seed=seed, progress=False,
-                     extra_overrides=plan["extra"])
+    # each run in a fresh process: its peak RSS is this run's, not the high-water mark of the runs before it
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        res, peak = pool.submit(_train, plan["base"], mds, run_dir, plan["settings"], seed, plan["extra"]).result()
     res["method"], res["run_dir"], res["code"] = method, str(run_dir), dict(_CODE)
-    # process-wide (runs share the process): the high-water mark so far, an upper bound for this run
-    res["process_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    res["peak_rss_mb"] = peak
     res_path.write_text(json.dumps(res, indent=1))
     print(f"{method} seed {seed}: avg {res['final_avg']:.4f} worst {res['final_worst']:.4f} "
           f"({time.perf_counter() - t0:.0f} s)", flush=True)
     return res
+
+
+def _train(base: str, mds: Path, run_dir: Path, settings: Any, seed: int, extra: Sequence[str]
+           ) -> tuple[dict[str, Any], float]:
+    """One run, in the fresh process :func:`_run` starts for it: (its result, the process's peak RSS in MB,
+    ``ru_maxrss``: imports, training and the final evaluation). One torch thread, as the benchmark's process."""
+    import torch
+
+    from grape_stream.apps.demo_run import run_method
+
+    torch.set_num_threads(1)
+    res = run_method(base, mds=mds, out_dir=run_dir, settings=settings, seed=seed, progress=False,
+                     extra_overrides=extra)
+    return res, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _finished_run(method: str, seed: int, steps: int, mds: Path, out: Path, docs: Mapping[str, Any],
@@ -450,7 +467,7 @@ def write(path: Path, runs: Mapping[str, Mapping[int, Mapping[str, Any]]], docs:
            "earlier_version": earlier,
            "runs": {m: {str(s): {k: r[k] for k in ("final", "final_avg", "final_worst", "curve", "trajectory",
                                                      "seconds", "train_loss", "train_tokens", "steps", "code",
-                                                     "process_peak_rss_mb", "same_run_as") if k in r}
+                                                     "peak_rss_mb", "process_peak_rss_mb", "same_run_as") if k in r}
                         for s, r in by_seed.items()} for m, by_seed in runs.items()}}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")

@@ -141,6 +141,10 @@ def aggregate(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], targets: Sequ
         st["final_alpha"] = dict(zip(sources, np.mean(finals, axis=0).round(4).tolist())) if finals else None
         st["seconds"] = mean_std([r["seconds"]["total"] for r in rs])[0]
         st["reweighting_seconds"] = mean_std([r["seconds"]["reweighting"] for r in rs])[0]
+        # a run's own process's peak RSS (runs recorded before runs had a process each lack it)
+        peaks = [r["peak_rss_mb"] for r in rs if r.get("peak_rss_mb") is not None]
+        st["peak_rss_mb"] = {"max": max(peaks) if peaks else None, "values": [r.get("peak_rss_mb") for r in rs],
+                             "recorded": len(peaks), "of": len(rs)}
         out[m] = st
     return out
 
@@ -221,7 +225,7 @@ def _compute_claim(agg: Mapping[str, Any], g: Mapping[str, Any]) -> dict[str, An
 def table(agg: Mapping[str, Any], targets: Sequence[str]) -> str:
     """The table docs/results.md shows: n, mean +- 95% t half-width (n=1 says so), per-target means."""
     rows = [("method", "n", "avg test loss", "worst test loss", "gain capt. avg", "gain capt. worst",
-             "targets > unif. per seed", "worst > unif.", "compute to unif.", "alpha moved", "s/run")]
+             "targets > unif. per seed", "worst > unif.", "compute to unif.", "alpha moved", "s/run", "peak RSS MB")]
     for m, st in agg.items():
         c = st["compute_to_uniform_final"]
         part = "" if c["reached"] == c["of"] else f" ({c['reached']}/{c['of']})"
@@ -231,12 +235,14 @@ def table(agg: Mapping[str, Any], targets: Sequence[str]) -> str:
                      fmt(st["gain_captured_worst"], 2) if "gain_captured_worst" in st else "-",
                      ",".join(map(str, st["targets_better_than_uniform"])) + f" of {len(targets)}",
                      f"{sum(st['worst_better_than_uniform'])}/{st['n']}", reach, f"{st['alpha_moved_tv']:.2f}",
-                     f"{st['seconds']:.0f}"))
+                     f"{st['seconds']:.0f}", peak_rss(st)))
     w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(x) for c, x in zip(r, w)).rstrip() for r in rows]
     lines.insert(1, "-" * max(len(x) for x in lines))
     lines += ["", "+- is the 95% t interval's half-width over seeds (n - 1 df); gain captured: share of the oracle's "
-              "gain over uniform; compute: steps to uniform-400's final average, probe cost included, / 400",
+              "gain over uniform; compute: steps to uniform-400's final average, probe cost included, / 400; peak "
+              "RSS: the largest over seeds of a run's own process's ru_maxrss (n/a: runs from before a run had a "
+              "process of its own; (k/n): k of the n seeds recorded it)",
               "", "per-target test loss (nats/token, mean over seeds; * = best):",
               f"{'method':<20}" + "".join(f"{t:>8}" for t in targets)]
     best = {t: min(st["per_target"][t]["mean"] for st in agg.values()) for t in targets}
@@ -249,6 +255,14 @@ def table(agg: Mapping[str, Any], targets: Sequence[str]) -> str:
         if st.get("final_alpha"):
             lines.append(f"{m:<20}" + " ".join(f"{k} {v:.2f}" for k, v in st["final_alpha"].items()))
     return "\n".join(lines)
+
+
+def peak_rss(st: Mapping[str, Any]) -> str:
+    """The peak RSS cell: the largest over the seeds that recorded one, 'n/a' when none did."""
+    p = st.get("peak_rss_mb") or {}
+    if not p.get("recorded"):
+        return "n/a"
+    return f"{p['max']:.0f}" + ("" if p["recorded"] == p["of"] else f" ({p['recorded']}/{p['of']})")
 
 
 def split_by_version(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], version: str | None

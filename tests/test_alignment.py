@@ -318,3 +318,30 @@ def test_flattened_rows_and_sequence_first_layouts() -> None:
     assert rel_err(gram, want) <= 1e-8
     assert set(info.fallback_params) == {"seq_first.weight", "seq_first.bias"}
     assert info.fast_path["head.weight"] == "dense"  # flattened rows proven sample-major
+
+
+@pytest.mark.parametrize("micro", [None, 4])
+def test_a_probe_leaves_no_cycle_for_the_collector(micro) -> None:
+    """A hooked call's record and its output's autograd node must not form a reference cycle (the node holds the
+    tensor hook, whose closure holds the record, which held the node): each probe's graph stayed resident until a
+    full collection, and GRAPE's process grew by ~7 MB a training step on the value benchmark (docs/results.md,
+    "Memory"). With the collector off and DEBUG_SAVEALL, what a collection finds is exactly what only it frees."""
+    from grape_stream.grape.gram.contributions import Use
+
+    model = gpt(torch.float32)
+    groups = lm_groups(SIZES)
+    group_gram(model, per_sample_lm_loss, groups, micro_batch_size=micro)  # layouts learnt, caches filled
+    gc.collect()
+    gc.disable()
+    flags = gc.get_debug()
+    try:
+        gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection would free lands in gc.garbage instead
+        for _ in range(3):
+            group_gram(model, per_sample_lm_loss, groups, micro_batch_size=micro)
+        gc.collect()
+        cyclic = [o for o in gc.garbage if isinstance(o, Use)]
+    finally:
+        gc.set_debug(flags)
+        gc.garbage.clear()
+        gc.enable()
+    assert cyclic == [], f"{len(cyclic)} hooked-call records were only freed by the cycle collector"

@@ -27,3 +27,27 @@ def test_write_json_replaces_a_result_whole(tmp_path: Path) -> None:
     assert out.read_text() == '{\n  "a": 1\n}\n' and [p.name for p in out.parent.iterdir()] == ["x.json"]
     assert common.parser("doc", "soak").parse_args([]).out == str(REPO / "bench" / "results" / "soak.json")
     assert json.loads(common.write_json(out, [2]).read_text()) == [2]
+
+
+def test_the_value_table_shows_each_runs_own_peak_rss_or_na() -> None:
+    """bench/value.py records a run's own process's peak RSS (``peak_rss_mb``); runs recorded before a run had a
+    process of its own lack it, and the table says "n/a" for them rather than a number from another run."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import value_report
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    doc = json.loads((REPO / "bench" / "results" / "value.json").read_text(encoding="utf-8"))
+    setting, tokens = doc["setting"], doc["setting"]["train_tokens"]
+    runs = {m: {int(s): {"train_tokens": tokens, **r} for s, r in doc["runs"][m].items()} for m in ("uniform", "grape")}
+    assert all("peak_rss_mb" not in r for b in runs.values() for r in b.values())  # the committed runs predate it
+    seeds = sorted(runs["grape"])
+    for i, s in enumerate(seeds[:-1]):  # all but one seed recorded one
+        runs["grape"][s]["peak_rss_mb"] = 1500.0 + 100 * i
+    agg = value_report.aggregate(runs, setting["targets"], setting["sources"])
+    rows = {line.split()[0]: line for line in value_report.table(agg, setting["targets"]).splitlines()[:4]}
+    assert rows["uniform"].endswith("n/a")
+    assert rows["grape"].endswith(f"{1500 + 100 * (len(seeds) - 2)} ({len(seeds) - 1}/{len(seeds)})")
+    assert agg["grape"]["peak_rss_mb"]["values"][-1] is None

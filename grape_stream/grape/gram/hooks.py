@@ -103,6 +103,7 @@ class FusedGramEngine:
             )
 
     def remove(self) -> None:
+        self._release_uses()
         for h in self.handles:
             h.remove()
         self.handles.clear()
@@ -339,10 +340,21 @@ class FusedGramEngine:
         return self.micro
 
     def finish_micro(self) -> None:
+        self._release_uses()
         self.uses = []
         self.pending = {}
         self.roots = []
         self.micro = None
+
+    def _release_uses(self) -> None:
+        """Break the cycle use -> use.node (its output's autograd node) -> the node's hooks -> the hook's closure
+        -> use (the probe's tensor hook, the in-step engine's ``ctx.use``). Autograd's nodes are invisible to the
+        cycle collector's size heuristics: left to it, every probe's (and every observed step's) graph stayed
+        resident until a full collection, which a process holding ~700k long-lived objects runs every few
+        hundred steps (grape_steps grew to 9 GB, grape by ~7 MB a step: docs/results.md, "Memory"). The node is
+        needed only between the forward and the end of the backward (which calls reach the loss)."""
+        for use in self.uses:
+            use.node = None
 
     # ------------------------------------------------------------------ backward
     def keep_rows(self, p: nn.Parameter) -> Optional[Tensor]:

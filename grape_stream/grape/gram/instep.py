@@ -162,23 +162,6 @@ class _Engine(FusedGramEngine):
         self.handled = True
         return out
 
-    def finish_micro(self) -> None:
-        self._release_uses()
-        super().finish_micro()
-
-    def remove(self) -> None:
-        self._release_uses()
-        super().remove()
-
-    def _release_uses(self) -> None:
-        """Break the cycle use -> use.node (the call's _AlignedGrad node) -> ctx.use -> use. Autograd's nodes
-        are invisible to the cycle collector's size heuristics: left to it, every observed step's graph
-        (~22 MB at the value benchmark's model, its saved activations held on the C++ side) stayed resident
-        until a full collection, which a process with ~700k long-lived objects runs every few hundred steps:
-        grape_steps grew to 9 GB. The node is needed only between the forward and the end of the backward."""
-        for use in self.uses:
-            use.node = None
-
     def backward_use(self, use: _StepUse, grad: Tensor) -> tuple[Optional[Tensor], ...]:
         self.in_backward = True
         use.fired = True
