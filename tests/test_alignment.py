@@ -23,6 +23,7 @@ from _alignment_helpers import (
     zoo_groups,
     zoo_loss,
 )
+from _gc import cycle_garbage
 from grape_stream.grape.gram.group_gram import GramInfo, group_gram
 from grape_stream.models import per_sample_lm_loss
 
@@ -331,17 +332,7 @@ def test_a_probe_leaves_no_cycle_for_the_collector(micro) -> None:
     model = gpt(torch.float32)
     groups = lm_groups(SIZES)
     group_gram(model, per_sample_lm_loss, groups, micro_batch_size=micro)  # layouts learnt, caches filled
-    gc.collect()
-    gc.disable()
-    flags = gc.get_debug()
-    try:
-        gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection would free lands in gc.garbage instead
+    with cycle_garbage(Use) as cyclic:
         for _ in range(3):
             group_gram(model, per_sample_lm_loss, groups, micro_batch_size=micro)
-        gc.collect()
-        cyclic = [o for o in gc.garbage if isinstance(o, Use)]
-    finally:
-        gc.set_debug(flags)
-        gc.garbage.clear()
-        gc.enable()
     assert cyclic == [], f"{len(cyclic)} hooked-call records were only freed by the cycle collector"

@@ -21,6 +21,7 @@ from _alignment_helpers import (
     zoo_groups,
     zoo_loss,
 )
+from _gc import cycle_garbage
 from _instep_helpers import directions, observed_step, rel, truth
 from grape_stream.errors import ConfigError
 from grape_stream.grape.gram.batches import concat
@@ -176,26 +177,14 @@ def test_an_observed_step_leaves_no_cycle_for_the_collector() -> None:
     """Each hooked call's record must not form a reference cycle with its autograd node: a cycle kept every
     observed step's graph (its saved activations live on the C++ side) resident until a full collection, and
     grape_steps grew by ~22 MB a step to 9 GB on the value benchmark (docs/results.md, "Memory")."""
-    import gc
-
     from grape_stream.grape.gram.instep import _StepUse
 
     model = gpt()
     batch = _lm_batch()
     sa = StepAlignments(model, per_sample_lm_loss, K)
     sa.set_directions(directions(model))
-    gc.collect()
-    gc.disable()
-    flags = gc.get_debug()
-    try:
-        gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection would free lands in gc.garbage instead
+    with cycle_garbage(_StepUse) as cyclic:
         for _ in range(3):
             observed_step(sa, model, per_sample_lm_loss, batch)
             model.zero_grad(set_to_none=True)
-        gc.collect()
-        cyclic = [type(o).__name__ for o in gc.garbage if isinstance(o, _StepUse)]
-    finally:
-        gc.set_debug(flags)
-        gc.garbage.clear()
-        gc.enable()
     assert cyclic == [], f"{len(cyclic)} hooked-call records were only freed by the cycle collector"
