@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -24,7 +25,7 @@ RESULTS = HERE / "results"
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-__all__ = ["HERE", "REPO", "RESULTS", "parser", "result_path", "write_json"]
+__all__ = ["HERE", "REPO", "RESULTS", "parser", "peak_rss_mb", "result_path", "write_json"]
 
 
 def result_path(name: str) -> Path:
@@ -44,6 +45,11 @@ def parser(doc: str | None, result: str | None = None, *, quick: str | None = No
     if result is not None:
         p.add_argument("--out", default=str(result_path(result)), help=out_help)
     return p
+
+
+def peak_rss_mb() -> float:
+    """This process's resident high-water mark in MB (Linux reports ``ru_maxrss`` in kB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def write_json(path: str | os.PathLike[str], doc: Any, *, indent: int = 1, newline: bool = False,

@@ -1,7 +1,7 @@
 """Resident memory per method of the value benchmark, each method in its own process (issue 32 part 6).
 
-The value benchmark (``bench/value.py``) runs a list of runs in one process, so its ``process_peak_rss_mb`` is
-the process's high-water mark so far, not a method's. Here every method trains ``--steps`` steps of the value
+The value benchmark (``bench/value.py``) records each run's peak RSS only (its ``peak_rss_mb``, once per run, from
+the run's own process). Here every method trains ``--steps`` steps of the value
 benchmark's setting (``grape_stream/apps/demo_pool.py``: model, batch, sequence length, the update every 25
 steps as at its 400-step budget; the method's overrides are ``bench/value.py``'s ``METHODS``) in a fresh
 process of its own, twice: once as it runs, once with ``gc.collect()`` before every reading. After every
@@ -24,7 +24,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
 
-from common import HERE, REPO, parser, write_json
+import numpy as np
+from common import HERE, REPO, parser, peak_rss_mb, write_json
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 METHODS = ["uniform", "crisp", "grape", "grape_steps", "doge", "rnb", "odm", "ado", "uniform_reference", "doremi"]
@@ -45,11 +45,6 @@ def rss_mb() -> float:
     """The process's resident set now (MB)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * _PAGE / 2**20
-
-
-def peak_rss_mb() -> float:
-    """The process's resident high-water mark (MB; Linux reports ru_maxrss in kB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def tensor_census() -> dict[str, float]:
@@ -70,12 +65,10 @@ def tensor_census() -> dict[str, float]:
 
 def slope_per_100(points: Sequence[tuple[int, float]]) -> float | None:
     """Least-squares slope of RSS against the step, times 100 (MB per 100 steps); None under 3 points."""
-    if len(points) < 3:
+    if len(points) < 3 or len({x for x, _ in points}) < 2:
         return None
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    return 100 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else None
+    x, y = np.asarray(points, dtype=np.float64).T
+    return 100 * float(np.polyfit(x, y, 1)[0])
 
 
 # ----------------------------------------------------------------------------- one method, in its own process

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import resource
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -59,6 +58,7 @@ from grape_stream.apps.demo_pool import (
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
+from common import peak_rss_mb, write_json  # noqa: E402
 from value_report import aggregate, claims, split_by_version, table  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "value.json"
@@ -353,7 +353,7 @@ def _train(base: str, mds: Path, run_dir: Path, settings: Any, seed: int, extra:
     torch.set_num_threads(1)
     res = run_method(base, mds=mds, out_dir=run_dir, settings=settings, seed=seed, progress=False,
                      extra_overrides=extra)
-    return res, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return res, peak_rss_mb()
 
 
 def _finished_run(method: str, seed: int, steps: int, mds: Path, out: Path, docs: Mapping[str, Any],
@@ -469,10 +469,7 @@ def write(path: Path, runs: Mapping[str, Mapping[int, Mapping[str, Any]]], docs:
                                                      "seconds", "train_loss", "train_tokens", "steps", "code",
                                                      "peak_rss_mb", "process_peak_rss_mb", "same_run_as") if k in r}
                         for s, r in by_seed.items()} for m, by_seed in runs.items()}}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, default=list))
-    tmp.replace(path)
+    write_json(path, doc, default=list)
     return doc
 
 
