@@ -63,6 +63,39 @@ def test_the_divergence_follows_the_lr_schedule_relative_to_its_peak():
     np.testing.assert_array_equal(a, np.full(5, 0.2))
 
 
+def test_a_constant_kl_schedule_moves_the_full_divergence_however_far_the_lr_has_decayed():
+    gram, losses = _case(seed=2)
+    r = build_reweighter("grape", 5, 3, kl_alpha=0.03, kl_schedule="constant")
+    r.update(gram, losses, lr=1e-3)  # the peak
+    a0, z0 = r.alpha, r.z
+    a1, z1 = r.update(gram, losses, lr=1e-5)  # 1% of the peak: still the whole divergence, on both sides
+    assert _kl(a1, a0) == pytest.approx(0.03, rel=1e-9)
+    assert _kl(z1, z0) == pytest.approx(DEFAULT_KL["z"], rel=1e-9)
+    # the default ("lr") on the same updates: a hundredth of it
+    d = build_reweighter("grape", 5, 3, kl_alpha=0.03, kl_schedule="lr")
+    d.update(gram, losses, lr=1e-3)
+    b0 = d.alpha
+    assert _kl(d.update(gram, losses, lr=1e-5)[0], b0) == pytest.approx(0.03 / 100, rel=1e-9)
+
+
+def test_kl_schedule_is_checked_and_stored_only_when_it_changes_the_step():
+    from grape_stream.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="kl_schedule must be 'lr'.*or 'constant'"):
+        build_reweighter("grape", 5, 3, kl_schedule="cosine")
+    with pytest.raises(ConfigError, match="kl_schedule is used only with step_size='trust_region'"):
+        build_reweighter("grape", 5, 3, step_size="lr_over_mu", kl_schedule="constant")
+    # the default leaves the state as it was before the option existed (older checkpoints load strictly)
+    assert "kl_schedule" not in json.dumps(build_reweighter("grape", 5, 3, kl_schedule="lr").state_dict())
+    assert "kl_schedule" in json.dumps(build_reweighter("grape", 5, 3, kl_schedule="constant").state_dict())
+    gram, losses = _case(seed=4)
+    a = build_reweighter("doge", 5, 3, kl_schedule="constant")
+    a.update(gram, losses, lr=1e-3)
+    b = build_reweighter("doge", 5, 3, kl_schedule="constant")
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    np.testing.assert_array_equal(a.update(gram, losses, lr=1e-5)[0], b.update(gram, losses, lr=1e-5)[0])
+
+
 def test_peak_lr_survives_a_checkpoint_so_a_resumed_run_steps_the_same():
     gram, losses = _case(seed=3)
     a = build_reweighter("grape", 5, 3)

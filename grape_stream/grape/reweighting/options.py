@@ -24,7 +24,7 @@ import numpy as np
 from grape_stream.config import PAPER_MU_ALPHA, PAPER_MU_Z  # the one statement of the paper's defaults
 from grape_stream.errors import ConfigError
 from grape_stream.grape.reweighting.noise import ALIGNMENTS
-from grape_stream.grape.reweighting.step_rule import DEFAULT_KL, STEP_SIZES
+from grape_stream.grape.reweighting.step_rule import DEFAULT_KL, KL_SCHEDULES, STEP_SIZES
 from grape_stream.simplex import check_simplex
 
 __all__ = [
@@ -132,6 +132,9 @@ class StepOptions(NoiseOptions, ReweighterOptions):
     step_size: Optional[str] = None
     eta_alpha: Optional[float] = None  # step_size="constant" only
     kl_alpha: Optional[float] = None  # step_size="trust_region" only: KL per update at peak lr (None: 0.02)
+    # step_size="trust_region" only: "lr" (None, the default: the KL per update scales with lr / peak lr) or
+    # "constant" (the full kl_* at every update, however far the learning rate has decayed)
+    kl_schedule: Optional[str] = None
     clip_norm: Optional[float] = None  # clip every probe gradient to this norm (None: no clipping)
     alpha0: Optional[list[float]] = None  # initial domain weights (None: uniform)
     alpha_floor: float = 0.0  # no domain weight below this (<= 1/K)
@@ -144,6 +147,14 @@ class StepOptions(NoiseOptions, ReweighterOptions):
                 out[f"kl_{side}"] = self._side_kl(side)
             else:
                 out[f"mu_{side}"], out[f"eta_{side}"] = self._side_step(side, step_size)
+        if self.kl_schedule is not None:
+            if self.kl_schedule not in KL_SCHEDULES:
+                raise ConfigError(f"kl_schedule must be 'lr' (the default: the KL per update scales with lr / peak lr) "
+                                  f"or 'constant' (the full KL at every update), got {self.kl_schedule!r}")
+            if step_size != "trust_region":
+                raise ConfigError(f"kl_schedule is used only with step_size='trust_region', not {step_size!r}")
+            if self.kl_schedule != KL_SCHEDULES[0]:  # only a non-default value: older checkpoints load strictly
+                out["kl_schedule"] = self.kl_schedule
         clip = self.clip_norm
         if clip is not None:
             clip = real(clip, "clip_norm")

@@ -11,6 +11,12 @@ of mirror descent with the entropy (the exponentiated-gradient family w_eta ~ w 
 KL-geodesic, so the size and the direction separate cleanly). The lr factor keeps the paper's coupling to
 the schedule: steps shrink as the learning rate decays (warm-up counts as peak).
 
+``kl_schedule`` (trust_region only) says whether that lr factor applies: ``lr`` (the default, above) or
+``constant`` (every update may move the full ``kl``). Why the second: under a cosine schedule most of the
+trust region's budget is spent in the first half of the run, so a target that z only recognises as lagging late
+can no longer pull alpha towards it (docs/results.md, "The worst target": 82% of alpha's movement was spent
+before z settled on the worst target).
+
 ``lr_over_mu`` (the paper) and ``constant`` (the authors' released code) give eta directly.
 """
 
@@ -23,11 +29,13 @@ import numpy as np
 
 from grape_stream.simplex import logsumexp
 
-__all__ = ["STEP_SIZES", "DEFAULT_KL", "kl_of_step", "trust_region_eta", "side_eta"]
+__all__ = ["STEP_SIZES", "KL_SCHEDULES", "DEFAULT_KL", "kl_of_step", "trust_region_eta", "side_eta"]
 
 #: "trust_region": a KL divergence per update (default); "lr_over_mu": the paper's eta = lr / mu; "constant":
 #: the authors' released code, eta given directly.
 STEP_SIZES = ("trust_region", "lr_over_mu", "constant")
+#: trust_region's divergence per update: "lr" (kl x lr_t / peak lr, the default) or "constant" (kl at every update)
+KL_SCHEDULES = ("lr", "constant")
 #: KL per update at peak lr (nats). z (N tasks) may move faster than alpha, as in the paper (eta_z > eta_alpha).
 DEFAULT_KL = {"alpha": 0.02, "z": 0.04}
 _BISECTIONS = 80
@@ -122,5 +130,8 @@ def side_eta(options: Mapping[str, object], side: str, lr: float | None, lr_peak
     if direction is None:
         return 0.0
     # lr None: the caller has no schedule (full step); lr 0: no step, as under the paper's rule
-    share = 1.0 if lr is None else (min(float(lr) / float(lr_peak), 1.0) if lr_peak else 0.0)
+    if options.get("kl_schedule") == "constant":
+        share = 1.0
+    else:
+        share = 1.0 if lr is None else (min(float(lr) / float(lr_peak), 1.0) if lr_peak else 0.0)
     return trust_region_eta(log_w, direction, float(options[f"kl_{side}"]) * share)  # type: ignore[arg-type]
