@@ -8,13 +8,15 @@ LOCAL_WORLD_SIZE), canonical_nodes and predownload (optional mixer settings), se
 workers, lag, changes ({global batches consumed: alpha}), until (global batches), every (checkpoint period),
 state (path rank 0 writes the mixer state to after every rank finished that step), resume (a state path),
 log (folder: one JSON line per loader batch per rank: global batch, rank, the rows' identities),
-hold_after (sleep there until killed).
+hold_after (sleep there until killed), kill_at (rank 0 SIGKILLs itself once it has logged that many global
+batches: a warm launch, tests/_warm.py, then kills the other ranks as torchrun would).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -65,6 +67,8 @@ def main(cfg_path: str) -> int:
                     with open(tmp, "w") as f:
                         json.dump(state, f)
                     os.replace(tmp, cfg["state"])
+            if consumed == cfg.get("kill_at") and rank == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
             if consumed == cfg["until"]:
                 break
             if consumed == cfg.get("hold_after"):  # bound how far a run gets before the test kills it

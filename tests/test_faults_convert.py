@@ -61,8 +61,11 @@ def reference(corpus, tmp_path_factory, s3_server):
     return ref
 
 
-#: (call site, method, path pattern, requests let through first). 8 failures in a row outlast botocore's
-#: 5 attempts, so each site's fault reaches the converter's own retry policy.
+#: (call site, method, path pattern, requests let through first). BOTOCORE_ATTEMPTS + 3 failures in a row outlast
+#: botocore's attempts, so each site's fault reaches the converter's own retry policy, and more than once.
+#: botocore's attempts are set by the environment, as a user would (AWS_MAX_ATTEMPTS): its default of 5 slept
+#: ~7.5 s of random exponential backoff at every site, most of this test's time, without changing its claim.
+BOTOCORE_ATTEMPTS = 2
 SITES = [
     ("bucket check (parent, start-up)", "HEAD", r"^/{bucket}/?$", 0),
     ("bucket check (a worker's uploader)", "HEAD", r"^/{bucket}/?$", 1),
@@ -76,14 +79,17 @@ SITES = [
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("action", ["500", "reset"])
-def test_faults_at_every_call_site_are_ridden_out(fault_proxy, s3_bucket, corpus, reference, tmp_path, action):
+def test_faults_at_every_call_site_are_ridden_out(fault_proxy, s3_bucket, corpus, reference, tmp_path, action,
+                                                  monkeypatch):
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", str(BOTOCORE_ATTEMPTS))  # the converter's pool workers inherit it
+    faults = BOTOCORE_ATTEMPTS + 3
     for n, (site, method, pattern, skip) in enumerate(SITES):
         prefix = f"site{n}"
         fault_proxy.clear()
         rule = fault_proxy.fail(pattern.format(bucket=s3_bucket, prefix=prefix), method=method, action=action,
-                                times=8, skip=skip)
+                                times=faults, skip=skip)
         _convert(corpus, f"s3://{s3_bucket}/{prefix}", tmp_path / prefix)
-        assert rule.hits == 8, f"{site}: the fault did not happen ({rule.hits} hits)"
+        assert rule.hits == faults, f"{site}: the fault did not happen ({rule.hits} hits)"
         assert _objects(fault_proxy.url, s3_bucket, prefix) == reference, site
 
 

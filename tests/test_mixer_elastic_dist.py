@@ -9,16 +9,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import _warm
 from _mds_fixtures import identity, write_domains
-from _parallel import free_port
 from grape_stream.mixing.mixer import DomainStream, WeightedStreamingMixer
 from test_mixer_s3 import upload
 
@@ -52,19 +50,16 @@ def _reference(dirs) -> list[list]:
 
 
 
-def _launch(cfg: dict, world: int, tmp: Path, name: str) -> list[subprocess.Popen]:
+def _run_warm(cfg: dict, world: int, tmp: Path, name: str) -> int:
+    """``world`` ranks of _elastic_run.py forked from the worker's warm server (tests/_warm.py), as torchrun would
+    start them; the launch's exit status (-9 when rank 0 SIGKILLed itself at ``kill_at``: the others go with it)."""
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(cfg))
-    port = free_port()
-    procs = []
-    for r in range(world):
-        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
-               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "_elastic_run.py"), str(path)], env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True))
-    return procs
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    proc = _warm.run(str(HERE / "_elastic_run.py"), str(path), cwd=str(tmp), env=env, timeout=300, ranks=world)
+    assert proc.returncode in (0, -9), proc.stderr[-3000:]
+    return proc.returncode
 
 
 def _logged(log: Path) -> list[dict]:
@@ -109,25 +104,21 @@ def test_gloo_4_ranks_killed_resume_on_2_from_s3_killed_resume_on_1(data, tmp_pa
     logs = [tmp_path / f"log{i}" for i in range(3)]
     for d in logs:
         d.mkdir()
-    # 4 ranks x 1 worker, local shards: killed mid-run (after its checkpoint of batch 8 or 12)
-    procs = _launch({**base, "dirs": data, "workers": 1, "until": N, "hold_after": 14, "log": str(logs[0])}, 4,
-                    tmp_path, "a")
-    _kill_when(procs, logs[0], 10)
+    # 4 ranks x 1 worker, local shards: killed mid-run (rank 0 at its 10th batch, after its checkpoint of batch 8)
+    assert _run_warm({**base, "dirs": data, "workers": 1, "until": N, "hold_after": 14, "kill_at": 10,
+                      "log": str(logs[0])}, 4, tmp_path, "a") == -9
     first = json.loads((tmp_path / "state.json").read_text())
     assert first["batch"] in (8, 12) and first["written_by"] == {"world_size": 4, "batch_size": 6, "micro_batches": 1}
     # 2 ranks x 1 worker resume from S3 through the faulty proxy, are killed again
-    procs = _launch({**base, "remotes": remotes, "caches": caches, "workers": 1, "until": N,
-                     "hold_after": first["batch"] + 9, "log": str(logs[1]), "resume": str(tmp_path / "state.json")},
-                    2, tmp_path, "b")
-    _kill_when(procs, logs[1], 7)
+    assert _run_warm({**base, "remotes": remotes, "caches": caches, "workers": 1, "until": N,
+                      "hold_after": first["batch"] + 9, "kill_at": first["batch"] + 7, "log": str(logs[1]),
+                      "resume": str(tmp_path / "state.json")}, 2, tmp_path, "b") == -9
     second = json.loads((tmp_path / "state.json").read_text())
     assert second["batch"] > first["batch"] and second["written_by"]["world_size"] == 2
     assert fault_proxy.stats.errors > 0 and fault_proxy.stats.resets > 0  # the faults really happened
     # 1 rank, no workers, local shards: finishes
-    procs = _launch({**base, "dirs": data, "workers": 0, "until": N, "log": str(logs[2]),
-                     "resume": str(tmp_path / "state.json")}, 1, tmp_path, "c")
-    for p in procs:
-        assert p.wait(timeout=300) == 0, p.stderr.read().decode()[-3000:]
+    assert _run_warm({**base, "dirs": data, "workers": 0, "until": N, "log": str(logs[2]),
+                      "resume": str(tmp_path / "state.json")}, 1, tmp_path, "c") == 0
     phases = [(_phase_rows(logs[0], 4), 4, 0, first["batch"]),
               (_phase_rows(logs[1], 2), 2, first["batch"], second["batch"]),
               (_phase_rows(logs[2], 1), 1, second["batch"], N)]
