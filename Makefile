@@ -18,15 +18,18 @@ TORCH_GROUP := ^(torch|torchvision|triton|nvidia-[a-z0-9-]+|cuda-[a-z-]+)==
 
 # $(1): a lock file. Its packages (less the torch group when TORCH is set) with their dependencies pinned by the
 # lock, then the `# --no-deps` ones (Composer), then grape_stream itself, editable.
-# --no-compile: pip byte-compiles every installed file by default (torch, transformers, ... : most of a warm-cache
-# set-up, 62 s with it off against 150-180 s on the 2-core machine); Python compiles the modules a run imports
-# on first import instead, a fraction of them.
+# --no-compile, then compileall on every core: pip byte-compiles each installed file one at a time, most of a
+# warm-cache set-up on the 2-core machine (95 s for the dev lock this way); the .pyc files are still made at
+# set-up: with PYTHONDONTWRITEBYTECODE set (this machine sets it) a lazily compiled venv compiled every import
+# from source in every process, and the suite ran far slower.
+# A file that does not compile (a template, a Python 2 example) is skipped, as pip skips it.
 define install_lock
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade "pip>=24"
 	grep -v -e '# --no-deps' $(1) $(if $(TORCH),| grep -Ev '$(TORCH_GROUP)') > $(VENV)/lock.deps.txt || true
 	$(BIN)/python -m pip install -q --no-compile -r $(VENV)/lock.deps.txt $(TORCH)
 	$(BIN)/python -m pip install -q --no-compile --no-deps $$(grep -e '# --no-deps' $(1) | cut -d' ' -f1)
+	$(BIN)/python -m compileall -q -j 0 $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') > /dev/null || true
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 endef
 
