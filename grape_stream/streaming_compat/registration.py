@@ -10,8 +10,7 @@
   and the leader's makes them disagree ("shared memory registered does not match local leader"):
   :func:`create_registered` puts a barrier after the leader has the lock and before any rank scans.
   A job that does not take the lock (plain streaming, another user) can still take the prefix between
-  the scan and the create: :func:`create_registered` retries then, with every rank of a job retrying
-  together (a leader failing alone used to leave its ranks waiting at streaming's barrier).
+  the scan and the create: :func:`create_registered` retries then (one process only: see there).
 * **Unlinking by name at exit.** A dataset this process created and never released (a task's splits,
   a mixer not closed) would be unlinked by name at exit by streaming's own hook, whatever the name holds
   by then; :func:`create_registered` arranges for grape_stream's release (by identity, see
@@ -140,80 +139,23 @@ def create_registered(factory: Callable[[], T], *, enabled: bool = True, attempt
     streaming job, another library): streaming 0.13 then raises ``FileExistsError: '/NNNNNN_locals'``
     before it registered anything, so trying again after a short random pause picks the next prefix.
     ``enabled``: this process is its node's leader (the other ranks wait at the barrier); without a process group
-    every process takes the lock. With a process group every rank retries together (:func:`_create_on_ranks`)."""
+    every process takes the lock."""
     # Without a process group no barrier orders this process after a leader: it registers on its own (a single
     # process, or ranks simulated in one process, as an elastic resume's planning does), so it takes the lock.
-    if dist_active():
-        return _create_on_ranks(factory, lock=enabled, attempts=attempts)
+    lock = enabled or not dist_active()
     for attempt in range(attempts):
         try:
-            with registration_lock():
-                dataset = factory()
-            return _owned(dataset)
-        except FileExistsError as exc:
-            if not _prefix_taken(exc) or attempt == attempts - 1:
-                raise
-            time.sleep(random.uniform(0.05, 0.25))
-    raise AssertionError("unreachable")  # pragma: no cover
+            with registration_lock(enabled=lock):
+                if dist_active():  # no rank scans for the prefix before this node's leader holds the lock
+                    import torch.distributed as dist
 
-
-def _owned(dataset: T) -> T:
-    record_owner(dataset)  # every dataset's segments are judged by their owner, not by who maps them
-    _release_before_streaming_at_exit(dataset)
-    return dataset
-
-
-def _prefix_taken(exc: BaseException) -> bool:
-    """Streaming's local leader found its prefix's ``_locals`` segment created by someone else."""
-    return isinstance(exc, FileExistsError) and "_locals" in str(exc)
-
-
-def _create_on_ranks(factory: Callable[[], T], *, lock: bool, attempts: int) -> T:
-    """The retry of :func:`create_registered` when several ranks register together.
-
-    Streaming 0.13's ``get_shm_prefix`` has every rank scan, then a barrier, then the local leader creates the
-    ``_locals`` segment, then a second barrier, then the other ranks attach to it. A leader whose create fails
-    (another job took the name after the scan) used to raise between the two barriers, leaving its ranks
-    waiting at the second one until the process group timed out. Here that leader still meets the second
-    barrier, its ranks then fail to find its registration (they raise), and all ranks learn from one
-    ``all_gather_object`` whether any leader collided: then every rank releases what it opened and all try
-    again, on the next free prefix. Any other failure is raised on every rank, in one line naming the rank, so
-    no rank is left waiting at a collective the others never reach."""
-    import torch.distributed as dist
-
-    for attempt in range(attempts):
-        dataset: Any = None
-        error: BaseException | None = None
-        collided = False
-        with registration_lock(enabled=lock):
-            dist.barrier()  # no rank scans for the prefix before this node's leader holds the lock
-            try:
-                dataset = factory()
-            except FileExistsError as exc:
-                if not (lock and _prefix_taken(exc)):
-                    error = exc
-                else:  # the ranks wait at streaming's second barrier: meet it, then all retry below
-                    collided = True
                     dist.barrier()
-            except Exception as exc:  # noqa: BLE001 - every rank must reach the gather below
-                error = exc
-        outcomes: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(outcomes, (collided, None if error is None else f"{type(error).__name__}: {error}"))
-        if any(c for c, _ in outcomes) and attempt < attempts - 1:
-            if dataset is not None:  # this node's leader did not collide: release its registration too
-                release_streaming_dataset(dataset)
-            logger.info("another job took streaming's shared-memory prefix meanwhile; registering again (%d/%d)",
-                        attempt + 2, attempts)
-            time.sleep(0.05 + 0.05 * attempt)
-            continue
-        if error is not None:
-            raise error
-        failed = [(rank, msg or "its shared-memory prefix stayed taken") for rank, (c, msg) in enumerate(outcomes)
-                  if c or msg is not None]
-        if failed:
-            if dataset is not None:
-                release_streaming_dataset(dataset)
-            rank, msg = failed[0]
-            raise RuntimeError(f"rank {rank} could not open its StreamingDataset ({msg}); every rank stops here")
-        return _owned(dataset)
+                dataset = factory()
+            record_owner(dataset)  # every dataset's segments are judged by their owner, not by who maps them
+            _release_before_streaming_at_exit(dataset)
+            return dataset
+        except FileExistsError as exc:
+            if "_locals" not in str(exc) or attempt == attempts - 1 or dist_active():
+                raise  # (several ranks: only the leader saw it, the others wait inside streaming's barriers)
+            time.sleep(random.uniform(0.05, 0.25))
     raise AssertionError("unreachable")  # pragma: no cover
