@@ -47,12 +47,11 @@ $(DEV_STAMP): requirements/dev.txt pyproject.toml
 demo: $(DEMO_STAMP)
 	$(BIN)/grape-stream demo $(ARGS)
 
-# The suite on parallel workers (pytest-xdist; tests/conftest.py says what keeps a test safe there): three on a
-# 2-core CI machine (the third fills the time the others spend waiting on backoffs, barriers and their children:
-# 789 s against 843 s on two), each test module whole on one worker (its module-scoped fixtures built once), the
-# longest modules first.
+# The suite on parallel workers (pytest-xdist; tests/conftest.py says what keeps a test safe there): one per core
+# of a 2-core CI machine (the tests that train spawn their own processes, so more workers only contend), each
+# test module whole on one worker (its module-scoped fixtures built once), the longest modules first.
 # `make test XDIST=` runs it in one process.
-XDIST ?= -n 3 --dist loadfile --no-loadscope-reorder
+XDIST ?= -n 2 --dist loadfile --no-loadscope-reorder
 test: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q $(XDIST) $(ARGS)
 
