@@ -129,9 +129,10 @@ def side_eta(options: Mapping[str, object], side: str, lr: float | None, lr_peak
         return float(lr) / float(options[f"mu_{side}"])  # type: ignore[arg-type]
     if direction is None:
         return 0.0
-    # lr None: the caller has no schedule (full step); lr 0: no step, as under the paper's rule
-    if options.get("kl_schedule") == "constant":
+    # the full kl under kl_schedule "constant", or when the caller has no schedule (lr None); lr 0: no step, as
+    # under the paper's rule
+    if lr is None or options.get("kl_schedule") == "constant":
         share = 1.0
     else:
-        share = 1.0 if lr is None else (min(float(lr) / float(lr_peak), 1.0) if lr_peak else 0.0)
+        share = min(float(lr) / float(lr_peak), 1.0) if lr_peak else 0.0
     return trust_region_eta(log_w, direction, float(options[f"kl_{side}"]) * share)  # type: ignore[arg-type]
