@@ -66,7 +66,8 @@ def _launch(data: str, out: Path, world: int, *extra: str) -> subprocess.Popen:
 
 def _stop(job: subprocess.Popen) -> str:
     """Kill a job that went wrong (its whole session: the launcher and its ranks); its stderr."""
-    os.killpg(job.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):  # a job that ended on its own has no group left to kill
+        os.killpg(job.pid, signal.SIGKILL)
     return job.communicate()[1].decode()[-4000:]
 
 

@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import tempfile
 import time
 
@@ -17,7 +18,7 @@ from grape_stream.streaming_compat.registration import registration_lock
 
 HOLD = """
 import fcntl, os, sys, tempfile, time
-from grape_stream.streaming_compat.registration import _open_lock_file
+from grape_stream.streaming_compat.shm_lock import _open_lock_file
 if sys.argv[1] == "mine":
     fd = _open_lock_file(sys.argv[2])
 else:
@@ -106,7 +107,7 @@ def test_a_lock_file_another_user_planted_is_not_used(dirs, caplog):
     fd = os.open(planted, os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX)  # the planter holds it
     try:
-        with caplog.at_level(logging.WARNING, logger="grape_stream.streaming_compat.registration"):
+        with caplog.at_level(logging.WARNING, logger="grape_stream.streaming_compat.shm_lock"):
             with registration_lock(timeout=0.5, shm_dir=str(shm)):
                 pass
         assert "owned by uid 65534" in caplog.text
@@ -142,3 +143,60 @@ def test_a_process_without_a_process_group_takes_the_lock_whatever_its_rank(monk
     monkeypatch.setattr(registration, "registration_lock", spy)
     assert registration.create_registered(lambda: "dataset", enabled=False) == "dataset"
     assert taken == [True]
+
+
+def test_a_removal_waits_for_a_registration_in_progress(dirs):
+    """Every rank of a job scans /dev/shm for its prefix on its own; a stale segment swept away between the
+    leader's scan and a follower's made them disagree ("prefix=64 was not registered by local leader"). So a
+    sweep, like a registration, waits for the lock: the stale name is still there while the lock is held, and
+    gone once its holder ends."""
+    from grape_stream.streaming_compat.shm import cleanup_stale_streaming_shm
+
+    shm, tmp = dirs
+    stale = shm / "000003_locals"  # a dead job's segment: nothing maps it
+    stale.write_bytes(b"\0" * 64)
+    holder = _hold(tmp, "mine", shm)
+    sweep = threading.Thread(target=cleanup_stale_streaming_shm, kwargs={"shm_dir": str(shm), "lock_dir": str(tmp)})
+    try:
+        sweep.start()
+        sweep.join(timeout=1.0)
+        assert sweep.is_alive() and stale.exists(), "the sweep removed a name while a registration held the lock"
+    finally:
+        holder.kill()
+        holder.wait()
+    sweep.join(timeout=30)
+    assert not sweep.is_alive() and not stale.exists()
+
+
+def test_a_stuck_holder_costs_a_removal_a_bounded_wait(dirs, caplog):
+    """A removal that cannot get the lock goes ahead after its timeout (a leak is worse than the race), with
+    one warning that names the holder."""
+    from grape_stream.streaming_compat.shm_lock import removal_lock
+
+    shm, tmp = dirs
+    holder = _hold(tmp, "mine", shm)
+    try:
+        with caplog.at_level(logging.WARNING, logger="grape_stream.streaming_compat.shm_lock"):
+            t0 = time.monotonic()
+            with removal_lock(timeout=0.3, shm_dir=str(shm)):
+                waited = time.monotonic() - t0
+        assert 0.3 <= waited < 10
+        assert f"held by pid {holder.pid}" in caplog.text
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_process_holding_the_lock_removes_without_waiting_for_itself(dirs):
+    """flock on a second descriptor of the same process would wait for the first: a release inside a
+    registration (an error path) must not deadlock."""
+    from grape_stream.streaming_compat.shm_lock import removal_lock
+
+    shm, _ = dirs
+    with registration_lock(timeout=0.5, shm_dir=str(shm)):
+        t0 = time.monotonic()
+        with removal_lock(timeout=5, shm_dir=str(shm)):
+            pass
+        assert time.monotonic() - t0 < 1
+    with removal_lock(timeout=0.5, shm_dir=str(shm)):  # and the lock is free afterwards
+        pass

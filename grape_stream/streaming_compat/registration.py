@@ -8,7 +8,10 @@
   Every rank of a job scans for the prefix on its own (streaming 0.13 ``get_shm_prefix``), so the non-leader
   ranks must scan while their leader holds the lock too, or another job's registration between their scan
   and the leader's makes them disagree ("shared memory registered does not match local leader"):
-  :func:`create_registered` puts a barrier after the leader has the lock and before any rank scans.
+  :func:`create_registered` puts a barrier after the leader has the lock and before any rank scans. Removals
+  (a job closing its datasets, a sweep of a dead job's) would change the names under the scans just as well:
+  they take the same lock (:mod:`grape_stream.streaming_compat.shm_lock`), so the leader takes it only after a
+  first barrier, when none of its own ranks can be waiting in a removal for it.
   A job that does not take the lock (plain streaming, another user) can still take the prefix between
   the scan and the create: :func:`create_registered` retries then (one process only: see there).
 * **Unlinking by name at exit.** A dataset this process created and never released (a task's splits,
@@ -20,22 +23,18 @@
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import os
 import random
-import stat
 import time
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, TypeVar
 
-from grape_stream.streaming_compat.processes import flock_holder
 from grape_stream.streaming_compat.shm import (
-    SHM_DIR,
     live_streaming_datasets,
     record_owner,
     release_streaming_dataset,
 )
-from grape_stream.user_dir import user_temp_dir
+from grape_stream.streaming_compat.shm_lock import _open_lock_file, registration_lock  # noqa: F401 - re-exported
 from grape_stream.world import dist_active
 
 __all__ = ["create_registered", "registration_lock"]
@@ -43,33 +42,6 @@ __all__ = ["create_registered", "registration_lock"]
 T = TypeVar("T")
 _CREATOR = "_grape_stream_creator_pid"
 logger = logging.getLogger(__name__)
-_OPEN_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def _open_lock_file(shm_dir: str) -> int:
-    """A descriptor on this user's registration lock file.
-
-    The lock belongs where the names it protects live: /dev/shm is one per machine (or per container /
-    mount namespace), while ``$TMPDIR`` may differ per job. The file is per user (another user cannot hold
-    this user's jobs up), opened without following a symlink and checked to be a regular file this user
-    owns: a name another user planted in the shared /dev/shm is not used; the per-user temp folder's lock
-    is then the fallback (it serialises the jobs that share a ``TMPDIR``; the retry in
-    :func:`create_registered` covers the rest)."""
-    if os.path.isdir(shm_dir):
-        path = os.path.join(shm_dir, f"grape_stream_registration.{os.geteuid()}.lock")
-        try:
-            fd = os.open(path, _OPEN_FLAGS, 0o600)
-        except OSError as exc:
-            why = str(exc)
-        else:
-            st = os.fstat(fd)
-            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
-                return fd
-            os.close(fd)
-            why = f"owned by uid {st.st_uid}" if st.st_uid != os.geteuid() else "not a regular file"
-        logger.warning("not using %s as the shared-memory registration lock (%s); using a lock in this user's "
-                       "temp folder instead, which only jobs sharing TMPDIR take", path, why)
-    return os.open(os.path.join(user_temp_dir(), "registration.lock"), _OPEN_FLAGS, 0o600)
 
 
 def _release_at_exit() -> None:
@@ -93,46 +65,6 @@ def _release_before_streaming_at_exit(dataset: Any) -> None:
     atexit.register(_release_at_exit)
 
 
-@contextlib.contextmanager
-def registration_lock(enabled: bool = True, timeout: float = 600.0, *, shm_dir: str = SHM_DIR) -> Iterator[None]:
-    """Serialise streaming's shared-memory registration among the processes of this machine.
-
-    Streaming picks its prefix by scanning /dev/shm and then creating the segments, without a lock: two
-    jobs that start at the same moment can pick the same prefix and share each other's shard states.
-    This takes an exclusive ``flock`` on this user's lock file beside the segments (:func:`_open_lock_file`;
-    a lock any user could take, such as one on ``$TMPDIR`` itself, would let another user stall every job
-    on the host) while this process registers its datasets; another user's racing job is handled by the
-    retry in :func:`create_registered`. Take it on the local leader only: the other ranks wait at
-    :func:`create_registered`'s barrier until the leader has it, then scan.
-    """
-    if not enabled:
-        yield
-        return
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX
-        yield
-        return
-    fd = _open_lock_file(shm_dir)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"waited {timeout:.0f} s for another process registering "
-                                       f"StreamingDatasets on this machine{flock_holder(fd)}") from None
-                time.sleep(0.01)
-        try:
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
-
-
 def create_registered(factory: Callable[[], T], *, enabled: bool = True, attempts: int = 20) -> T:
     """``factory()`` (a StreamingDataset constructor) under :func:`registration_lock`, retried when the
     shared-memory prefix streaming chose was taken meanwhile by a job that does not take our lock (a plain
@@ -145,10 +77,12 @@ def create_registered(factory: Callable[[], T], *, enabled: bool = True, attempt
     lock = enabled or not dist_active()
     for attempt in range(attempts):
         try:
+            if dist_active():  # every rank is here, so none waits in a removal_lock for its own leader's lock
+                import torch.distributed as dist
+
+                dist.barrier()
             with registration_lock(enabled=lock):
                 if dist_active():  # no rank scans for the prefix before this node's leader holds the lock
-                    import torch.distributed as dist
-
                     dist.barrier()
                 dataset = factory()
             record_owner(dataset)  # every dataset's segments are judged by their owner, not by who maps them

@@ -48,6 +48,7 @@ from grape_stream.streaming_compat.processes import (  # noqa: F401 - segments_i
     segments_in_use_elsewhere,
 )
 from grape_stream.streaming_compat.segments import close_segment, end_created_segment, unlink_if_unchanged
+from grape_stream.streaming_compat.shm_lock import SHM_DIR, removal_lock
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,6 @@ FILELOCK_NAMES = ("barrier_filelock", "cache_filelock")
 _SHM_RE = re.compile(r"^(\d{6})_(" + "|".join(SHM_NAMES) + r")$")
 _LOCK_RE = re.compile(r"^(\d{6})_(" + "|".join(FILELOCK_NAMES) + r")$")
 _OWNER_RE = re.compile(r"^grape_stream_owner\.(\d{6})(?:\.\d+)?$")  # .<uid> since per-user names
-SHM_DIR = "/dev/shm"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -197,7 +197,11 @@ def cleanup_stale_streaming_shm(*, shm_dir: str = SHM_DIR, lock_dir: str | None 
     are older than the prefix's live owner (an earlier holder's: see :func:`_lock_is_stale`). Safe to
     call on every rank at any time. Returns ``{"shm": [...], "locks": [...], "owners": [...]}``.
     """
-    lock_dir = lock_dir or tempfile.gettempdir()
+    with removal_lock(shm_dir=shm_dir):  # a removal under another job's scans would split its ranks (shm_lock.py)
+        return _cleanup_now(shm_dir, lock_dir or tempfile.gettempdir())
+
+
+def _cleanup_now(shm_dir: str, lock_dir: str) -> dict[str, list[str]]:
     removed: dict[str, list[str]] = {"shm": [], "locks": [], "owners": []}
     shm = _listing(shm_dir, _SHM_RE)
     locks = _listing(lock_dir, _LOCK_RE)
@@ -320,6 +324,11 @@ def release_streaming_dataset(dataset: Any) -> None:
     its download threads and every DataLoader worker that used it are done. Safe to call twice. A segment
     whose name another job holds by now (ours was removed behind our back) is left to that job.
     """
+    with removal_lock():  # no job's ranks may scan the names while they change (see shm_lock.py)
+        _release_now(dataset)
+
+
+def _release_now(dataset: Any) -> None:
     shms = _dataset_shms(dataset)
     locals_shm = getattr(dataset, "_locals_shm", None)
     if locals_shm is not None:
