@@ -8,8 +8,8 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 import tempfile
+import threading
 import time
 
 import pytest
