@@ -153,7 +153,7 @@ def test_a_removal_waits_for_a_registration_in_progress(dirs):
     from grape_stream.streaming_compat.shm import cleanup_stale_streaming_shm
 
     shm, tmp = dirs
-    stale = shm / "000003_locals"  # a dead job's segment: nothing maps it
+    stale = shm / "999999_locals"  # a dead job's segment (liveness is by name: a number no live job has)
     stale.write_bytes(b"\0" * 64)
     holder = _hold(tmp, "mine", shm)
     sweep = threading.Thread(target=cleanup_stale_streaming_shm, kwargs={"shm_dir": str(shm), "lock_dir": str(tmp)})
