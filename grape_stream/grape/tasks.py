@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from grape_stream.retry import default_policy
+from grape_stream.streaming_compat.decompress import install_atomic_decompress
 from grape_stream.streaming_compat.index_check import check_index
 from grape_stream.streaming_compat.local_index import check_s3_credentials, default_local_for, sync_local_index
 from grape_stream.streaming_compat.registration import create_registered
@@ -152,6 +153,7 @@ class TaskStream:
                 f"task {self.name!r}: no MDS index at {index} (split={split!r}); convert the task with "
                 "`grape-stream convert task ...` or fix `local`/`split`"
             )
+        install_atomic_decompress()  # jobs sharing a local directory decompress a shard at once (decompress.py)
         if self.remote is None:
             check_index(f"task {self.name}", index)  # names inside the folder, counts that fit the shards
         if self.remote is not None:
