@@ -55,20 +55,18 @@ demo: $(DEMO_STAMP)
 # built once), the longest modules first.
 # `make test XDIST=` runs it in one process.
 XDIST ?= -n 3 --dist loadfile --no-loadscope-reorder
-# The package and the tests' helpers are byte-compiled first, and the suite runs with Python's own bytecode cache
-# on: it starts hundreds of Python processes, and where PYTHONDONTWRITEBYTECODE is set (this machine sets it) each
-# compiled grape_stream from source (0.35 CPU-s a process that imports the mixer and the controller), and each
-# xdist worker rewrote every test module's asserts anew (collection 13.6 CPU-s a worker, 10.3 with the cache).
-PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest
+# The package and the tests' helpers are byte-compiled first: the suite starts hundreds of Python processes, and
+# where PYTHONDONTWRITEBYTECODE is set (this machine sets it) each would compile grape_stream from source (0.35
+# CPU-s a process that imports the mixer and the controller). Sources edited later are compiled again as usual.
 PYC := $(BIN)/python -m compileall -q -j 0 grape_stream tests > /dev/null
 test: $(DEV_STAMP)
 	$(PYC)
-	$(PYTEST) -q $(XDIST) $(ARGS)
+	$(BIN)/python -m pytest -q $(XDIST) $(ARGS)
 
 # The fast unit tests only (no servers, processes, Spark or training runs).
 test-fast: $(DEV_STAMP)
 	$(PYC)
-	$(PYTEST) -q -m "not integration" $(XDIST) $(ARGS)
+	$(BIN)/python -m pytest -q -m "not integration" $(XDIST) $(ARGS)
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check grape_stream tests bench scripts
