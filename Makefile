@@ -55,17 +55,11 @@ demo: $(DEMO_STAMP)
 # built once), the longest modules first.
 # `make test XDIST=` runs it in one process.
 XDIST ?= -n 3 --dist loadfile --no-loadscope-reorder
-# The package and the tests' helpers are byte-compiled first: the suite starts hundreds of Python processes, and
-# where PYTHONDONTWRITEBYTECODE is set (this machine sets it) each would compile grape_stream from source (0.35
-# CPU-s a process that imports the mixer and the controller). Sources edited later are compiled again as usual.
-PYC := $(BIN)/python -m compileall -q -j 0 grape_stream tests > /dev/null
 test: $(DEV_STAMP)
-	$(PYC)
 	$(BIN)/python -m pytest -q $(XDIST) $(ARGS)
 
 # The fast unit tests only (no servers, processes, Spark or training runs).
 test-fast: $(DEV_STAMP)
-	$(PYC)
 	$(BIN)/python -m pytest -q -m "not integration" $(XDIST) $(ARGS)
 
 lint: $(DEV_STAMP)
