@@ -32,14 +32,18 @@ def _bound_unix_socket_paths() -> set[str] | None:
         return None  # not Linux / no procfs: nothing can be proven stale
 
 
-def _is_stale(path: str, bound: set[str], now: float) -> bool:
+def _listing(path: str) -> tuple[os.stat_result, list[str]] | None:
+    """The folder's stat and entries, or None when it is not a folder of this user."""
     try:
         st = os.lstat(path)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-            return False
-        entries = os.listdir(path)
+            return None
+        return st, os.listdir(path)
     except OSError:
-        return False
+        return None
+
+
+def _is_stale(path: str, st: os.stat_result, entries: list[str], bound: set[str], now: float) -> bool:
     if not entries:
         return now - st.st_mtime > _EMPTY_MIN_AGE_S
     for name in entries:
@@ -54,9 +58,6 @@ def _is_stale(path: str, bound: set[str], now: float) -> bool:
 
 def sweep_stale_multiprocessing_dirs(tmpdir: str | None = None) -> list[str]:
     """Delete stale ``pymp-*`` folders in `tmpdir` (default: the temp dir); returns the paths removed."""
-    bound = _bound_unix_socket_paths()
-    if bound is None:
-        return []
     root = tmpdir or tempfile.gettempdir()
     now = time.time()
     removed = []
@@ -64,9 +65,15 @@ def sweep_stale_multiprocessing_dirs(tmpdir: str | None = None) -> list[str]:
         names = [n for n in os.listdir(root) if n.startswith("pymp-")]
     except OSError:
         return []
-    for name in names:
-        path = os.path.join(root, name)
-        if _is_stale(path, bound, now):
+    # The folders' entries first, the bound sockets after: a socket a live process binds between the two readings
+    # is either not listed yet or already bound (read the other way round, a listener bound just after the
+    # reading of /proc was taken for a dead one, and a live DataLoader's folder was deleted under it).
+    listed = {os.path.join(root, n): found for n in names if (found := _listing(os.path.join(root, n))) is not None}
+    bound = _bound_unix_socket_paths()
+    if bound is None:
+        return []
+    for path, (st, entries) in listed.items():
+        if _is_stale(path, st, entries, bound, now):
             shutil.rmtree(path, ignore_errors=True)
             if not os.path.exists(path):
                 removed.append(path)
