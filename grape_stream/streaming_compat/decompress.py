@@ -16,15 +16,14 @@ with ``os.replace`` (atomic: a reader sees no file or a whole one, and the last 
 from __future__ import annotations
 
 import contextlib
-import inspect
-import logging
 import os
 import threading
 from typing import Any
 
+from grape_stream.streaming_compat.method_patch import replace_method
+
 __all__ = ["install_atomic_decompress"]
 
-logger = logging.getLogger(__name__)
 _PARAMETERS = ["self", "zip_info", "zip_filename", "raw_filename", "compression"]
 
 
@@ -64,11 +63,4 @@ def install_atomic_decompress() -> bool:
         from streaming.base.stream import Stream
     except ImportError:  # pragma: no cover
         return False
-    current = getattr(Stream, "_decompress_shard_part", None)
-    if current is _decompress_shard_part:
-        return True
-    if current is None or list(inspect.signature(current).parameters) != _PARAMETERS:
-        logger.debug("streaming's Stream has no _decompress_shard_part%s: not patched", tuple(_PARAMETERS))
-        return False
-    Stream._decompress_shard_part = _decompress_shard_part  # type: ignore[method-assign]
-    return True
+    return replace_method(Stream, "_decompress_shard_part", _decompress_shard_part, _PARAMETERS)

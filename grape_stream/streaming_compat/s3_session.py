@@ -17,13 +17,11 @@ expected hook, streaming's own behaviour stays.
 
 from __future__ import annotations
 
-import inspect
-import logging
 import os
 import threading
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from grape_stream.streaming_compat.method_patch import replace_method
 
 __all__ = ["install_shared_s3_session", "refresh_credentials", "shared_session", "session_generation"]
 
@@ -81,11 +79,4 @@ def install_shared_s3_session() -> bool:
         from streaming.base.storage.download import S3Downloader
     except ImportError:  # pragma: no cover
         return False
-    current = getattr(S3Downloader, "_create_s3_client", None)
-    if current is _create_s3_client:
-        return True
-    if current is None or list(inspect.signature(current).parameters) != ["self", "unsigned", "timeout"]:
-        logger.debug("streaming's S3Downloader has no _create_s3_client(self, unsigned, timeout): not patched")
-        return False
-    S3Downloader._create_s3_client = _create_s3_client  # type: ignore[method-assign]
-    return True
+    return replace_method(S3Downloader, "_create_s3_client", _create_s3_client, ["self", "unsigned", "timeout"])
