@@ -34,7 +34,7 @@ from grape_stream.streaming_compat.shm import (
     record_owner,
     release_streaming_dataset,
 )
-from grape_stream.streaming_compat.shm_lock import _open_lock_file, registration_lock  # noqa: F401 - re-exported
+from grape_stream.streaming_compat.shm_lock import registration_lock
 from grape_stream.world import dist_active
 
 __all__ = ["create_registered", "registration_lock"]
@@ -74,22 +74,30 @@ def create_registered(factory: Callable[[], T], *, enabled: bool = True, attempt
     every process takes the lock."""
     # Without a process group no barrier orders this process after a leader: it registers on its own (a single
     # process, or ranks simulated in one process, as an elastic resume's planning does), so it takes the lock.
-    lock = enabled or not dist_active()
+    ranks = dist_active()
+    barrier = _barrier if ranks else _no_barrier
+    lock = enabled or not ranks
     for attempt in range(attempts):
         try:
-            if dist_active():  # every rank is here, so none waits in a removal_lock for its own leader's lock
-                import torch.distributed as dist
-
-                dist.barrier()
+            barrier()  # every rank is here, so none waits in a removal_lock for its own leader's lock
             with registration_lock(enabled=lock):
-                if dist_active():  # no rank scans for the prefix before this node's leader holds the lock
-                    dist.barrier()
+                barrier()  # no rank scans for the prefix before this node's leader holds the lock
                 dataset = factory()
             record_owner(dataset)  # every dataset's segments are judged by their owner, not by who maps them
             _release_before_streaming_at_exit(dataset)
             return dataset
         except FileExistsError as exc:
-            if "_locals" not in str(exc) or attempt == attempts - 1 or dist_active():
+            if "_locals" not in str(exc) or attempt == attempts - 1 or ranks:
                 raise  # (several ranks: only the leader saw it, the others wait inside streaming's barriers)
             time.sleep(random.uniform(0.05, 0.25))
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def _no_barrier() -> None:
+    pass
