@@ -373,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     _print(result)
     write_json(args.out, result, indent=2, newline=True)
     ok = (result["identical_batches"] and lost == 0 and dup == 0 and not left and tmp_after == tmp_before)
+    if tmp_after != tmp_before:
+        print(f"temp entries before: {tmp_before}; after: {tmp_after}")
+    if left:
+        print(f"shm left behind: {left}")
     print(f"\n{'PASS' if ok else 'FAIL'}; wrote {args.out}")
     return 0 if ok else 1
 

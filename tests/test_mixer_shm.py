@@ -224,3 +224,35 @@ def test_a_lock_left_by_an_earlier_holder_of_a_prefix_is_swept(dirs, tmp_path):
         proc.communicate("go\n", timeout=60)
     finally:
         proc.kill()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("same_tmpdir", [False, True])
+def test_a_lock_touched_just_before_its_holder_died_is_swept_when_the_number_moved_to_another_tmpdir(
+        dirs, tmp_path, same_tmpdir):
+    """As above, but with no time between them: a killed job's cache lock is touched up to its last moment,
+    and on a busy machine another job (its own TMPDIR) takes the number within the second (the soak's
+    resumed job then found the killed job's two locks still there: "temp files before / after 0 / 2").
+    The live owner's record names where its locks are, so a lock elsewhere is not its. A job that shares
+    the folder keeps its locks."""
+    locks_dir = tmp_path / "jobtmp"
+    locks_dir.mkdir()
+    for p in range(300):
+        (locks_dir / f"{p:06}_cache_filelock").write_text("")
+    env = dict(os.environ, TMPDIR=str(locks_dir if same_tmpdir else tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, json.dumps(dirs), "close"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=env)
+    try:
+        prefixes = json.loads(proc.stdout.readline())[:-1]
+        for p in prefixes:  # touched now: no older than the new owner's record
+            (locks_dir / f"{p:06}_cache_filelock").touch()
+        removed = cleanup_stale_streaming_shm(lock_dir=str(locks_dir))["locks"]
+        mine = {f"{p:06}_cache_filelock" for p in prefixes}
+        if same_tmpdir:
+            assert not mine & set(removed)
+        else:
+            assert mine <= set(removed)
+        proc.communicate("go\n", timeout=60)
+    finally:
+        proc.kill()

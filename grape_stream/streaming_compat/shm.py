@@ -161,7 +161,10 @@ def record_owner(dataset: Any, shm_dir: str = SHM_DIR) -> None:
             inodes[name] = os.stat(path).st_ino
         except OSError:
             pass
-    record = {"pid": os.getpid(), "start_time": process_start_time(os.getpid()), "inodes": inodes}
+    # Where its file locks live: a sweep in another TMPDIR then knows the locks it finds there are not this job's.
+    lock_root = os.path.realpath(getattr(dataset, "_filelock_root", None) or tempfile.gettempdir())
+    record = {"pid": os.getpid(), "start_time": process_start_time(os.getpid()), "inodes": inodes,
+              "lock_root": lock_root}
     # /dev/shm is memory: nothing to make durable, but a half-written record must never be read.
     try:
         atomic_write_json(_owner_path(prefix, shm_dir), record, fsync=False)
@@ -215,7 +218,7 @@ def _cleanup_now(shm_dir: str, lock_dir: str) -> dict[str, list[str]]:
             removed["shm"].append(name)
     for name, prefix, inode in locks:
         path = os.path.join(lock_dir, name)
-        if _lock_is_stale(path, prefix, live, recorded) and unlink_if_unchanged(path, inode):
+        if _lock_is_stale(path, prefix, live, recorded, lock_dir) and unlink_if_unchanged(path, inode):
             removed["locks"].append(name)
     for name, prefix, inode in owners:
         if prefix in recorded and not recorded[prefix][0]:
@@ -247,7 +250,8 @@ def _listing(directory: str, pattern: re.Pattern[str]) -> list[tuple[str, str, i
     return out
 
 
-_Record = tuple[bool, set[int], float]  # owner alive?, inodes it created, when it registered them (the record's mtime)
+# owner alive?, inodes it created, when it registered them (the record's mtime), its file locks' folder (or None)
+_Record = tuple[bool, set[int], float, "str | None"]
 
 
 def _read_owner_records(shm_dir: str, owners: list[tuple[str, str, int]]) -> dict[str, _Record]:
@@ -259,22 +263,30 @@ def _read_owner_records(shm_dir: str, owners: list[tuple[str, str, int]]) -> dic
             with open(path) as f:
                 rec = json.load(f)
             alive = process_alive(int(rec["pid"]), rec.get("start_time"))
-            recorded[prefix] = (alive, set(rec.get("inodes", {}).values()), os.stat(path).st_mtime)
+            root = rec.get("lock_root")
+            recorded[prefix] = (alive, set(rec.get("inodes", {}).values()), os.stat(path).st_mtime,
+                                root if isinstance(root, str) else None)
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return recorded
 
 
-def _lock_is_stale(path: str, prefix: str, live: set[str], recorded: dict[str, _Record]) -> bool:
-    """A lock file is stale when no live process uses its prefix, or when it is older than the prefix's live
-    owner (its record is written as it registers the segments; its own locks come later): a lock left by an
-    earlier holder of the number (seen with a per-job TMPDIR beside a shared /dev/shm: another job swept
-    the dead job's segments, not its locks, and took the number)."""
+def _lock_is_stale(path: str, prefix: str, live: set[str], recorded: dict[str, _Record], lock_dir: str) -> bool:
+    """A lock file is stale when no live process uses its prefix; or when the prefix's live owner keeps its
+    locks in another folder; or when the lock is older than that owner (its record is written as it
+    registers the segments; its own locks come later). The last two are a lock left by an earlier holder
+    of the number, seen with a per-job TMPDIR beside a shared /dev/shm: another job swept the dead job's
+    segments, not its locks, and took the number. The folder rule holds however soon after the earlier
+    holder's death the number was taken (a killed job's cache lock is touched up to its last moment)."""
     if prefix not in live:
         return True
-    registered = recorded[prefix][2] if prefix in recorded and recorded[prefix][0] else None
+    if prefix not in recorded or not recorded[prefix][0]:
+        return False  # a live user without a record (plain streaming, or registering now): its lock, maybe
+    _, _, registered, root = recorded[prefix]
+    if root is not None and root != os.path.realpath(lock_dir):
+        return True
     try:
-        return registered is not None and os.stat(path).st_mtime < registered - 1.0
+        return os.stat(path).st_mtime < registered - 1.0
     except OSError:
         return False
 
@@ -298,7 +310,7 @@ def _live_prefixes(shm_dir: str, shm: list[tuple[str, str, int]], recorded: dict
             live.add(prefix)
         else:
             own_only.add(prefix)
-    for prefix, (alive, _, _) in recorded.items():
+    for prefix, (alive, *_) in recorded.items():
         if alive:
             live.add(prefix)
     if own_only - live:
