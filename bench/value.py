@@ -125,6 +125,11 @@ def _candidate(name: str) -> Callable[..., list[str]]:
     return lambda lr, d, s, r: [f"algorithm.options.weights={_vec(_cand_weights(d, name))}", *CANDIDATE_SPLITS]
 
 
+#: issue 32 part 2's candidate for the default: the trust region's full KL at every update
+KLCONST = ("algorithm.options.kl_schedule=constant",)
+#: A GRAPE variant scored where it also takes its target gradients (the probe split): the choice among variants
+#: sees nothing of the test split (swapping the splits, as for the static candidates, would feed it to GRAPE).
+SELECTION_SPLITS = ["data.task_test_split=probe"]
 #: bench method -> (registry method, overrides(lr, docs, seed, runs) -> list). ``docs``: the search's documents.
 METHODS: dict[str, tuple[str, Callable[..., list[str]]]] = {
     "uniform": ("uniform", lambda lr, d, s, r: []),
@@ -164,6 +169,14 @@ METHODS: dict[str, tuple[str, Callable[..., list[str]]]] = {
     # GRAPE started from a static prior (issue 32 part 3: the paper's GRAPE-ClimbMix analog), against that prior alone
     "grape_crisp": ("grape", lambda lr, d, s, r: [f"algorithm.options.alpha0={_vec(d['crisp']['weights'])}"]),
     "grape_regmix": ("grape", lambda lr, d, s, r: [f"algorithm.options.alpha0={_vec(d['regmix']['weights'])}"]),
+    # issue 32 part 2: a trust region that moves the full KL at every update however far the lr has decayed (a
+    # target z recognises late still gets its step), alone and with the Gram averaged across updates
+    "grape_klconst": ("grape", lambda lr, d, s, r: list(KLCONST)),
+    "grape_klconst_ema": ("grape", lambda lr, d, s, r: [*KLCONST, "algorithm.options.gram_ema=0.5"]),
+    # ... and the choice among them and the default, made on the probe split (the test split stays unseen)
+    **{f"sel_{m}": ("grape", lambda lr, d, s, r, o=o: [*o, *SELECTION_SPLITS])
+       for m, o in (("grape", ()), ("grape_klconst", KLCONST),
+                    ("grape_klconst_ema", (*KLCONST, "algorithm.options.gram_ema=0.5")))},
     # the oracle search's candidates re-scored on this library version (probe split, as the search scores them)
     **{f"cand_{c}": ("static", _candidate(c)) for c in ("uniform", "regmix", "crisp")},
     # uniform trained under its own shorter schedule (warm-up, cosine, curve points all scaled to the budget):
@@ -418,6 +431,22 @@ def _search_section(docs: Mapping[str, Any], runs: Mapping[str, Mapping[int, Map
     return sec
 
 
+def _selection(runs: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> dict[str, Any] | None:
+    """Issue 32 part 2's choice among GRAPE variants, from their ``sel_*`` runs (scored on the probe split):
+    the lowest mean worst-target loss, the goal the variants are for. Same seeds for every variant or none."""
+    sel = {m[4:]: by_seed for m, by_seed in runs.items() if m.startswith("sel_") and by_seed}
+    if not sel:
+        return None
+    seeds = sorted(set.intersection(*(set(b) for b in sel.values())))
+    rows = {m: {"seeds": seeds,
+                "probe_avg": sum(b[s]["final_avg"] for s in seeds) / len(seeds) if seeds else None,
+                "probe_worst": sum(b[s]["final_worst"] for s in seeds) / len(seeds) if seeds else None}
+            for m, b in sel.items()}
+    ranked = sorted((m for m in rows if seeds), key=lambda m: rows[m]["probe_worst"])
+    return {"criterion": "lowest mean probe-split worst-target loss over the seeds every variant ran",
+            "variants": rows, "chosen": ranked[0] if ranked else None}
+
+
 def _earlier(path: Path | None, methods: Sequence[str]) -> dict[str, Any] | None:
     """The rows of an earlier library version's results file (``--earlier``), summarised and labelled, for
     a block apart from the table: never merged with this version's rows."""
@@ -437,7 +466,7 @@ def write(path: Path, runs: Mapping[str, Mapping[int, Mapping[str, Any]]], docs:
           partial: bool) -> dict[str, Any]:
     """The results file: the table of ONE library version (the one most runs recorded, or ``--version``);
     runs of other versions listed apart; the search with its candidates; the claims."""
-    main_runs = {m: r for m, r in runs.items() if not m.startswith("cand_")}
+    main_runs = {m: r for m, r in runs.items() if not m.startswith(("cand_", "sel_"))}
     same, other, version = split_by_version(main_runs, getattr(args, "version", None))
     agg = aggregate(same, TARGETS, SOURCES)
     earlier = _earlier(Path(args.earlier) if getattr(args, "earlier", None) else None, list(agg))
@@ -460,6 +489,7 @@ def write(path: Path, runs: Mapping[str, Mapping[int, Mapping[str, Any]]], docs:
            "claims": claims(agg), "table": text,
            "search_settings": ({**docs["key"], **(docs.get("settings") or {})} if docs.get("key") else None),
            "search": _search_section(docs, runs),
+           "selection": _selection(runs),
            "methods": agg,
            "other_versions": {m: {str(s): {"code": r.get("code"), "final_avg": r["final_avg"],
                                            "final_worst": r["final_worst"]} for s, r in b.items()}

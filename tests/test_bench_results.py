@@ -54,3 +54,26 @@ def test_the_value_table_shows_each_runs_own_peak_rss_or_na() -> None:
     assert rows["uniform"].endswith("n/a")
     assert rows["grape"].endswith(f"{1500 + 100 * (len(seeds) - 2)} ({len(seeds) - 1}/{len(seeds)})")
     assert agg["grape"]["peak_rss_mb"]["values"][-1] is None
+
+
+def test_the_part2_choice_reads_only_probe_scored_runs_on_shared_seeds() -> None:
+    """Issue 32 part 2's variants are chosen on their probe-split runs (``sel_*``), on the seeds every variant ran,
+    by the worst target; they never enter the test-split table."""
+    value = _bench("value")
+    assert all("data.task_test_split=probe" in value.METHODS[m][1](1e-3, {}, 0, {})
+               for m in value.METHODS if m.startswith("sel_"))
+    assert "data.task_probe_split=test" not in value.METHODS["sel_grape"][1](1e-3, {}, 0, {})  # GRAPE never sees test
+
+    def run(avg: float, worst: float) -> dict[str, float]:
+        return {"final_avg": avg, "final_worst": worst}
+
+    runs = {"sel_grape": {0: run(5.0, 5.6), 1: run(5.0, 5.2)},
+            "sel_grape_klconst": {0: run(5.1, 5.5), 1: run(5.1, 5.5)},  # best on seed 0 alone, not on the mean
+            "sel_grape_klconst_ema": {0: run(4.0, 5.4)},  # seed 1 missing: compared on seed 0 only
+            "grape": {0: run(1.0, 1.0)}}
+    sel = value._selection(runs)
+    assert sel["variants"]["grape"]["seeds"] == [0] and sel["chosen"] == "grape_klconst_ema"
+    del runs["sel_grape_klconst_ema"]
+    sel = value._selection(runs)
+    assert sel["variants"]["grape"]["probe_worst"] == 5.4 and sel["chosen"] == "grape"
+    assert value._selection({"grape": {0: run(1.0, 1.0)}}) is None
