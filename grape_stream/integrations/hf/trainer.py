@@ -107,7 +107,7 @@ class GrapeTrainer(Trainer):
     def grape_callbacks(self) -> list[GrapeTrainerCallback]:
         return [cb for cb in self.callback_handler.callbacks if isinstance(cb, GrapeTrainerCallback)]
 
-    def get_train_dataloader(self) -> MixerTrainLoader:  # type: ignore[override]
+    def get_train_dataloader(self) -> MixerTrainLoader:
         loader = self.mixer.dataloader(num_workers=self.args.dataloader_num_workers,
                                        pin_memory=self.args.dataloader_pin_memory)
         transform = self.batch_transform
