@@ -127,9 +127,10 @@ def _candidate(name: str) -> Callable[..., list[str]]:
 
 #: issue 32 part 2's candidate for the default: the trust region's full KL at every update
 KLCONST = ("algorithm.options.kl_schedule=constant",)
-#: A GRAPE variant scored where it also takes its target gradients (the probe split): the choice among variants
-#: sees nothing of the test split (swapping the splits, as for the static candidates, would feed it to GRAPE).
-SELECTION_SPLITS = ["data.task_test_split=probe"]
+#: A GRAPE variant fitted on one half of the targets' probe split and scored on the other: the choice among
+#: variants sees nothing of the test split (swapping the splits, as the static candidates do, would feed it to GRAPE).
+SELECTION_HALVES = ("probe_fit", "probe_score")
+SELECTION_SPLITS = [f"data.task_probe_split={SELECTION_HALVES[0]}", f"data.task_test_split={SELECTION_HALVES[1]}"]
 #: bench method -> (registry method, overrides(lr, docs, seed, runs) -> list). ``docs``: the search's documents.
 METHODS: dict[str, tuple[str, Callable[..., list[str]]]] = {
     "uniform": ("uniform", lambda lr, d, s, r: []),
@@ -173,7 +174,7 @@ METHODS: dict[str, tuple[str, Callable[..., list[str]]]] = {
     # target z recognises late still gets its step), alone and with the Gram averaged across updates
     "grape_klconst": ("grape", lambda lr, d, s, r: list(KLCONST)),
     "grape_klconst_ema": ("grape", lambda lr, d, s, r: [*KLCONST, "algorithm.options.gram_ema=0.5"]),
-    # ... and the choice among them and the default, made on the probe split (the test split stays unseen)
+    # ... and the choice among them and the default, made on the probe split's two halves (the test split unseen)
     **{f"sel_{m}": ("grape", lambda lr, d, s, r, o=o: [*o, *SELECTION_SPLITS])
        for m, o in (("grape", ()), ("grape_klconst", KLCONST),
                     ("grape_klconst_ema", (*KLCONST, "algorithm.options.gram_ema=0.5")))},
@@ -212,10 +213,38 @@ def _prev(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], method: str, seed
 # ----------------------------------------------------------------------------- data
 
 def prepare(out: Path, corpus: Path) -> Path:
-    """Train the BPE (once) and convert the corpus with it; returns the MDS directory."""
+    """Train the BPE (once) and convert the corpus with it; returns the MDS directory. The corpus converted is
+    the bundled one plus each target's probe split cut in two (:func:`selection_corpus`)."""
     from grape_stream.apps.demo_pool import prepare as prepare_pool
 
-    return prepare_pool(out, corpus)[0]
+    return prepare_pool(out, selection_corpus(corpus, out / "corpus"))[0]
+
+
+def selection_corpus(corpus: Path, dest: Path) -> Path:
+    """``corpus`` (its files linked, not copied) plus ``probe_fit`` / ``probe_score``: each target's probe
+    documents dealt alternately into two halves. A choice among GRAPE variants (``sel_*``) takes its target
+    gradients from one half and is scored on the other, so it sees neither the test split nor its own
+    gradients' text (the recipe refuses a probe split scored as the test split)."""
+    import zstandard
+
+    for f in sorted(corpus.glob("*/*.jsonl.zst")):
+        link = dest / f.relative_to(corpus)
+        if not link.exists():
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(f.resolve())
+    for t in TARGETS:
+        halves = [dest / split / f"{t}.jsonl.zst" for split in SELECTION_HALVES]
+        if all(h.is_file() for h in halves):
+            continue
+        with open(corpus / "probe" / f"{t}.jsonl.zst", "rb") as f:  # a stream: frames need not state their size
+            docs = zstandard.ZstdDecompressor().stream_reader(f).read().decode().splitlines()
+        for k, (half, split) in enumerate(zip(halves, SELECTION_HALVES)):
+            lines = [json.dumps({**json.loads(d), "split": split}, ensure_ascii=False) for d in docs[k::2] if d]
+            half.parent.mkdir(parents=True, exist_ok=True)
+            tmp = half.with_suffix(".tmp")
+            tmp.write_bytes(zstandard.ZstdCompressor(level=3).compress(("\n".join(lines) + "\n").encode()))
+            tmp.replace(half)
+    return dest
 
 
 # ----------------------------------------------------------------------------- oracle search
@@ -443,7 +472,8 @@ def _selection(runs: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> dict[str,
                 "probe_worst": sum(b[s]["final_worst"] for s in seeds) / len(seeds) if seeds else None}
             for m, b in sel.items()}
     ranked = sorted((m for m in rows if seeds), key=lambda m: rows[m]["probe_worst"])
-    return {"criterion": "lowest mean probe-split worst-target loss over the seeds every variant ran",
+    return {"criterion": "lowest mean worst-target loss on the probe split's scoring half (GRAPE fitted on the "
+                         "other half) over the seeds every variant ran",
             "variants": rows, "chosen": ranked[0] if ranked else None}
 
 

@@ -57,12 +57,13 @@ def test_the_value_table_shows_each_runs_own_peak_rss_or_na() -> None:
 
 
 def test_the_part2_choice_reads_only_probe_scored_runs_on_shared_seeds() -> None:
-    """Issue 32 part 2's variants are chosen on their probe-split runs (``sel_*``), on the seeds every variant ran,
-    by the worst target; they never enter the test-split table."""
+    """Issue 32 part 2's variants are chosen on their probe-split runs (``sel_*``: GRAPE fitted on one half, scored
+    on the other), on the seeds every variant ran, by the worst target."""
     value = _bench("value")
-    assert all("data.task_test_split=probe" in value.METHODS[m][1](1e-3, {}, 0, {})
-               for m in value.METHODS if m.startswith("sel_"))
-    assert "data.task_probe_split=test" not in value.METHODS["sel_grape"][1](1e-3, {}, 0, {})  # GRAPE never sees test
+    for m in (m for m in value.METHODS if m.startswith("sel_")):
+        overrides = value.METHODS[m][1](1e-3, {}, 0, {})
+        assert overrides[-2:] == ["data.task_probe_split=probe_fit", "data.task_test_split=probe_score"], m
+        assert not any(o.endswith("=test") for o in overrides)  # neither GRAPE nor the score sees the test split
 
     def run(avg: float, worst: float) -> dict[str, float]:
         return {"final_avg": avg, "final_worst": worst}
@@ -77,3 +78,26 @@ def test_the_part2_choice_reads_only_probe_scored_runs_on_shared_seeds() -> None
     sel = value._selection(runs)
     assert sel["variants"]["grape"]["probe_worst"] == 5.4 and sel["chosen"] == "grape"
     assert value._selection({"grape": {0: run(1.0, 1.0)}}) is None
+
+
+def test_the_selection_corpus_deals_each_targets_probe_documents_into_two_disjoint_halves(tmp_path: Path) -> None:
+    import zstandard
+
+    value = _bench("value")
+    corpus = tmp_path / "c"
+    for split, langs in (("train", value.SOURCES), ("probe", value.TARGETS), ("test", value.TARGETS)):
+        (corpus / split).mkdir(parents=True)
+        for lang in langs:
+            docs = [json.dumps({"text": f"{lang} {split} {i}", "lang": lang, "split": split}) for i in range(5)]
+            (corpus / split / f"{lang}.jsonl.zst").write_bytes(zstandard.compress("\n".join(docs).encode()))
+    out = value.selection_corpus(corpus, tmp_path / "derived")
+    assert (out / "train" / "en.jsonl.zst").resolve() == (corpus / "train" / "en.jsonl.zst").resolve()
+
+    def read(p: Path) -> list[dict]:
+        return [json.loads(x) for x in zstandard.decompress(p.read_bytes()).decode().splitlines() if x]
+
+    fit, score = (read(out / s / "tr.jsonl.zst") for s in ("probe_fit", "probe_score"))
+    assert [d["text"] for d in fit] == ["tr probe 0", "tr probe 2", "tr probe 4"]
+    assert [d["text"] for d in score] == ["tr probe 1", "tr probe 3"]
+    assert {d["split"] for d in fit} == {"probe_fit"} and {d["split"] for d in score} == {"probe_score"}
+    assert not (out / "probe_fit" / "en.jsonl.zst").exists()  # sources have no probe split
