@@ -227,32 +227,28 @@ def test_a_lock_left_by_an_earlier_holder_of_a_prefix_is_swept(dirs, tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("same_tmpdir", [False, True])
-def test_a_lock_touched_just_before_its_holder_died_is_swept_when_the_number_moved_to_another_tmpdir(
-        dirs, tmp_path, same_tmpdir):
+def test_a_lock_touched_just_before_its_holder_died_is_swept_when_the_number_moved_to_another_tmpdir(dirs, tmp_path):
     """As above, but with no time between them: a killed job's cache lock is touched up to its last moment,
     and on a busy machine another job (its own TMPDIR) takes the number within the second (the soak's
     resumed job then found the killed job's two locks still there: "temp files before / after 0 / 2").
-    The live owner's record names where its locks are, so a lock elsewhere is not its. A job that shares
-    the folder keeps its locks."""
-    locks_dir = tmp_path / "jobtmp"
-    locks_dir.mkdir()
+    The live owner's record names where its locks are, so a lock elsewhere is not its; its own stay."""
+    locks_dir, holder_tmp = tmp_path / "jobtmp", tmp_path / "holder_tmp"
+    for d in (locks_dir, holder_tmp):
+        d.mkdir()
     for p in range(300):
         (locks_dir / f"{p:06}_cache_filelock").write_text("")
-    env = dict(os.environ, TMPDIR=str(locks_dir if same_tmpdir else tmp_path))
     proc = subprocess.Popen([sys.executable, "-c", _HOLDER, json.dumps(dirs), "close"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env=env)
+                            env=dict(os.environ, TMPDIR=str(holder_tmp)))
     try:
         prefixes = json.loads(proc.stdout.readline())[:-1]
-        for p in prefixes:  # touched now: no older than the new owner's record
-            (locks_dir / f"{p:06}_cache_filelock").touch()
-        removed = cleanup_stale_streaming_shm(lock_dir=str(locks_dir))["locks"]
-        mine = {f"{p:06}_cache_filelock" for p in prefixes}
-        if same_tmpdir:
-            assert not mine & set(removed)
-        else:
-            assert mine <= set(removed)
+        names = {f"{p:06}_cache_filelock" for p in prefixes}
+        for name in names:  # touched now: no older than the new owner's record
+            (locks_dir / name).touch()
+            (holder_tmp / name).touch()
+        assert names <= set(cleanup_stale_streaming_shm(lock_dir=str(locks_dir))["locks"])
+        assert not names & set(cleanup_stale_streaming_shm(lock_dir=str(holder_tmp))["locks"])
+        assert all((holder_tmp / name).exists() for name in names)
         proc.communicate("go\n", timeout=60)
     finally:
         proc.kill()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import grape_stream.streaming_compat  # noqa: F401  # streaming's dataset zoo deferred before a writer imports streaming
 from grape_stream.lazy import lazy_exports
 
 if TYPE_CHECKING:
