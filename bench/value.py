@@ -440,6 +440,39 @@ def kept_runs(path: Path, steps: int, exclude: Sequence[str]) -> dict[str, dict[
 
 
 _KEPT_SEARCH: dict[str, Any] = {}  # --add: the search section of the results file the kept runs come from
+#: --join: a run of another library tree reproduces this table's run of the same method and seed when every
+#: target's final loss is within this (nats/token). Float round-off between trees is ~1e-6 here; the seed-to-seed
+#: spread of a row is ~1e-2 to 1e-1.
+JOIN_TOLERANCE = 1e-4
+_JOINED: dict[str, Any] = {}  # --join: the evidence, as the results file records it
+
+
+def join(runs: dict[str, dict[int, dict[str, Any]]], path: Path, steps: int) -> dict[str, Any]:
+    """``--join``: another library tree's results file joins the table when it reproduces it: every run both
+    files hold (same method and seed; at least one uniform and one GRAPE run among them) agrees to within
+    :data:`JOIN_TOLERANCE` on every target. Then its runs of other methods and seeds are added to ``runs``
+    (a run both hold stays this table's). Either way the evidence is returned, and recorded in the results."""
+    prev = json.loads(path.read_text())
+    if prev.get("setting", {}).get("steps") != steps:
+        raise SystemExit(f"--join: {path} holds runs of {prev.get('setting', {}).get('steps')} steps, not {steps}")
+    tokens = prev["setting"]["train_tokens"]
+    other = {m: {int(s): {"train_tokens": tokens, **r} for s, r in b.items()} for m, b in prev.get("runs", {}).items()}
+    trees = sorted({str((r.get("code") or {}).get("library_tree")) for b in other.values() for r in b.values()})
+    both = [(m, s) for m, b in other.items() for s in sorted(b) if s in runs.get(m, {})]
+    diffs = {f"{m}:{s}": max(abs(float(other[m][s]["final"][t]) - float(runs[m][s]["final"][t])) for t in TARGETS)
+             for m, s in both}
+    joined = (any(m == "uniform" for m, _ in both) and any(m.startswith("grape") for m, _ in both)
+              and max(diffs.values()) <= JOIN_TOLERANCE)
+    added = [] if not joined else [f"{m}:{s}" for m, b in other.items() for s in sorted(b) if s not in runs.get(m, {})]
+    for key in added:
+        m, s = key.split(":")
+        runs.setdefault(m, {})[int(s)] = other[m][int(s)]
+    evidence = {"file": str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path), "trees": trees,
+                "reproduced": diffs, "max_abs_diff": max(diffs.values(), default=None), "tolerance": JOIN_TOLERANCE,
+                "joined": joined, "added": added}
+    _JOINED.clear()
+    _JOINED.update(evidence)
+    return evidence
 
 
 def _search_section(docs: Mapping[str, Any], runs: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> dict[str, Any]:
@@ -497,7 +530,8 @@ def write(path: Path, runs: Mapping[str, Mapping[int, Mapping[str, Any]]], docs:
     """The results file: the table of ONE library version (the one most runs recorded, or ``--version``);
     runs of other versions listed apart; the search with its candidates; the claims."""
     main_runs = {m: r for m, r in runs.items() if not m.startswith(("cand_", "sel_"))}
-    same, other, version = split_by_version(main_runs, getattr(args, "version", None))
+    same, other, version = split_by_version(main_runs, getattr(args, "version", None),
+                                            equivalent=_JOINED["trees"] if _JOINED.get("joined") else ())
     agg = aggregate(same, TARGETS, SOURCES)
     earlier = _earlier(Path(args.earlier) if getattr(args, "earlier", None) else None, list(agg))
     text = table(agg, TARGETS) if agg else ""
@@ -509,9 +543,15 @@ def write(path: Path, runs: Mapping[str, Mapping[int, Mapping[str, Any]]], docs:
                  "not comparable row by row with the table above):\n"
                  + "\n".join(f"{m:<20} n={r['n']}  avg {ms(r['avg'], r['n'])}  worst {ms(r['worst'], r['n'])}"
                              for m, r in earlier["rows"].items() if m in earlier["not_rerun_here"]))
+    if _JOINED.get("joined") and text:
+        text += (f"\n\nincludes runs of library tree(s) {', '.join(t[:10] for t in _JOINED['trees'])} "
+                 f"({_JOINED['file']}): they reproduce this table's {', '.join(_JOINED['reproduced'])} to within "
+                 f"{_JOINED['max_abs_diff']:.1e} nats on every target (tolerance {_JOINED['tolerance']:g}); added: "
+                 f"{', '.join(_JOINED['added'])}")
     commits = sorted({(r.get("code") or {}).get("commit", "unrecorded") for b in same.values() for r in b.values()})
     doc = {"bench": "value", "partial": partial, "command": "python bench/value.py " + " ".join(sys.argv[1:]),
-           "version": {"library_tree": version, "commits": commits, "collected_by": dict(_CODE)},
+           "version": {"library_tree": version, "commits": commits, "collected_by": dict(_CODE),
+                       "joined": dict(_JOINED) or None},
            "setting": {"sources": SOURCES, "targets": TARGETS, "vocab": VOCAB, "seq_len": SEQ_LEN, "steps": args.steps,
                        "batch": BATCH, "train_tokens": args.steps * BATCH * SEQ_LEN, "lr": LR, "model": MODEL,
                        "metric": "token-level test cross-entropy (nats/token), 256 strided test sequences per target",
@@ -610,6 +650,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "(default: the one most runs recorded)")
     p.add_argument("--earlier", default="",
                    help="an earlier version's results file, listed apart under the table (its rows not re-run)")
+    p.add_argument("--join", default="",
+                   help="another library tree's results file whose runs join the table if it reproduces it (every "
+                        f"run both hold within {JOIN_TOLERANCE} nats on each target, a uniform and a GRAPE run "
+                        "among them); the evidence is recorded either way")
     p.add_argument("--docs", default="",
                    help="also write the table into this Markdown file between its '<!-- value-table:begin -->' and "
                         "'<!-- value-table:end -->' lines (docs/results.md), with the commit and the claims")
@@ -645,6 +689,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: dict[str, dict[int, dict[str, Any]]] = {}
     if args.add:
         runs = kept_runs(Path(args.results), args.steps, exclude=methods)
+    if args.join:
+        ev = join(runs, Path(args.join), args.steps)
+        print(f"--join {args.join}: {'joined' if ev['joined'] else 'NOT joined'} (runs both hold: "
+              f"{json.dumps(ev['reproduced'])}; largest difference {ev['max_abs_diff']}); added {ev['added']}",
+              flush=True)
     for reuse, source in (({"grape_replay", "grape_final_static"}, "grape"), ({"doremi_final_static"}, "doremi")):
         # reuse the source runs already on disk (--collect: even when listed, the filter below plans them first)
         if reuse & set(methods) and (source not in methods or args.collect):

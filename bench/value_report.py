@@ -265,10 +265,12 @@ def peak_rss(st: Mapping[str, Any]) -> str:
     return f"{p['max']:.0f}" + ("" if p["recorded"] == p["of"] else f" ({p['recorded']}/{p['of']})")
 
 
-def split_by_version(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], version: str | None
+def split_by_version(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], version: str | None,
+                     equivalent: Sequence[str] = ()
                      ) -> tuple[dict[str, dict[int, Any]], dict[str, dict[int, Any]], str | None]:
     """(runs on ``version``, runs on any other, the version used). ``version`` None: the library tree most
-    runs recorded (the table is one version; the others are listed apart, never mixed into a row)."""
+    runs recorded (the table is one version; the others are listed apart, never mixed into a row).
+    ``equivalent``: trees shown to reproduce ``version``'s runs (bench/value.py ``--join``), counted as it."""
     def tree(r: Mapping[str, Any]) -> str:
         return str((r.get("code") or {}).get("library_tree", "unrecorded"))
 
@@ -282,5 +284,5 @@ def split_by_version(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], versio
     other: dict[str, dict[int, Any]] = {}
     for m, by_seed in runs.items():
         for s, r in by_seed.items():
-            (same if tree(r) == version else other).setdefault(m, {})[s] = r
+            (same if tree(r) == version or tree(r) in equivalent else other).setdefault(m, {})[s] = r
     return same, other, version

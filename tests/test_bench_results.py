@@ -101,3 +101,36 @@ def test_the_selection_corpus_deals_each_targets_probe_documents_into_two_disjoi
     assert [d["text"] for d in score] == ["tr probe 1", "tr probe 3"]
     assert {d["split"] for d in fit} == {"probe_fit"} and {d["split"] for d in score} == {"probe_score"}
     assert not (out / "probe_fit" / "en.jsonl.zst").exists()  # sources have no probe split
+
+
+def test_another_trees_runs_join_the_table_only_when_they_reproduce_it(tmp_path: Path) -> None:
+    """``--join``: runs of another library tree are added to the table only when every run both files hold (a
+    uniform and a GRAPE one among them) agrees to within the tolerance on every target."""
+    value = _bench("value")
+
+    def run(tree: str, loss: float) -> dict:
+        return {"final": {t: loss for t in value.TARGETS}, "final_avg": loss, "final_worst": loss,
+                "code": {"library_tree": tree}}
+
+    table = {"uniform": {0: run("old", 5.3)}, "grape": {0: run("old", 5.1)}}
+
+    def joined(other: dict, steps: int = 400) -> tuple[dict, dict]:
+        path = tmp_path / "other.json"
+        path.write_text(json.dumps({"setting": {"steps": 400, "train_tokens": 1}, "runs": other}))
+        runs = {m: dict(b) for m, b in table.items()}
+        return runs, value.join(runs, path, steps)
+
+    same = {"uniform": {"0": run("new", 5.3 + 5e-7)}, "grape": {"0": run("new", 5.1 - 1e-6)},
+            "grape_klconst": {"0": run("new", 5.0), "1": run("new", 5.05)}}
+    runs, ev = joined(same)
+    assert ev["joined"] and ev["trees"] == ["new"] and ev["added"] == ["grape_klconst:0", "grape_klconst:1"]
+    assert runs["grape"][0]["code"]["library_tree"] == "old"  # a run both hold stays the table's
+    assert runs["grape_klconst"][1]["final_avg"] == 5.05
+    assert value.split_by_version(runs, "old", equivalent=ev["trees"])[1] == {}
+    assert value.split_by_version(runs, "old")[1] == {"grape_klconst": runs["grape_klconst"]}
+
+    drifted = {**same, "grape": {"0": run("new", 5.1 + 2e-4)}}  # one target off by more than the tolerance
+    runs, ev = joined(drifted)
+    assert not ev["joined"] and ev["added"] == [] and "grape_klconst" not in runs
+    no_grape = {k: v for k, v in same.items() if k != "grape"}  # nothing shows GRAPE's numerics reproduce
+    assert not joined(no_grape)[1]["joined"]
