@@ -21,6 +21,7 @@ import importlib.metadata
 import importlib.util
 import os
 import sys
+import threading
 import types
 from typing import Any
 
@@ -28,6 +29,7 @@ __all__ = ["defer_dataset_zoo", "ZOO"]
 
 ZOO = ("text", "vision", "multimodal")
 _RELEASES = ("0.12.", "0.13.")  # the releases whose __init__ was read; a newer one is left as it is
+_LOADING = threading.RLock()  # two threads using a placeholder at once: one swaps in the real subpackage
 
 
 def defer_dataset_zoo() -> bool:
@@ -67,12 +69,13 @@ class _Placeholder(types.ModuleType):
         return dir(self._load())
 
     def _load(self) -> types.ModuleType:
-        if sys.modules.get(self.__name__) is self:
-            del sys.modules[self.__name__]
-        real = importlib.import_module(self.__name__)
-        for key, value in list(self.__dict__.items()):  # submodules imported through the placeholder: the real
-            if isinstance(value, types.ModuleType) and value.__name__ == f"{self.__name__}.{key}":  # parent's too
-                real.__dict__.setdefault(key, value)
-        # references taken before (the parent's attribute, ``import streaming.text as t``) see the real names too
-        self.__dict__.update({k: v for k, v in real.__dict__.items() if k not in ("__name__", "__path__")})
-        return real
+        with _LOADING:
+            if sys.modules.get(self.__name__) is self:
+                del sys.modules[self.__name__]
+            real = importlib.import_module(self.__name__)
+            for key, value in list(self.__dict__.items()):  # submodules imported through the placeholder: the
+                if isinstance(value, types.ModuleType) and value.__name__ == f"{self.__name__}.{key}":  # real's too
+                    real.__dict__.setdefault(key, value)
+            # references taken before (the parent's attribute, ``import streaming.text as t``) see the real names
+            self.__dict__.update({k: v for k, v in real.__dict__.items() if k not in ("__name__", "__path__")})
+            return real
