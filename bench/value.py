@@ -125,8 +125,10 @@ def _candidate(name: str) -> Callable[..., list[str]]:
     return lambda lr, d, s, r: [f"algorithm.options.weights={_vec(_cand_weights(d, name))}", *CANDIDATE_SPLITS]
 
 
-#: issue 32 part 2's candidate for the default: the trust region's full KL at every update
-KLCONST = ("algorithm.options.kl_schedule=constant",)
+#: issue 32 part 2's GRAPE variants: a trust region that moves the full KL at every update however far the lr has
+#: decayed (a target z recognises late still gets its step), alone and with the Gram averaged across updates
+PART2 = {"grape": (), "grape_klconst": ("algorithm.options.kl_schedule=constant",),
+         "grape_klconst_ema": ("algorithm.options.kl_schedule=constant", "algorithm.options.gram_ema=0.5")}
 #: A GRAPE variant fitted on one half of the targets' probe split and scored on the other: the choice among
 #: variants sees nothing of the test split (swapping the splits, as the static candidates do, would feed it to GRAPE).
 SELECTION_HALVES = ("probe_fit", "probe_score")
@@ -170,14 +172,10 @@ METHODS: dict[str, tuple[str, Callable[..., list[str]]]] = {
     # GRAPE started from a static prior (issue 32 part 3: the paper's GRAPE-ClimbMix analog), against that prior alone
     "grape_crisp": ("grape", lambda lr, d, s, r: [f"algorithm.options.alpha0={_vec(d['crisp']['weights'])}"]),
     "grape_regmix": ("grape", lambda lr, d, s, r: [f"algorithm.options.alpha0={_vec(d['regmix']['weights'])}"]),
-    # issue 32 part 2: a trust region that moves the full KL at every update however far the lr has decayed (a
-    # target z recognises late still gets its step), alone and with the Gram averaged across updates
-    "grape_klconst": ("grape", lambda lr, d, s, r: list(KLCONST)),
-    "grape_klconst_ema": ("grape", lambda lr, d, s, r: [*KLCONST, "algorithm.options.gram_ema=0.5"]),
-    # ... and the choice among them and the default, made on the probe split's two halves (the test split unseen)
-    **{f"sel_{m}": ("grape", lambda lr, d, s, r, o=o: [*o, *SELECTION_SPLITS])
-       for m, o in (("grape", ()), ("grape_klconst", KLCONST),
-                    ("grape_klconst_ema", (*KLCONST, "algorithm.options.gram_ema=0.5")))},
+    # issue 32 part 2's variants, and the choice among them and the default made on the probe split's two halves
+    # (sel_*: the test split unseen)
+    **{m: ("grape", lambda lr, d, s, r, o=o: list(o)) for m, o in PART2.items() if m != "grape"},
+    **{f"sel_{m}": ("grape", lambda lr, d, s, r, o=o: [*o, *SELECTION_SPLITS]) for m, o in PART2.items()},
     # the oracle search's candidates re-scored on this library version (probe split, as the search scores them)
     **{f"cand_{c}": ("static", _candidate(c)) for c in ("uniform", "regmix", "crisp")},
     # uniform trained under its own shorter schedule (warm-up, cosine, curve points all scaled to the budget):
@@ -448,10 +446,11 @@ _JOINED: dict[str, Any] = {}  # --join: the evidence, as the results file record
 
 
 def join(runs: dict[str, dict[int, dict[str, Any]]], path: Path, steps: int) -> dict[str, Any]:
-    """``--join``: another library tree's results file joins the table when it reproduces it: every run both
-    files hold (same method and seed; at least one uniform and one GRAPE run among them) agrees to within
-    :data:`JOIN_TOLERANCE` on every target. Then its runs of other methods and seeds are added to ``runs``
-    (a run both hold stays this table's). Either way the evidence is returned, and recorded in the results."""
+    """``--join``: another library tree's results file joins the table when it reproduces it: the file's runs
+    are of one library tree, and every run both files hold (same method and seed; at least one uniform and one
+    GRAPE run among them) agrees to within :data:`JOIN_TOLERANCE` on every target. Then its runs of other methods
+    and seeds are added to ``runs`` (a run both hold stays this table's). Either way the evidence is returned,
+    and recorded in the results."""
     prev = json.loads(path.read_text())
     if prev.get("setting", {}).get("steps") != steps:
         raise SystemExit(f"--join: {path} holds runs of {prev.get('setting', {}).get('steps')} steps, not {steps}")
@@ -461,8 +460,8 @@ def join(runs: dict[str, dict[int, dict[str, Any]]], path: Path, steps: int) -> 
     both = [(m, s) for m, b in other.items() for s in sorted(b) if s in runs.get(m, {})]
     diffs = {f"{m}:{s}": max(abs(float(other[m][s]["final"][t]) - float(runs[m][s]["final"][t])) for t in TARGETS)
              for m, s in both}
-    joined = (any(m == "uniform" for m, _ in both) and any(m.startswith("grape") for m, _ in both)
-              and max(diffs.values()) <= JOIN_TOLERANCE)
+    joined = (len(trees) == 1 and any(m == "uniform" for m, _ in both) and any(m.startswith("grape") for m, _ in both)
+              and max(diffs.values()) <= JOIN_TOLERANCE)  # one tree: what reproduces is that tree, not a mix
     added = [] if not joined else [f"{m}:{s}" for m, b in other.items() for s in sorted(b) if s not in runs.get(m, {})]
     for key in added:
         m, s = key.split(":")
@@ -500,14 +499,15 @@ def _selection(runs: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> dict[str,
     if not sel:
         return None
     seeds = sorted(set.intersection(*(set(b) for b in sel.values())))
-    rows = {m: {"seeds": seeds,
-                "probe_avg": sum(b[s]["final_avg"] for s in seeds) / len(seeds) if seeds else None,
-                "probe_worst": sum(b[s]["final_worst"] for s in seeds) / len(seeds) if seeds else None}
+
+    def mean(b: Mapping[int, Mapping[str, Any]], key: str) -> float | None:
+        return sum(b[s][key] for s in seeds) / len(seeds) if seeds else None
+
+    rows = {m: {"seeds": seeds, "probe_avg": mean(b, "final_avg"), "probe_worst": mean(b, "final_worst")}
             for m, b in sel.items()}
-    ranked = sorted((m for m in rows if seeds), key=lambda m: rows[m]["probe_worst"])
     return {"criterion": "lowest mean worst-target loss on the probe split's scoring half (GRAPE fitted on the "
                          "other half) over the seeds every variant ran",
-            "variants": rows, "chosen": ranked[0] if ranked else None}
+            "variants": rows, "chosen": min(rows, key=lambda m: rows[m]["probe_worst"]) if seeds else None}
 
 
 def _earlier(path: Path | None, methods: Sequence[str]) -> dict[str, Any] | None:

@@ -134,3 +134,5 @@ def test_another_trees_runs_join_the_table_only_when_they_reproduce_it(tmp_path:
     assert not ev["joined"] and ev["added"] == [] and "grape_klconst" not in runs
     no_grape = {k: v for k, v in same.items() if k != "grape"}  # nothing shows GRAPE's numerics reproduce
     assert not joined(no_grape)[1]["joined"]
+    mixed = {**same, "grape_klconst": {"0": run("third", 5.0)}}  # two trees: only one was shown to reproduce
+    assert not joined(mixed)[1]["joined"]

@@ -243,6 +243,7 @@ def test_a_lock_touched_just_before_its_holder_died_is_swept_when_the_number_mov
     try:
         prefixes = json.loads(proc.stdout.readline())[:-1]
         names = {f"{p:06}_cache_filelock" for p in prefixes}
+        assert names  # the holder's mixer recorded owned prefixes: the checks below are about something
         for name in names:  # touched now: no older than the new owner's record
             (locks_dir / name).touch()
             (holder_tmp / name).touch()

@@ -24,11 +24,10 @@ import numpy as np
 import torch
 
 from grape_stream.retry import default_policy
-from grape_stream.streaming_compat.decompress import install_atomic_decompress
 from grape_stream.streaming_compat.index_check import check_index
 from grape_stream.streaming_compat.local_index import check_s3_credentials, default_local_for, sync_local_index
+from grape_stream.streaming_compat.patches import install_streaming_patches
 from grape_stream.streaming_compat.registration import create_registered
-from grape_stream.streaming_compat.s3_session import install_shared_s3_session
 from grape_stream.streaming_compat.shard_state import fetch_shards
 from grape_stream.streaming_compat.shm import release_streaming_dataset
 from grape_stream.world import dist_active, streaming_world
@@ -153,11 +152,10 @@ class TaskStream:
                 f"task {self.name!r}: no MDS index at {index} (split={split!r}); convert the task with "
                 "`grape-stream convert task ...` or fix `local`/`split`"
             )
-        install_atomic_decompress()  # jobs sharing a local directory decompress a shard at once (decompress.py)
+        install_streaming_patches()  # per-process decompression names, one S3 session (patches.py)
         if self.remote is None:
             check_index(f"task {self.name}", index)  # names inside the folder, counts that fit the shards
         if self.remote is not None:
-            install_shared_s3_session()
             # The mixer's guards against streaming's traps apply to task data too: fail early without S3
             # credentials, and never trust a cached index.json of another (or an older) remote dataset.
             check_s3_credentials([(f"task {self.name}", self.remote)])

@@ -21,7 +21,6 @@ import torch.distributed as dist
 from grape_stream.config import MixerConfig, streaming_fields
 from grape_stream.mixing.compose import RESERVED_KEYS
 from grape_stream.mixing.counter_rng import hash64
-from grape_stream.streaming_compat.decompress import install_atomic_decompress
 from grape_stream.streaming_compat.local_index import (
     DomainUnavailableError,
     RemoteMismatchError,
@@ -31,8 +30,8 @@ from grape_stream.streaming_compat.local_index import (
     default_local_for,
     sync_local_index,
 )
+from grape_stream.streaming_compat.patches import install_streaming_patches
 from grape_stream.streaming_compat.registration import create_registered
-from grape_stream.streaming_compat.s3_session import install_shared_s3_session
 from grape_stream.streaming_compat.shard_state import check_dataset, require_supported_streaming
 from grape_stream.streaming_compat.shm import (
     cleanup_stale_streaming_shm,
@@ -266,8 +265,7 @@ def prepare_locals(domains: Sequence[DomainStream], locals_: Sequence[str], stre
                    local_rank: int, config: MixerConfig) -> None:
     """Run every streaming workaround that must happen before a StreamingDataset is created."""
     require_supported_streaming()
-    install_shared_s3_session()  # one boto3 session per process for every S3 download (see s3_session.py)
-    install_atomic_decompress()  # jobs sharing a local directory decompress a shard at once (decompress.py)
+    install_streaming_patches()  # one S3 session per process; per-process decompression names (patches.py)
     cleanup_stale_streaming_shm()
     check_s3_credentials([(d.name, d.remote) for d in domains], dummy_credentials=config.s3_dummy_credentials)
     check_same_locals_across_ranks(stream_dirs)

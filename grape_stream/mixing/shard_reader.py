@@ -33,8 +33,8 @@ import numpy as np
 from grape_stream.errors import StorageError
 from grape_stream.mixing.shard_view import MappedShard, uniform_layout
 from grape_stream.retry import DEFAULT_RETRY, CredentialsError, RetryError, RetryPolicy, endpoint_note, storage_call
-from grape_stream.streaming_compat.decompress import install_atomic_decompress
-from grape_stream.streaming_compat.s3_session import install_shared_s3_session, refresh_credentials, session_generation
+from grape_stream.streaming_compat.patches import install_streaming_patches
+from grape_stream.streaming_compat.s3_session import refresh_credentials, session_generation
 from grape_stream.streaming_compat.shard_state import (
     is_mds_shard,
     prepare_shard,
@@ -73,8 +73,7 @@ class DomainReader:
         self._stream = dataset.streams[0]
         self._layouts: dict[int, Any] = {}
         self._ready: set[int] = set()  # shard id -> its uniform layout (shard_view.Column tuple) or None
-        install_shared_s3_session()  # also in a spawned worker, which imports streaming afresh
-        install_atomic_decompress()
+        install_streaming_patches()  # also in a spawned worker, which imports streaming afresh
 
     # ------------------------------------------------------------------------------------------------
     def _where(self) -> str:

@@ -36,7 +36,7 @@ import logging
 import os
 import re
 import tempfile
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -162,15 +162,19 @@ def record_owner(dataset: Any, shm_dir: str = SHM_DIR) -> None:
         except OSError:
             pass
     # Where its file locks live: a sweep in another TMPDIR then knows the locks it finds there are not this job's.
-    lock_root = os.path.realpath(getattr(dataset, "_filelock_root", None) or tempfile.gettempdir())
     record = {"pid": os.getpid(), "start_time": process_start_time(os.getpid()), "inodes": inodes,
-              "lock_root": lock_root}
+              "lock_root": os.path.realpath(_lock_root(dataset))}
     # /dev/shm is memory: nothing to make durable, but a half-written record must never be read.
     try:
         atomic_write_json(_owner_path(prefix, shm_dir), record, fsync=False)
     except OSError as exc:  # a full or foreign /dev/shm: the prefix is then judged by who maps it, as others are
         logger.warning("cannot record the owner of shared-memory prefix %06d (%s); stale-segment cleanup falls "
                        "back to process mappings for it", prefix, exc)
+
+
+def _lock_root(dataset: Any) -> str:
+    """The folder streaming keeps ``dataset``'s file locks in."""
+    return getattr(dataset, "_filelock_root", None) or tempfile.gettempdir()
 
 
 def _drop_owner_record(prefix: int, shm_dir: str = SHM_DIR) -> None:
@@ -206,6 +210,7 @@ def cleanup_stale_streaming_shm(*, shm_dir: str = SHM_DIR, lock_dir: str | None 
 
 def _cleanup_now(shm_dir: str, lock_dir: str) -> dict[str, list[str]]:
     removed: dict[str, list[str]] = {"shm": [], "locks": [], "owners": []}
+    real_lock_dir = os.path.realpath(lock_dir)
     shm = _listing(shm_dir, _SHM_RE)
     locks = _listing(lock_dir, _LOCK_RE)
     owners = _listing(shm_dir, _OWNER_RE)
@@ -218,10 +223,10 @@ def _cleanup_now(shm_dir: str, lock_dir: str) -> dict[str, list[str]]:
             removed["shm"].append(name)
     for name, prefix, inode in locks:
         path = os.path.join(lock_dir, name)
-        if _lock_is_stale(path, prefix, live, recorded, lock_dir) and unlink_if_unchanged(path, inode):
+        if _lock_is_stale(path, prefix, live, recorded, real_lock_dir) and unlink_if_unchanged(path, inode):
             removed["locks"].append(name)
     for name, prefix, inode in owners:
-        if prefix in recorded and not recorded[prefix][0]:
+        if prefix in recorded and not recorded[prefix].alive:
             if unlink_if_unchanged(os.path.join(shm_dir, name), inode):
                 removed["owners"].append(name)
     if any(removed.values()):
@@ -250,12 +255,18 @@ def _listing(directory: str, pattern: re.Pattern[str]) -> list[tuple[str, str, i
     return out
 
 
-# owner alive?, inodes it created, when it registered them (the record's mtime), its file locks' folder (or None)
-_Record = tuple[bool, set[int], float, "str | None"]
+class _Record(NamedTuple):
+    """An owner record as read: is the owner alive, the inodes it created, when it registered them (the
+    record's mtime), and the real path of its file locks' folder (None in records written before it was kept)."""
+
+    alive: bool
+    inodes: set[int]
+    registered: float
+    lock_root: str | None
 
 
 def _read_owner_records(shm_dir: str, owners: list[tuple[str, str, int]]) -> dict[str, _Record]:
-    """Owner records: prefix -> (owner alive?, inodes of the segments it created, when it wrote the record)."""
+    """Owner records: prefix -> :class:`_Record` (unreadable records are skipped)."""
     recorded: dict[str, _Record] = {}
     for name, prefix, _ in owners:
         try:
@@ -264,14 +275,15 @@ def _read_owner_records(shm_dir: str, owners: list[tuple[str, str, int]]) -> dic
                 rec = json.load(f)
             alive = process_alive(int(rec["pid"]), rec.get("start_time"))
             root = rec.get("lock_root")
-            recorded[prefix] = (alive, set(rec.get("inodes", {}).values()), os.stat(path).st_mtime,
-                                root if isinstance(root, str) else None)
+            recorded[prefix] = _Record(alive, set(rec.get("inodes", {}).values()), os.stat(path).st_mtime,
+                                       root if isinstance(root, str) else None)
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return recorded
 
 
-def _lock_is_stale(path: str, prefix: str, live: set[str], recorded: dict[str, _Record], lock_dir: str) -> bool:
+def _lock_is_stale(path: str, prefix: str, live: set[str], recorded: dict[str, _Record], real_lock_dir: str
+                   ) -> bool:
     """A lock file is stale when no live process uses its prefix; or when the prefix's live owner keeps its
     locks in another folder; or when the lock is older than that owner (its record is written as it
     registers the segments; its own locks come later). The last two are a lock left by an earlier holder
@@ -280,13 +292,13 @@ def _lock_is_stale(path: str, prefix: str, live: set[str], recorded: dict[str, _
     holder's death the number was taken (a killed job's cache lock is touched up to its last moment)."""
     if prefix not in live:
         return True
-    if prefix not in recorded or not recorded[prefix][0]:
+    owner = recorded.get(prefix)
+    if owner is None or not owner.alive:
         return False  # a live user without a record (plain streaming, or registering now): its lock, maybe
-    _, _, registered, root = recorded[prefix]
-    if root is not None and root != os.path.realpath(lock_dir):
+    if owner.lock_root is not None and owner.lock_root != real_lock_dir:
         return True
     try:
-        return os.stat(path).st_mtime < registered - 1.0
+        return os.stat(path).st_mtime < owner.registered - 1.0
     except OSError:
         return False
 
@@ -304,15 +316,13 @@ def _live_prefixes(shm_dir: str, shm: list[tuple[str, str, int]], recorded: dict
             continue
         prefix = m.group(1)
         rec = recorded.get(prefix)
-        if rec is not None and shm_inodes.get(name) in rec[1]:
+        if rec is not None and shm_inodes.get(name) in rec.inodes:
             continue  # judged by its owner record below
         if pids - {me}:
             live.add(prefix)
         else:
             own_only.add(prefix)
-    for prefix, (alive, *_) in recorded.items():
-        if alive:
-            live.add(prefix)
+    live |= {prefix for prefix, rec in recorded.items() if rec.alive}
     if own_only - live:
         datasets, _ = _streaming_objects()
         mine = {f"{int(ds._shm_prefix_int):06}" for ds in datasets
@@ -357,7 +367,7 @@ def _release_now(dataset: Any) -> None:
         for seg in created:
             end_created_segment(seg)  # unlinked only if the name is still this segment's (see segments.py)
     prefix = getattr(dataset, "_shm_prefix_int", None)
-    root = getattr(dataset, "_filelock_root", None) or tempfile.gettempdir()
+    root = _lock_root(dataset)
     if prefix is not None:
         _drop_owner_record(prefix)
         for lock in FILELOCK_NAMES:
