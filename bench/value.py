@@ -28,6 +28,15 @@ settings are reused (``--fresh`` redoes them), so an interrupted bench continues
     .venv/bin/python bench/value.py --stage search           # the oracle search only
     .venv/bin/python bench/value.py --methods uniform,oracle,grape --seeds 0,1,2
     .venv/bin/python bench/value.py --quick                  # smoke run: tiny budget, 1 seed, 2 methods
+
+**A second benchmark of another kind** (issue 32 part 5, ``--setting english``): the same BPE size, model,
+budget, search and table, on the bundled English corpus (``data/english``): seven English sources that differ in
+topic and style (code, man pages, a computing encyclopedia, a dictionary, novels, news, a FAQ) against four
+question-answering *task* targets (trivia, vocabulary glosses, what a command does, what a function does), each
+with its probe / test split; its BPE is trained on those seven sources. Results go to
+``bench/results/value_english.json`` and the ``value-table-english`` block of docs/results.md.
+
+    .venv/bin/python bench/value.py --setting english --runs uniform:0,grape:0,...
 """
 
 from __future__ import annotations
@@ -38,13 +47,13 @@ import multiprocessing
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 # the setting is the demo's (one definition: grape_stream/apps/demo_pool.py)
 from grape_stream.apps.demo_pool import (
     BATCH,
-    DATA,
     LR,
     MODEL,
     SEQ_LEN,
@@ -52,6 +61,7 @@ from grape_stream.apps.demo_pool import (
     STEPS,
     TARGETS,
     VOCAB,
+    data_overrides,
     pool_settings,
     update_interval,
 )
@@ -59,11 +69,49 @@ from grape_stream.apps.demo_pool import (
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 from common import peak_rss_mb, write_json  # noqa: E402
+from mixture_english import SOURCES as ENGLISH_SOURCES  # noqa: E402
+from mixture_english import TARGETS as ENGLISH_TARGETS  # noqa: E402
 from value_report import aggregate, claims, split_by_version, table  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "value.json"
 
-_RUN: dict[str, Any] = {"steps": STEPS, "out": REPO / "runs" / "bench_value"}  # this invocation's (main sets it)
+
+@dataclass(frozen=True)
+class Setting:
+    """One benchmark this script runs: its corpus and roles, where its runs and results go. Model, tokenizer size,
+    budget, search and methods are the same for every setting, so two settings' tables read alike."""
+
+    name: str
+    data: Path
+    sources: tuple[str, ...]
+    targets: tuple[str, ...]
+    domain_field: str  # the corpus' field naming a document's domain
+    results: Path
+    out: Path
+    docs_block: str  # docs/results.md's block the table is written into: <!-- {docs_block}:begin -->
+
+    @property
+    def data_overrides(self) -> list[str]:
+        return data_overrides(self.sources, self.targets)
+
+
+SETTINGS = {
+    # the demo's pool: 13 languages, the seven low-resource ones as targets (grape_stream/apps/demo_pool.py)
+    "languages": Setting("languages", REPO / "data" / "demo", SOURCES, TARGETS, "lang", RESULTS,
+                         REPO / "runs" / "bench_value", "value-table"),
+    # issue 32 part 5: English topic / style sources against task targets (data/english/README.md)
+    "english": Setting("english", REPO / "data" / "english", ENGLISH_SOURCES, ENGLISH_TARGETS, "domain",
+                       RESULTS.with_name("value_english.json"), REPO / "runs" / "bench_value_english",
+                       "value-table-english"),
+}
+
+_RUN: dict[str, Any] = {"steps": STEPS, "out": REPO / "runs" / "bench_value",  # this invocation's (main sets it)
+                        "setting": SETTINGS["languages"]}
+
+
+def _setting() -> Setting:
+    """This invocation's benchmark (``--setting``)."""
+    return _RUN["setting"]  # type: ignore[no-any-return]
 
 
 def _reference_dir(seed: int) -> Path:
@@ -194,7 +242,8 @@ DEFAULT_METHODS = ["uniform", "oracle", "grape", "grape_paper", "grape_demo_tune
 
 def _cand_weights(docs: Mapping[str, Any], name: str) -> list[float]:
     """A search candidate's weights: uniform, or the search document's RegMix argmin / CRISP weights."""
-    return [1.0 / len(SOURCES)] * len(SOURCES) if name == "uniform" else list(docs[name]["weights"])
+    k = len(_setting().sources)
+    return [1.0 / k] * k if name == "uniform" else list(docs[name]["weights"])
 
 
 def _prev(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], method: str, seed: int) -> dict[str, Any]:
@@ -215,7 +264,9 @@ def prepare(out: Path, corpus: Path) -> Path:
     the bundled one plus each target's probe split cut in two (:func:`selection_corpus`)."""
     from grape_stream.apps.demo_pool import prepare as prepare_pool
 
-    return prepare_pool(out, selection_corpus(corpus, out / "corpus"))[0]
+    st = _setting()
+    return prepare_pool(out, selection_corpus(corpus, out / "corpus"), sources=st.sources,
+                        domain_field=st.domain_field)[0]
 
 
 def selection_corpus(corpus: Path, dest: Path) -> Path:
@@ -230,7 +281,7 @@ def selection_corpus(corpus: Path, dest: Path) -> Path:
         if not link.exists():
             link.parent.mkdir(parents=True, exist_ok=True)
             link.symlink_to(f.resolve())
-    for t in TARGETS:
+    for t in _setting().targets:
         halves = [dest / split / f"{t}.jsonl.zst" for split in SELECTION_HALVES]
         if all(h.is_file() for h in halves):
             continue
@@ -265,18 +316,19 @@ def search(out: Path, mds: Path, corpus: Path, *, proxies: int, steps: int, cand
         doc = json.loads(path.read_text())
         if doc.get("key") == key:
             return doc
-    overrides = [*MODEL, *DATA, f"optimizer.lr={LR}"]
+    st = _setting()
+    overrides = [*MODEL, *st.data_overrides, f"optimizer.lr={LR}"]
     t0 = time.perf_counter()
     proxy_steps = max(steps // 4, 4)
-    mixes = dirichlet_mixtures(len(SOURCES), proxies, 0)
+    mixes = dirichlet_mixtures(len(st.sources), proxies, 0)
     runs = run_proxies(mixes, mds=str(mds), out=str(out / "proxies"), steps=proxy_steps, seed=0, overrides=overrides)
-    regmix = regmix_from_proxies(SOURCES, runs, seconds=time.perf_counter() - t0)
+    regmix = regmix_from_proxies(st.sources, runs, seconds=time.perf_counter() - t0)
     regmix["details"]["proxy_steps"] = proxy_steps
     print(f"regmix: {json.dumps(regmix['alpha'])} ({regmix['seconds']:.0f} s)", flush=True)
     ranked = sorted(runs, key=lambda r: r["loss"])
-    crisp = crisp_from_corpus(corpus, SOURCES, TARGETS, samples=64, seed=0)
+    crisp = crisp_from_corpus(corpus, st.sources, st.targets, samples=64, seed=0)
     # every static answer we can compute is a candidate for the best static mixture (scored on probe text)
-    cands = [("uniform", [1.0 / len(SOURCES)] * len(SOURCES)), ("regmix", regmix["weights"]),
+    cands = [("uniform", _cand_weights({}, "uniform")), ("regmix", regmix["weights"]),
              ("crisp", crisp["weights"])]
     cands += [(f"proxy{i}", list(r["mixture"])) for i, r in enumerate(ranked[:candidates])]
     scored = []
@@ -289,7 +341,7 @@ def search(out: Path, mds: Path, corpus: Path, *, proxies: int, steps: int, cand
                        "probe": res["final"], "seconds": res["seconds"]["total"]})
         print(f"candidate {name}: probe avg {res['final_avg']:.4f} worst {res['final_worst']:.4f}", flush=True)
     best = min(scored, key=lambda c: c["probe_avg"])
-    oracle = weights_document("oracle", SOURCES, best["weights"], time.perf_counter() - t0,
+    oracle = weights_document("oracle", st.sources, best["weights"], time.perf_counter() - t0,
                               {"chosen": best["name"], "criterion": "probe-split average at the full budget, seed 0",
                                "candidates": scored})
     doc = {"key": key, "regmix": regmix, "oracle": oracle, "crisp": crisp,
@@ -346,7 +398,7 @@ def _plan(method: str, seed: int, steps: int, mds: Path, out: Path, docs: Mappin
 
     base, make = METHODS[method]
     s = settings(SHORT.get(method, steps))
-    extra_o = [*MODEL, *DATA, *make(LR, docs, seed, runs), *extra]
+    extra_o = [*MODEL, *_setting().data_overrides, *make(LR, docs, seed, runs), *extra]
     run_dir = out / f"{method}-seed{seed}"
     return {"base": base, "settings": s, "extra": extra_o, "run_dir": run_dir,
             "want": recipe_overrides(base, s, mds=mds, out_dir=run_dir, seed=seed, extra=extra_o)}
@@ -458,7 +510,8 @@ def join(runs: dict[str, dict[int, dict[str, Any]]], path: Path, steps: int) -> 
     other = {m: {int(s): {"train_tokens": tokens, **r} for s, r in b.items()} for m, b in prev.get("runs", {}).items()}
     trees = sorted({str((r.get("code") or {}).get("library_tree")) for b in other.values() for r in b.values()})
     both = [(m, s) for m, b in other.items() for s in sorted(b) if s in runs.get(m, {})]
-    diffs = {f"{m}:{s}": max(abs(float(other[m][s]["final"][t]) - float(runs[m][s]["final"][t])) for t in TARGETS)
+    targets = _setting().targets
+    diffs = {f"{m}:{s}": max(abs(float(other[m][s]["final"][t]) - float(runs[m][s]["final"][t])) for t in targets)
              for m, s in both}
     joined = (len(trees) == 1 and any(m == "uniform" for m, _ in both) and any(m.startswith("grape") for m, _ in both)
               and max(diffs.values()) <= JOIN_TOLERANCE)  # one tree: what reproduces is that tree, not a mix
@@ -532,9 +585,10 @@ def write(path: Path, runs: Mapping[str, Mapping[int, Mapping[str, Any]]], docs:
     main_runs = {m: r for m, r in runs.items() if not m.startswith(("cand_", "sel_"))}
     same, other, version = split_by_version(main_runs, getattr(args, "version", None),
                                             equivalent=_JOINED["trees"] if _JOINED.get("joined") else ())
-    agg = aggregate(same, TARGETS, SOURCES)
+    st = _setting()
+    agg = aggregate(same, st.targets, st.sources)
     earlier = _earlier(Path(args.earlier) if getattr(args, "earlier", None) else None, list(agg))
-    text = table(agg, TARGETS) if agg else ""
+    text = table(agg, st.targets) if agg else ""
     if earlier and text:
         def ms(x: Sequence[float], n: int) -> str:
             return f"{x[0]:.4f} +- {x[1]:.4f} (std)" if n > 1 else f"{x[0]:.4f} (n=1)"
@@ -552,9 +606,11 @@ def write(path: Path, runs: Mapping[str, Mapping[int, Mapping[str, Any]]], docs:
     doc = {"bench": "value", "partial": partial, "command": "python bench/value.py " + " ".join(sys.argv[1:]),
            "version": {"library_tree": version, "commits": commits, "collected_by": dict(_CODE),
                        "joined": dict(_JOINED) or None},
-           "setting": {"sources": SOURCES, "targets": TARGETS, "vocab": VOCAB, "seq_len": SEQ_LEN, "steps": args.steps,
+           "setting": {"name": st.name, "corpus": Path(args.data).name, "sources": st.sources,
+                       "targets": st.targets, "vocab": VOCAB, "seq_len": SEQ_LEN, "steps": args.steps,
                        "batch": BATCH, "train_tokens": args.steps * BATCH * SEQ_LEN, "lr": LR, "model": MODEL,
-                       "metric": "token-level test cross-entropy (nats/token), 256 strided test sequences per target",
+                       "metric": "token-level test cross-entropy (nats/token), 256 strided test sequences per target "
+                                 "(the whole test split where it holds fewer)",
                        "ci": "95% two-sided Student t interval of the mean over seeds, half-width (n - 1 df)"},
            "claims": claims(agg), "table": text,
            "search_settings": ({**docs["key"], **(docs.get("settings") or {})} if docs.get("key") else None),
@@ -573,12 +629,18 @@ def write(path: Path, runs: Mapping[str, Mapping[int, Mapping[str, Any]]], docs:
     return doc
 
 
-DOCS_BEGIN, DOCS_END = "<!-- value-table:begin -->", "<!-- value-table:end -->"
+def docs_markers(block: str) -> tuple[str, str]:
+    """The lines between which docs/results.md holds a setting's table."""
+    return f"<!-- {block}:begin -->", f"<!-- {block}:end -->"
 
 
-def write_docs(path: Path, doc: Mapping[str, Any]) -> None:
+DOCS_BEGIN, DOCS_END = docs_markers("value-table")
+
+
+def write_docs(path: Path, doc: Mapping[str, Any], block: str = "value-table") -> None:
     """The table (and the claims it supports) between the page's markers: the page's figures are the JSON's,
     regenerated by the script, never typed by hand."""
+    DOCS_BEGIN, DOCS_END = docs_markers(block)  # noqa: N806 (the module's names, for this block)
     text = path.read_text()
     if DOCS_BEGIN not in text or DOCS_END not in text:
         raise SystemExit(f"{path}: no {DOCS_BEGIN} ... {DOCS_END} block to write the table into")
@@ -596,7 +658,8 @@ def write_docs(path: Path, doc: Mapping[str, Any]) -> None:
         lines.append(f"- `worst_target_improved_seeds` (GRAPE default, worst-target test loss below uniform's seed "
                      f"mean): {w['improved']} of {w['n']}")
     if t:
-        lines.append("- `targets_improved_per_seed` (of 7, against uniform's seed mean per target): "
+        of = len(doc["setting"]["targets"])
+        lines.append(f"- `targets_improved_per_seed` (of {of}, against uniform's seed mean per target): "
                      + "; ".join(f"{m} {','.join(map(str, x['per_seed'].values()))}" for m, x in t.items()))
     for k in ("avg", "worst"):
         if k in g:
@@ -628,9 +691,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--proxies", type=int, default=24, help="RegMix proxies of the oracle search")
     p.add_argument("--candidates", type=int, default=1, help="best proxies retrained at the full budget")
     p.add_argument("--stage", choices=("all", "search"), default="all")
-    p.add_argument("--out", default=str(REPO / "runs" / "bench_value"))
-    p.add_argument("--data", default=str(REPO / "data" / "demo"))
-    p.add_argument("--results", default=str(RESULTS))
+    p.add_argument("--setting", choices=sorted(SETTINGS), default="languages",
+                   help="the benchmark: the demo's 13 languages (the default) or English sources against task "
+                        "targets (issue 32 part 5); it sets the defaults of --data, --out, --results and --docs' block")
+    p.add_argument("--out", default="", help="the runs' folder (default: the setting's, under runs/)")
+    p.add_argument("--data", default="", help="the corpus (default: the setting's, under data/)")
+    p.add_argument("--results", default="", help="the results file (default: the setting's, under bench/results/)")
     p.add_argument("--extra", action="append", default=[], help="extra recipe override for every method run")
     p.add_argument("--fresh", action="store_true")
     p.add_argument("--collect", action="store_true",
@@ -659,14 +725,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "'<!-- value-table:end -->' lines (docs/results.md), with the commit and the claims")
     p.add_argument("--quick", action="store_true", help="smoke run: 32 steps, seed 0, uniform + grape, 4 proxies")
     args = p.parse_args(argv)
+    st = SETTINGS[args.setting]
+    args.out, args.data, args.results = (args.out or str(st.out), args.data or str(st.data),
+                                         args.results or str(st.results))
     if args.quick:
         args.steps, args.seeds, args.methods, args.proxies, args.candidates = 32, "0", "uniform,oracle,grape", 4, 1
-        args.out, args.results = args.out + "_quick", str(Path(args.results).with_name("value_quick.json"))
+        res = Path(args.results)
+        args.out, args.results = args.out + "_quick", str(res.with_name(res.stem + "_quick.json"))
     import torch
 
     _CODE.update(code_version())
     print(f"code: {json.dumps(_CODE)}", flush=True)
-    _RUN["steps"], _RUN["out"] = args.steps, Path(args.out)
+    _RUN["steps"], _RUN["out"], _RUN["setting"] = args.steps, Path(args.out), st
     torch.set_num_threads(1)
     out, corpus = Path(args.out), Path(args.data)
     out.mkdir(parents=True, exist_ok=True)
@@ -712,7 +782,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\nclaims: " + json.dumps(doc["claims"], indent=1))
     print(f"wrote {args.results}")
     if args.docs:
-        write_docs(Path(args.docs), doc)
+        write_docs(Path(args.docs), doc, st.docs_block)
         print(f"wrote the table into {args.docs}")
     return 0
 

@@ -24,16 +24,23 @@ from grape_stream.apps.demo_settings import DEMO, DemoSettings
 from grape_stream.config import AlgorithmConfig
 
 __all__ = ["BATCH", "DATA", "LR", "MODEL", "SEQ_LEN", "SOURCES", "STEPS", "TARGETS", "VOCAB", "overrides",
-           "QUICK_STEPS", "pool_settings", "prepare", "quick_settings", "reference_lines", "reference_path",
-           "update_interval"]
+           "QUICK_STEPS", "data_overrides", "pool_settings", "prepare", "quick_settings", "reference_lines",
+           "reference_path", "update_interval"]
 
 SOURCES = ("en", "fr", "de", "es", "ru", "it", "tr", "da", "ca", "pl", "nl", "uk", "pt")
 TARGETS = ("tr", "da", "ca", "pl", "nl", "uk", "pt")
 VOCAB, SEQ_LEN, STEPS, BATCH, LR = 4096, 128, 400, 32, 1e-3
 QUICK_STEPS = 48  # --quick
 MODEL = [f"model.vocab_size={VOCAB}", "model.n_layer=4", "model.n_head=4", "model.d_model=128", "model.d_ff=512"]
-DATA = [f"data.seq_len={SEQ_LEN}", f"data.domains=[{','.join(SOURCES)}]", f"data.tasks=[{','.join(TARGETS)}]",
-        "data.eval_batch_size=64"]
+
+
+def data_overrides(sources: Sequence[str], targets: Sequence[str]) -> list[str]:
+    """The recipe's data section at this setting: sequence length, the domains, the targets, the eval batch."""
+    return [f"data.seq_len={SEQ_LEN}", f"data.domains=[{','.join(sources)}]", f"data.tasks=[{','.join(targets)}]",
+            "data.eval_batch_size=64"]
+
+
+DATA = data_overrides(SOURCES, TARGETS)
 
 
 def overrides() -> list[str]:
@@ -57,21 +64,24 @@ def pool_settings(steps: int = STEPS) -> DemoSettings:
                         mu_alpha=lib.mu_alpha, mu_z=lib.mu_z, clip_norm=None, model_data=tuple(overrides()))
 
 
-def prepare(out: Path, corpus: Path) -> tuple[Path, bool]:
+def prepare(out: Path, corpus: Path, *, sources: Sequence[str] = SOURCES,
+            domain_field: str = "lang") -> tuple[Path, bool]:
     """Train the BPE on the sources' training splits (once: ``out/tokenizer.json`` is reused) and convert the
     corpus with it into ``out/mds`` (converted again when the tokenizer or the corpus changed: the fingerprint
     holds the tokenizer's hash). ``runs/demo/mds`` is the ``demo-cpu`` recipe's ``data.local``, so the recipe
-    trains on what ``make demo`` converted. Returns (MDS directory, did any work)."""
+    trains on what ``make demo`` converted. Another corpus at this setting's tokenizer size and sequence length
+    (the value benchmark's English one) names its own ``sources`` and ``domain_field``. Returns (MDS directory,
+    did any work)."""
     from grape_stream.convert.train_tokenizer import corpus_texts, train_bpe
 
     tok = out / "tokenizer.json"
     trained = not tok.is_file()
     if trained:
-        files = [str(corpus / "train" / f"{s}.jsonl.zst") for s in SOURCES]
+        files = [str(corpus / "train" / f"{s}.jsonl.zst") for s in sources]
         train_bpe(corpus_texts(files), VOCAB, tok)
     mds = out / "mds"
     _, converted = ensure_converted(corpus, mds, seq_len=SEQ_LEN, progress=False, tokenizer=str(tok),
-                                    domain_field="lang")
+                                    domain_field=domain_field)
     return mds, trained or converted
 
 
