@@ -220,6 +220,9 @@ METHODS: dict[str, tuple[str, Callable[..., list[str]]]] = {
     # GRAPE started from a static prior (issue 32 part 3: the paper's GRAPE-ClimbMix analog), against that prior alone
     "grape_crisp": ("grape", lambda lr, d, s, r: [f"algorithm.options.alpha0={_vec(d['crisp']['weights'])}"]),
     "grape_regmix": ("grape", lambda lr, d, s, r: [f"algorithm.options.alpha0={_vec(d['regmix']['weights'])}"]),
+    # the prior as a first-class start: CRISP computed in the run's own set-up from its shards (recipe/prior.py),
+    # its seconds counted in the run's compute
+    "grape_crisp_prior": ("grape", lambda lr, d, s, r: ["algorithm.options.alpha0=crisp"]),
     # issue 32 part 2's variants, and the choice among them and the default made on the probe split's two halves
     # (sel_*: the test split unseen)
     **{m: ("grape", lambda lr, d, s, r, o=o: list(o)) for m, o in PART2.items() if m != "grape"},

@@ -74,15 +74,17 @@ def tokens_to_reach(curve: Mapping[str, Any], level: float) -> float | None:
     return None
 
 
-def probe_step_equivalents(run: Mapping[str, Any]) -> float:
+def probe_step_equivalents(run: Mapping[str, Any], part: str = "reweighting") -> float:
     """What the run's reweighting cost, in training steps of the same run: probe + update seconds over the
-    seconds of one training step (total minus test-curve evaluation minus reweighting, per step). Both are
-    measured in the same process at the same machine load, so their ratio is steadier than either."""
+    seconds of one training step (total minus test-curve evaluation, reweighting and the prior, per step). Both
+    are measured in the same process at the same machine load, so their ratio is steadier than either.
+    ``part="prior"``: the same for the prior ``alpha0: crisp`` computed in the run's set-up (paid once, up front)."""
     sec = run.get("seconds") or {}
-    rew = float(sec.get("reweighting", 0.0))
+    cost = float(sec.get(part, 0.0))
     steps = int(run.get("steps") or run["curve"]["step"][-1])
-    train = float(sec.get("total", 0.0)) - float(sec.get("curve_eval", 0.0)) - rew
-    return rew / (train / steps) if rew > 0 and train > 0 and steps else 0.0
+    train = (float(sec.get("total", 0.0)) - float(sec.get("curve_eval", 0.0)) - float(sec.get("reweighting", 0.0))
+             - float(sec.get("prior", 0.0)))
+    return cost / (train / steps) if cost > 0 and train > 0 and steps else 0.0
 
 
 def aggregate(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], targets: Sequence[str],
@@ -122,12 +124,13 @@ def aggregate(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], targets: Sequ
         st["tokens_to_uniform_final"] = {"values": frac, "mean": mean_std(got)[0] if got else None,
                                          "reached": len(got), "of": len(frac)}
         # compute: the training steps to reach uniform's final plus the reweighting's cost up to then
-        # (probe seconds spread evenly over the run), over uniform's 400 steps
+        # (probe seconds spread evenly over the run) and the prior's (paid before step 0), over uniform's 400 steps
         comp = []
         for f, r in zip(frac, rs):
             if f is not None:
                 steps = int(r.get("steps") or r["curve"]["step"][-1])
-                comp.append(f * (1.0 + probe_step_equivalents(r) / steps) * r["train_tokens"] / u_tokens)
+                spent = f * (steps + probe_step_equivalents(r)) + probe_step_equivalents(r, "prior")
+                comp.append(spent / steps * r["train_tokens"] / u_tokens)
         st["compute_to_uniform_final"] = summary(comp) | {"reached": len(comp), "of": len(frac)}
         st["probe_step_equivalents"] = summary([probe_step_equivalents(r) for r in rs])
         tv, finals = [], []

@@ -259,5 +259,8 @@ def _result(method: str, seed: int, settings: DemoSettings, cfg: Mapping[str, An
         },
         "trajectory": traj,
         "train_loss": bar.train_loss,
-        "seconds": {"total": seconds, "curve_eval": curve.eval_seconds, "reweighting": probe_seconds},
+        "seconds": {"total": seconds, "curve_eval": curve.eval_seconds, "reweighting": probe_seconds,
+                    "prior": float(built.prior["seconds"]) if built.prior else 0.0},
+        # alpha0: crisp's weights and how they were computed (its seconds are in "seconds" above)
+        **({"prior": {k: built.prior[k] for k in ("prior", "alpha", "details")}} if built.prior else {}),
     }

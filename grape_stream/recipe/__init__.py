@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from grape_stream.recipe.load import bundled_recipes, load_config, load_recipe, resolve_recipe_path
     from grape_stream.recipe.model import build_model
     from grape_stream.recipe.overrides import apply_overrides
+    from grape_stream.recipe.prior import resolve_prior
     from grape_stream.recipe.schema import as_recipe, base_config, recipe_dict
     from grape_stream.recipe.validate import validate
 
@@ -36,6 +37,7 @@ _LAZY = {
                     "grape_stream.recipe.load"),
     "build_model": "grape_stream.recipe.model",
     "apply_overrides": "grape_stream.recipe.overrides",
+    "resolve_prior": "grape_stream.recipe.prior",
     **dict.fromkeys(["as_recipe", "base_config", "recipe_dict"], "grape_stream.recipe.schema"),
     "validate": "grape_stream.recipe.validate",
 }
@@ -53,6 +55,7 @@ __all__ = [
     "read_manifest",
     "recipe_dict",
     "recipe_streams",
+    "resolve_prior",
     "resolve_recipe_path",
     "resolved_sizes",
     "train_dataloader",

@@ -18,6 +18,7 @@ The data itself (directories, the manifest's vocab_size and seq_len) is checked 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import Any, Mapping
@@ -30,6 +31,7 @@ from grape_stream.grape.algorithm_config import (
     check_reweighter_options,
     signal_source,
 )
+from grape_stream.recipe.prior import named_prior
 from grape_stream.recipe.schema import as_recipe
 
 __all__ = ["ENTRY_KEYS", "MODEL_KINDS", "OPTIMIZERS", "SCHEDULERS", "TIME_KEYS", "check_time", "validate"]
@@ -119,7 +121,10 @@ def _check_algorithm(cfg: RecipeConfig) -> None:
     a = cfg.algorithm
     check_option_names(a.options, where="algorithm.options.", what="recipe key")
     check_algorithm(a, prefix="algorithm.")
-    check_reweighter_options(a, len(cfg.data.domains), len(cfg.data.tasks))
+    k = len(cfg.data.domains)
+    if named_prior(a.options):  # checked as the uniform start it stands for: does the method take an alpha0?
+        a = dataclasses.replace(a, options={**a.options, "alpha0": [1.0 / k] * k})
+    check_reweighter_options(a, k, len(cfg.data.tasks))
     if signal_source(a).probes_tasks and not cfg.data.tasks:
         raise ConfigError(f"algorithm.method={a.method} needs target tasks: set 'data.tasks'")
 
@@ -130,8 +135,8 @@ def _check_mixtures(cfg: RecipeConfig) -> None:
     k = len(cfg.data.domains)
     for name in ("weights", "alpha0"):
         value = cfg.algorithm.options.get(name)
-        if value is None:
-            continue
+        if value is None or (name == "alpha0" and named_prior(cfg.algorithm.options)):
+            continue  # a named prior (alpha0: crisp) becomes weights in the run's set-up (recipe/prior.py)
         key = f"algorithm.options.{name}"
         if not isinstance(value, (list, tuple)) or not all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):

@@ -161,6 +161,10 @@ class StepOptions(NoiseOptions, ReweighterOptions):
             if not (math.isfinite(clip) and clip > 0):
                 raise ConfigError(f"clip_norm must be None (no clipping) or a finite number > 0, got {clip!r}")
         out["clip_norm"] = clip
+        if isinstance(self.alpha0, str):  # a recipe's named prior reaches here only outside a recipe run
+            raise ConfigError(f"alpha0={self.alpha0!r} names a prior that a recipe run computes from its data "
+                              "(grape-stream train, or integrations.composer.build); elsewhere compute it with "
+                              "grape_stream.mixture.prior.crisp_prior(...) and pass its 'weights' as alpha0")
         out["alpha0"] = None if self.alpha0 is None else check_simplex(self.alpha0, "alpha0", num_domains).tolist()
         floor = real(self.alpha_floor, "alpha_floor")
         if not (0.0 <= floor <= 1.0 / num_domains):

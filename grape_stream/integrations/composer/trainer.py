@@ -44,6 +44,7 @@ from grape_stream.recipe import (
     check_local_data,
     read_manifest,
     recipe_streams,
+    resolve_prior,
     resolved_sizes,
     train_dataloader,
 )
@@ -82,6 +83,8 @@ class Built:
     evaluators: list[Any] = field(default_factory=list)
     callbacks: list[Any] = field(default_factory=list)
     loggers: list[Any] = field(default_factory=list)
+    #: the prior ``alpha0`` named (recipe/prior.py: weights, seconds, details), or None
+    prior: dict[str, Any] | None = None
     trainer: Any = None
     checkpoint_recovery: Any = None  # the Recovery of this rank's checkpoint folder (autoresume, local folder)
     model_kind: str = ""  # what describe() names: the recipe's model.kind, or the class of a prebuilt model
@@ -209,6 +212,8 @@ def build(cfg: RecipeConfig | Mapping[str, Any], *, dry_run: bool = False, extra
     # a dry run reads a local manifest too (model.vocab_size may come from it), never a remote one (offline checks)
     manifest = read_manifest(cfg) if not dry_run or local_data else None
     vocab, seq = resolved_sizes(cfg, manifest)
+    # alpha0: crisp -> weights from the data (a dry run stays offline: the recipe checked the name only)
+    prior = None if dry_run else resolve_prior(cfg, domains, tasks, manifest)
     if not dry_run:
         # Trainer(seed=) seeds only after the model exists: seed first so initial weights are reproducible.
         reproducibility.seed_all(cfg.seed)
@@ -220,7 +225,7 @@ def build(cfg: RecipeConfig | Mapping[str, Any], *, dry_run: bool = False, extra
     algorithm = build_algorithm(cfg, tasks, per_sample_loss, progress=progress)
     built = Built(cfg=cfg, model=model, algorithm=algorithm, tasks=tasks, domains=domains,
                   optimizer=build_optimizer(cfg, model), scheduler=build_scheduler(cfg), per_rank_batch_size=per_rank,
-                  model_kind=kind)
+                  model_kind=kind, prior=prior)
     if not dry_run:
         _build_trainer(built, world, extra_callbacks, extra_loggers, console=console)
     return built
