@@ -174,9 +174,12 @@ def _candidate(name: str) -> Callable[..., list[str]]:
 
 
 #: issue 32 part 2's GRAPE variants: a trust region that moves the full KL at every update however far the lr has
-#: decayed (a target z recognises late still gets its step), alone and with the Gram averaged across updates
+#: decayed (a target z recognises late still gets its step), alone and with the Gram averaged across updates; a
+#: 4x task probe
 PART2 = {"grape": (), "grape_klconst": ("algorithm.options.kl_schedule=constant",),
-         "grape_klconst_ema": ("algorithm.options.kl_schedule=constant", "algorithm.options.gram_ema=0.5")}
+         "grape_klconst_ema": ("algorithm.options.kl_schedule=constant", "algorithm.options.gram_ema=0.5"),
+         # against the noise directly: 4x the task side of each probe (32 samples a target), its cost counted
+         "grape_probe32": ("algorithm.probe_task_batch=32",)}
 #: A GRAPE variant fitted on one half of the targets' probe split and scored on the other: the choice among
 #: variants sees nothing of the test split (swapping the splits, as the static candidates do, would feed it to GRAPE).
 SELECTION_HALVES = ("probe_fit", "probe_score")
