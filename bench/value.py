@@ -47,9 +47,8 @@ import multiprocessing
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 # the setting is the demo's (one definition: grape_stream/apps/demo_pool.py)
 from grape_stream.apps.demo_pool import (
@@ -76,10 +75,11 @@ from value_report import aggregate, claims, split_by_version, table  # noqa: E40
 RESULTS = REPO / "bench" / "results" / "value.json"
 
 
-@dataclass(frozen=True)
-class Setting:
+class Setting(NamedTuple):
     """One benchmark this script runs: its corpus and roles, where its runs and results go. Model, tokenizer size,
-    budget, search and methods are the same for every setting, so two settings' tables read alike."""
+    budget, search and methods are the same for every setting, so two settings' tables read alike. (A NamedTuple,
+    not a dataclass: the tests load this script by path, outside ``sys.modules``, where a dataclass with string
+    annotations cannot be built.)"""
 
     name: str
     data: Path

@@ -72,9 +72,12 @@ def _explicit(mds: Path, name: str, split: str, n: int, seed: int) -> np.ndarray
     """The documented draw, read with streaming's StreamingDataset itself and decoded byte by byte."""
     from streaming import StreamingDataset
 
+    from grape_stream.streaming_compat.registration import create_registered
     from grape_stream.streaming_compat.shm import release_streaming_dataset
 
-    ds = StreamingDataset(local=str(mds / name), split=split, shuffle=False)
+    # under the registration lock, as the library opens every dataset: a bare StreamingDataset can take a shared-
+    # memory prefix another test worker's job is registering (streaming 0.13 picks prefixes without a lock)
+    ds = create_registered(lambda: StreamingDataset(local=str(mds / name), split=split, shuffle=False))
     try:
         idx = sorted(random.Random(f"{seed}/{split}/{name}").sample(range(ds.num_samples), min(n, ds.num_samples)))
         texts = [bytes(int(x) for x in np.asarray(ds[i]["tokens"]) if x != 256).decode("utf-8", "replace")

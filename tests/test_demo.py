@@ -161,7 +161,9 @@ def test_default_is_the_value_benchmarks_setting() -> None:
     assert spec is not None and spec.loader is not None
     value = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(value)
-    assert value.SOURCES is demo_pool.SOURCES and value.MODEL is demo_pool.MODEL and value.DATA is demo_pool.DATA
+    pool = value.SETTINGS["languages"]  # the benchmark's default setting is the demo's pool, defined once
+    assert pool.sources is demo_pool.SOURCES and pool.targets is demo_pool.TARGETS and value.MODEL is demo_pool.MODEL
+    assert pool.data_overrides == demo_pool.DATA and pool.domain_field == "lang"
     assert value.settings(400) == settings
 
 
