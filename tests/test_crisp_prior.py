@@ -171,3 +171,25 @@ def test_a_composer_run_starts_from_the_crisp_prior_of_its_own_data(mds: Path, t
     finally:
         built.close()
     assert os.path.isdir(tmp_path / "prior")
+
+
+@pytest.mark.timeout(300)
+def test_a_run_started_from_the_prior_resumes_from_its_checkpoint(mds: Path, tmp_path: Path) -> None:
+    """The resumed run computes the prior again (the same seeded draw, the same weights), so the checkpoint's
+    strictly compared options match and the run continues where it stopped."""
+    from grape_stream.integrations.composer.trainer import build
+
+    def run(batches: int) -> list[dict]:
+        cfg = _recipe(mds, tmp_path)
+        cfg["trainer"].update(max_duration=f"{batches}ba", save_interval="2ba", autoresume=True,
+                              save_folder=str(tmp_path / "ckpt"))
+        built = build(cfg, progress=False, console=False)
+        try:
+            built.trainer.fit()
+            return list(built.algorithm.controller.history)
+        finally:
+            built.close()
+
+    first = run(2)
+    resumed = run(4)
+    assert resumed[: len(first)] == first and resumed[-1]["step"] == 4
