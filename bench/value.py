@@ -490,6 +490,9 @@ def kept_runs(path: Path, steps: int, exclude: Sequence[str]) -> dict[str, dict[
     if prev.get("setting", {}).get("steps") != steps:
         raise SystemExit(f"--add: {path} holds runs of {prev.get('setting', {}).get('steps')} steps, not {steps}")
     _KEPT_SEARCH.update(prev.get("search") or {})
+    # the kept runs of other trees stay joined on the evidence that joined them (one file's, or several)
+    was = (prev.get("version") or {}).get("joined") or []
+    _JOINED.extend(ev for ev in ([was] if isinstance(was, dict) else was) if ev not in _JOINED)
     tokens = prev["setting"]["train_tokens"]
     return {m: {int(s): {"train_tokens": tokens, **r} for s, r in by_seed.items()}
             for m, by_seed in prev.get("runs", {}).items() if m not in exclude}
@@ -500,7 +503,7 @@ _KEPT_SEARCH: dict[str, Any] = {}  # --add: the search section of the results fi
 #: target's final loss is within this (nats/token). Float round-off between trees is ~1e-6 here; the seed-to-seed
 #: spread of a row is ~1e-2 to 1e-1.
 JOIN_TOLERANCE = 1e-4
-_JOINED: dict[str, Any] = {}  # --join: the evidence, as the results file records it
+_JOINED: list[dict[str, Any]] = []  # --join: the evidence of each file, as the results file records it
 
 
 def join(runs: dict[str, dict[int, dict[str, Any]]], path: Path, steps: int) -> dict[str, Any]:
@@ -528,9 +531,13 @@ def join(runs: dict[str, dict[int, dict[str, Any]]], path: Path, steps: int) -> 
     evidence = {"file": str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path), "trees": trees,
                 "reproduced": diffs, "max_abs_diff": max(diffs.values(), default=None), "tolerance": JOIN_TOLERANCE,
                 "joined": joined, "added": added}
-    _JOINED.clear()
-    _JOINED.update(evidence)
+    _JOINED.append(evidence)
     return evidence
+
+
+def _joined_trees() -> list[str]:
+    """The library trees whose runs joined the table (each reproduced it)."""
+    return sorted({t for ev in _JOINED if ev["joined"] for t in ev["trees"]})
 
 
 def _search_section(docs: Mapping[str, Any], runs: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> dict[str, Any]:
@@ -590,7 +597,7 @@ def write(path: Path, runs: Mapping[str, Mapping[int, Mapping[str, Any]]], docs:
     runs of other versions listed apart; the search with its candidates; the claims."""
     main_runs = {m: r for m, r in runs.items() if not m.startswith(("cand_", "sel_"))}
     same, other, version = split_by_version(main_runs, getattr(args, "version", None),
-                                            equivalent=_JOINED["trees"] if _JOINED.get("joined") else ())
+                                            equivalent=_joined_trees())
     st = _setting()
     agg = aggregate(same, st.targets, st.sources)
     earlier = _earlier(Path(args.earlier) if getattr(args, "earlier", None) else None, list(agg))
@@ -603,15 +610,15 @@ def write(path: Path, runs: Mapping[str, Mapping[int, Mapping[str, Any]]], docs:
                  "not comparable row by row with the table above):\n"
                  + "\n".join(f"{m:<20} n={r['n']}  avg {ms(r['avg'], r['n'])}  worst {ms(r['worst'], r['n'])}"
                              for m, r in earlier["rows"].items() if m in earlier["not_rerun_here"]))
-    if _JOINED.get("joined") and text:
-        text += (f"\n\nincludes runs of library tree(s) {', '.join(t[:10] for t in _JOINED['trees'])} "
-                 f"({_JOINED['file']}): they reproduce this table's {', '.join(_JOINED['reproduced'])} to within "
-                 f"{_JOINED['max_abs_diff']:.1e} nats on every target (tolerance {_JOINED['tolerance']:g}); added: "
-                 f"{', '.join(_JOINED['added'])}")
+    for ev in (e for e in _JOINED if e["joined"] and text):
+        text += (f"\n\nincludes runs of library tree(s) {', '.join(t[:10] for t in ev['trees'])} "
+                 f"({ev['file']}): they reproduce this table's {', '.join(ev['reproduced'])} to within "
+                 f"{ev['max_abs_diff']:.1e} nats on every target (tolerance {ev['tolerance']:g}); added: "
+                 f"{', '.join(ev['added'])}")
     commits = sorted({(r.get("code") or {}).get("commit", "unrecorded") for b in same.values() for r in b.values()})
     doc = {"bench": "value", "partial": partial, "command": "python bench/value.py " + " ".join(sys.argv[1:]),
            "version": {"library_tree": version, "commits": commits, "collected_by": dict(_CODE),
-                       "joined": dict(_JOINED) or None},
+                       "joined": [dict(ev) for ev in _JOINED] or None},
            "setting": {"name": st.name, "corpus": Path(args.data).name, "sources": st.sources,
                        "targets": st.targets, "vocab": VOCAB, "seq_len": SEQ_LEN, "steps": args.steps,
                        "batch": BATCH, "train_tokens": args.steps * BATCH * SEQ_LEN, "lr": LR, "model": MODEL,
@@ -722,10 +729,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "(default: the one most runs recorded)")
     p.add_argument("--earlier", default="",
                    help="an earlier version's results file, listed apart under the table (its rows not re-run)")
-    p.add_argument("--join", default="",
+    p.add_argument("--join", action="append", default=[],
                    help="another library tree's results file whose runs join the table if it reproduces it (every "
                         f"run both hold within {JOIN_TOLERANCE} nats on each target, a uniform and a GRAPE run "
-                        "among them); the evidence is recorded either way")
+                        "among them); the evidence is recorded either way. Repeat it for files of several trees: "
+                        "each must reproduce the table on its own")
     p.add_argument("--docs", default="",
                    help="also write the table into this Markdown file between its '<!-- value-table:begin -->' and "
                         "'<!-- value-table:end -->' lines (docs/results.md), with the commit and the claims")
@@ -765,9 +773,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: dict[str, dict[int, dict[str, Any]]] = {}
     if args.add:
         runs = kept_runs(Path(args.results), args.steps, exclude=methods)
-    if args.join:
-        ev = join(runs, Path(args.join), args.steps)
-        print(f"--join {args.join}: {'joined' if ev['joined'] else 'NOT joined'} (runs both hold: "
+    for other in args.join:
+        ev = join(runs, Path(other), args.steps)
+        print(f"--join {other}: {'joined' if ev['joined'] else 'NOT joined'} (runs both hold: "
               f"{json.dumps(ev['reproduced'])}; largest difference {ev['max_abs_diff']}); added {ev['added']}",
               flush=True)
     for reuse, source in (({"grape_replay", "grape_final_static"}, "grape"), ({"doremi_final_static"}, "doremi")):

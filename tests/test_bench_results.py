@@ -136,3 +136,16 @@ def test_another_trees_runs_join_the_table_only_when_they_reproduce_it(tmp_path:
     assert not joined(no_grape)[1]["joined"]
     mixed = {**same, "grape_klconst": {"0": run("third", 5.0)}}  # two trees: only one was shown to reproduce
     assert not joined(mixed)[1]["joined"]
+    # --join repeated: files of several trees join one after another, each reproducing the table on its own; the
+    # table counts exactly the trees that did (a file that did not reproduce adds no tree)
+    value._JOINED.clear()
+    runs = {m: dict(b) for m, b in table.items()}
+    for tree, extra in (("new", "grape_klconst"), ("third", "grape_crisp_prior"), ("drift", "grape_x")):
+        off = 2e-4 if tree == "drift" else 0.0
+        other = {"uniform": {"0": run(tree, 5.3 + off)}, "grape": {"0": run(tree, 5.1)}, extra: {"0": run(tree, 4.9)}}
+        path = tmp_path / f"{tree}.json"
+        path.write_text(json.dumps({"setting": {"steps": 400, "train_tokens": 1}, "runs": other}))
+        value.join(runs, path, 400)
+    assert value._joined_trees() == ["new", "third"] and set(runs) == {"uniform", "grape", "grape_klconst",
+                                                                        "grape_crisp_prior"}
+    value._JOINED.clear()
