@@ -667,6 +667,11 @@ def write_docs(path: Path, doc: Mapping[str, Any], block: str = "value-table") -
              + ", ".join(f"`{x[:10]}`" for x in v["commits"]) + ("; **partial** (runs still going)"
                                                                 if doc["partial"] else "") + ".", "",
              "```", doc["table"], "```", ""]
+    mr, mg = c.get("margin_rule") or {}, c.get("oracle_margin_in_uniform_std") or {}
+    if mr:
+        lines.append(f"- `margin_rule` (the oracle >= {mr['uniform_stds']:g} uniform seed-stds ahead of uniform): "
+                     + "; ".join(f"{k} {mg[k]:.1f} stds, {'met' if mr['met'][k] else 'NOT met'}"
+                                 for k in ("avg", "worst") if mg.get(k) is not None))
     if w:
         lines.append(f"- `worst_target_improved_seeds` (GRAPE default, worst-target test loss below uniform's seed "
                      f"mean): {w['improved']} of {w['n']}")
