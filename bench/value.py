@@ -694,7 +694,8 @@ def write_docs(path: Path, doc: Mapping[str, Any], block: str = "value-table") -
             if x:
                 ci = "" if x["ci"] is None else f" +- {x['ci']:.4f}"
                 parts.append(f"{k} {x['mean']:+.4f}{ci}")
-        lines.append(f"- `prior_repair` ({prior}'s static run minus GRAPE started from its weights, paired by seed; "
+        lines.append(f"- `prior_repair` {prior} ({row.get('static', prior)}'s static run minus "
+                     f"{row.get('started', 'GRAPE started from its weights')}, paired by seed; "
                      f"positive: repaired; n={len(row['seeds'])}): " + ", ".join(parts))
     lines += ["", DOCS_END]
     a, b = text.index(DOCS_BEGIN), text.index(DOCS_END) + len(DOCS_END)

@@ -199,26 +199,29 @@ def claims(agg: Mapping[str, Any], method: str = "grape") -> dict[str, Any]:
 
 
 #: The static priors GRAPE is started from (``grape_<prior>``: alpha0 = that mixture), issue 32 part 3.
-PRIORS = ("crisp", "regmix")
+#: name -> (the static row, the GRAPE row started from it; ``{m}`` is the method). ``crisp_in_run``: GRAPE started
+#: from ``alpha0: crisp`` (CRISP computed in the run's own set-up from its shards), against the search's CRISP row.
+PRIORS = {"crisp": ("crisp", "{m}_crisp"), "regmix": ("regmix", "{m}_regmix"),
+          "crisp_in_run": ("crisp", "{m}_crisp_prior")}
 
 
 def _prior_repair(agg: Mapping[str, Any], method: str) -> dict[str, Any]:
     """Per prior: the prior's test loss minus GRAPE-from-that-prior's, paired by seed (positive: repaired),
     on the average and the worst target; only seeds both rows ran."""
     out: dict[str, Any] = {}
-    for prior in PRIORS:
-        started = f"{method}_{prior}"
-        if prior not in agg or started not in agg:
+    for name, (static, start) in PRIORS.items():
+        started = start.format(m=method)
+        if static not in agg or started not in agg:
             continue
-        p, g = agg[prior], agg[started]
+        p, g = agg[static], agg[started]
         seeds = sorted(set(p["seeds"]) & set(g["seeds"]))
-        row: dict[str, Any] = {"seeds": seeds}
+        row: dict[str, Any] = {"static": static, "started": started, "seeds": seeds}
         for k in ("avg", "worst"):
             pv = dict(zip(p["seeds"], p[k]["values"]))
             gv = dict(zip(g["seeds"], g[k]["values"]))
             diffs = [pv[s] - gv[s] for s in seeds]
             row[k] = {x: summary(diffs)[x] for x in ("mean", "ci", "n", "values")} if diffs else None
-        out[prior] = row
+        out[name] = row
     return out
 
 
