@@ -225,7 +225,10 @@ METHODS: dict[str, tuple[str, Callable[..., list[str]]]] = {
     "grape_regmix": ("grape", lambda lr, d, s, r: [f"algorithm.options.alpha0={_vec(d['regmix']['weights'])}"]),
     # the prior as a first-class start: CRISP computed in the run's own set-up from its shards (recipe/prior.py),
     # its seconds counted in the run's compute
-    "grape_crisp_prior": ("grape", lambda lr, d, s, r: ["algorithm.options.alpha0=crisp"]),
+    # (data.tokenizer: the prior decodes with the tokenizer the recipe names; the rows in bench/results/ ran before
+    # the key existed, when the manifest's path was read: the same file)
+    "grape_crisp_prior": ("grape", lambda lr, d, s, r: ["algorithm.options.alpha0=crisp",
+                                                         f"data.tokenizer={Path(_RUN['out']) / 'tokenizer.json'}"]),
     # issue 32 part 2's variants, and the choice among them and the default made on the probe split's two halves
     # (sel_*: the test split unseen)
     **{m: ("grape", lambda lr, d, s, r, o=o: list(o)) for m, o in PART2.items() if m != "grape"},
@@ -636,7 +639,8 @@ def write(path: Path, runs: Mapping[str, Mapping[int, Mapping[str, Any]]], docs:
            "earlier_version": earlier,
            "runs": {m: {str(s): {k: r[k] for k in ("final", "final_avg", "final_worst", "curve", "trajectory",
                                                      "seconds", "train_loss", "train_tokens", "steps", "code",
-                                                     "peak_rss_mb", "process_peak_rss_mb", "same_run_as") if k in r}
+                                                     "peak_rss_mb", "process_peak_rss_mb", "same_run_as", "prior")
+                                  if k in r}
                         for s, r in by_seed.items()} for m, by_seed in runs.items()}}
     write_json(path, doc, default=list)
     return doc

@@ -135,6 +135,7 @@ def aggregate(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], targets: Sequ
                 comp.append(spent / steps * r["train_tokens"] / u_tokens)
         st["compute_to_uniform_final"] = summary(comp) | {"reached": len(comp), "of": len(frac)}
         st["probe_step_equivalents"] = summary([probe_step_equivalents(r) for r in rs])
+        st["prior_step_equivalents"] = summary([probe_step_equivalents(r, "prior") for r in rs])
         tv, finals = [], []
         for r in rs:
             traj = r.get("trajectory") or []

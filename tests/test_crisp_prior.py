@@ -193,3 +193,59 @@ def test_a_run_started_from_the_prior_resumes_from_its_checkpoint(mds: Path, tmp
     first = run(2)
     resumed = run(4)
     assert resumed[: len(first)] == first and resumed[-1]["step"] == 4
+
+
+def test_the_prior_reads_a_bucket_domain_by_the_shards_its_draw_lands_in(tmp_path: Path, s3_bucket: str) -> None:
+    """A domain's training split in a bucket is large: the prior downloads only the shards holding the sequences
+    it draws, not the split (a task's small splits are fetched whole, as before)."""
+    import boto3
+
+    from grape_stream.grape.tasks import TaskStream
+    from grape_stream.mixture.prior import crisp_prior
+    from grape_stream.testing.mds import write_domain
+
+    src = tmp_path / "src"
+    write_domain(src / "d0" / "train", 0, 400, samples_per_shard=50)  # several shards (MDSWriter's sizing: 10)
+    write_domain(src / "t0" / "probe", 9, 20, samples_per_shard=50)
+    s3 = boto3.client("s3", endpoint_url=os.environ["S3_ENDPOINT_URL"])
+    for path in (src / "d0").rglob("*"):
+        if path.is_file():
+            s3.upload_file(str(path), s3_bucket, f"mds/{path.relative_to(src)}")
+    shards = len(json.loads((src / "d0" / "train" / "index.json").read_text())["shards"])
+    domain = TaskStream(name="d0", remote=f"s3://{s3_bucket}/mds/d0", local=str(tmp_path / "cache" / "d0"),
+                        split="train", test_split=None, fetch_all=False)
+    task = TaskStream(name="t0", local=str(src / "t0"), split="probe", test_split=None)
+    try:
+        doc = crisp_prior([domain], [task], "gpt2", samples=3, seed=0, embedder=letters)
+        from grape_stream.streaming_compat.shard_state import shard_is_local, shards_of
+
+        ds = domain.dataset()
+        drawn = sorted(random.Random("0/train/d0").sample(range(400), 3))
+        local = [i for i in range(shards) if shard_is_local(ds, i)]
+    finally:
+        domain.close()
+        task.close()
+    assert shards >= 8 and doc["details"]["embedded"] == {"d0": 3, "t0": 3}
+    assert local == shards_of(ds, drawn) and len(local) <= 3  # the draw's shards, no others
+
+
+def test_a_tokenizer_path_from_the_data_is_never_opened_the_recipe_names_it() -> None:
+    """A manifest comes with the data (a shared bucket's contents): the prior decodes with a built-in name from
+    it, or with the tokenizer the recipe names; a path or hub name in a manifest is refused in one line."""
+    from grape_stream.recipe import load_recipe
+    from grape_stream.recipe.prior import prior_tokenizer
+    from grape_stream.recipe.schema import as_recipe
+
+    def cfg(**data: object):
+        return as_recipe(load_recipe({"data": {"local": "/nowhere", "domains": ["a"], "tasks": ["t"], **data},
+                                      "algorithm": {"options": {"alpha0": "crisp"}}}))
+
+    assert prior_tokenizer(cfg(), {"tokenizer": {"name": "gpt2"}}) == "gpt2"
+    for named in ("/home/someone/.ssh/tokenizer.json", "../../tokenizer.json", "evil/hub-model"):
+        with pytest.raises(ConfigError, match="set data.tokenizer") as info:
+            prior_tokenizer(cfg(), {"tokenizer": {"name": named}})
+        assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="no data manifest names one"):
+        prior_tokenizer(cfg(), None)
+    assert prior_tokenizer(cfg(tokenizer="/data/tok.json"), {"tokenizer": {"name": "evil/hub-model"}}) == \
+        "/data/tok.json"

@@ -82,3 +82,6 @@ class DataConfig:
     mixer: MixerConfig = field(default_factory=MixerConfig)
     eval_batch_size: int = 16
     eval_num_workers: int = 0
+    # the tokenizer the data was converted with (a tokenizer.json path or a name): read only by alpha0: crisp
+    # (None: the manifest's, when it names gpt2 or bytes; a path or hub name from the data is never opened)
+    tokenizer: Optional[str] = None

@@ -28,7 +28,7 @@ from grape_stream.streaming_compat.index_check import check_index
 from grape_stream.streaming_compat.local_index import check_s3_credentials, default_local_for, sync_local_index
 from grape_stream.streaming_compat.patches import install_streaming_patches
 from grape_stream.streaming_compat.registration import create_registered
-from grape_stream.streaming_compat.shard_state import fetch_shards
+from grape_stream.streaming_compat.shard_state import fetch_shards, shards_of
 from grape_stream.streaming_compat.shm import release_streaming_dataset
 from grape_stream.world import dist_active, streaming_world
 
@@ -118,6 +118,10 @@ class TaskStream:
     test_split: str | None = "test"
     download_timeout: float = 120.0
     streaming_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: a task's splits are small: a remote split's shards are all fetched when it opens. False (a domain's
+    #: training split read for a few samples, mixture/prior.py): none then, and :meth:`samples` fetches only
+    #: the shards the samples asked for live in
+    fetch_all: bool = True
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -176,13 +180,27 @@ class TaskStream:
         self._datasets[split] = ds  # cached first: close() releases it whatever happens next
         if ds.num_samples < 1:
             raise ValueError(f"task {self.name!r}: split {split!r} has no samples")
-        if self.remote is not None and not self.streaming_kwargs.get("cache_limit"):
+        if self.fetch_all and not self.streaming_kwargs.get("cache_limit"):
             # Probes and evaluation read through streaming's own downloads, outside the retry policy: a
             # task's splits are small, so they are fetched once here under it (an outage is ridden out,
             # refused credentials are one line) and every later read finds them local.
-            url = "/".join(p for p in (self.remote.rstrip("/"), split) if p)
-            fetch_shards(ds, what=f"task {self.name!r}", url=url, policy=default_policy())
+            self._fetch(ds, split)
         return ds
+
+    def _fetch(self, ds: Any, split: str | None, shard_ids: Sequence[int] | None = None) -> None:
+        """A remote split's shards (all, or ``shard_ids``) downloaded under the retry policy; local: nothing."""
+        if self.remote is not None:
+            url = "/".join(p for p in (self.remote.rstrip("/"), split) if p)
+            fetch_shards(ds, what=f"task {self.name!r}", url=url, policy=default_policy(), shard_ids=shard_ids)
+
+    def samples(self, indices: Sequence[int], split: str | None = None) -> list[dict[str, Any]]:
+        """These samples of a split (default: the probe split), their shards fetched first under the retry
+        policy when the split was opened without fetching them all (``fetch_all=False``)."""
+        split = self.split if split is None else split
+        ds = self.dataset(split)
+        if not self.fetch_all:
+            self._fetch(ds, split, shards_of(ds, indices))
+        return [ds[int(i)] for i in indices]
 
     def num_samples(self, split: str | None = None) -> int:
         return int(self.dataset(split).num_samples)

@@ -29,17 +29,17 @@ PRIORS = ("crisp",)
 DEFAULT_PRIOR_SAMPLES = 64
 
 
-def decoded_samples(stream: Any, split: str | None, n: int, seed: int, tokenizer: Any) -> list[str]:
-    """Up to ``n`` sequences of ``stream``'s ``split`` (a :class:`~grape_stream.grape.tasks.TaskStream`), drawn
-    without replacement by ``(seed, split, name)`` (the same draw on every rank and every resume), decoded
-    with end-of-sequence ids dropped (they separate packed documents; they are not text)."""
-    ds = stream.dataset(split)
-    total = int(ds.num_samples)
-    pick = sorted(random.Random(f"{seed}/{split}/{stream.name}").sample(range(total), min(n, total)))
+def decoded_samples(stream: Any, n: int, seed: int, tokenizer: Any) -> list[str]:
+    """Up to ``n`` sequences of ``stream``'s split (a :class:`~grape_stream.grape.tasks.TaskStream`; a domain's
+    opened with ``fetch_all=False``, so only the shards the draw lands in are downloaded), drawn without
+    replacement by ``(seed, split, name)`` (the same draw on every rank and every resume), decoded with
+    end-of-sequence ids dropped (they separate packed documents; they are not text)."""
+    total = stream.num_samples()
+    pick = sorted(random.Random(f"{seed}/{stream.split}/{stream.name}").sample(range(total), min(n, total)))
     eos = getattr(tokenizer, "eos_id", None)
     out = []
-    for i in pick:
-        ids = np.asarray(ds[i]["tokens"]).reshape(-1)
+    for sample in stream.samples(pick):
+        ids = np.asarray(sample["tokens"]).reshape(-1)
         if eos is not None:
             ids = ids[ids != eos]
         out.append(tokenizer.decode(ids))
@@ -52,10 +52,11 @@ def crisp_prior(domains: Sequence[Any], tasks: Sequence[Any], tokenizer: str, *,
     """CRISP's weights over ``domains`` for ``tasks``, from their MDS data: ``{"weights": [...] (domains'
     order), "alpha": {name: w}, "seconds", "details"}``.
 
-    ``domains``: TaskStreams whose ``split`` is the training split read; ``tasks``: TaskStreams whose ``split``
-    is the probe split. ``tokenizer``: the spec the data was converted with (the manifest's ``tokenizer.name``:
-    ``gpt2``, ``bytes`` or a ``tokenizer.json``). ``smoothing`` > 0 keeps every weight above zero, which a GRAPE
-    start needs (a zero weight never recovers in log space). ``embedder``: a callable texts -> (n, d) array
+    ``domains``: TaskStreams whose ``split`` is the training split read (``fetch_all=False``: a few samples of a
+    large split); ``tasks``: TaskStreams whose ``split`` is the probe split. ``tokenizer``: the spec the data
+    was converted with (``gpt2``, ``bytes`` or a ``tokenizer.json``), from a trusted source: the caller's.
+    ``smoothing`` > 0 keeps every weight above zero, which a GRAPE start needs (a zero weight never recovers in
+    log space). ``embedder``: a callable texts -> (n, d) array
     (default: :class:`~grape_stream.mixture.embed.Embedder`, the paper's all-MiniLM-L6-v2)."""
     from grape_stream.convert.tokenization import load_tokenizer
     from grape_stream.mixture.crisp import crisp_weights
@@ -68,14 +69,14 @@ def crisp_prior(domains: Sequence[Any], tasks: Sequence[Any], tokenizer: str, *,
     try:
         tok = load_tokenizer(tokenizer)
     except Exception as exc:  # a path on the converting machine, a hub name offline: one line, what to do
-        raise ConfigError(f"alpha0: crisp decodes the data with the tokenizer it was converted with ({tokenizer!r}, "
-                          f"the manifest's tokenizer.name), which cannot be loaded here: {exc}") from None
+        raise ConfigError(f"alpha0: crisp decodes the data with the tokenizer it was converted with ({tokenizer!r}), "
+                          f"which cannot be loaded here: {exc}") from None
     if embedder is None:
         from grape_stream.mixture.embed import Embedder
 
         embedder = Embedder()
-    src = {d.name: np.asarray(embedder(decoded_samples(d, d.split, samples, seed, tok))) for d in domains}
-    tgt = {t.name: np.asarray(embedder(decoded_samples(t, t.split, samples, seed, tok))) for t in tasks}
+    src = {d.name: np.asarray(embedder(decoded_samples(d, samples, seed, tok))) for d in domains}
+    tgt = {t.name: np.asarray(embedder(decoded_samples(t, samples, seed, tok))) for t in tasks}
     alpha = crisp_weights(src, tgt, smoothing=smoothing)
     names = [d.name for d in domains]
     return {"prior": "crisp", "weights": [alpha[n] for n in names], "alpha": {n: alpha[n] for n in names},

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 from time import time_ns
-from typing import Any
+from typing import Any, Iterable
 
 import streaming
 
@@ -42,6 +42,7 @@ __all__ = [
     "bytes_to_int",
     "is_mds_shard",
     "shard_is_local",
+    "shards_of",
     "touch_shard",
     "prepare_shard",
     "reset_failed_download",
@@ -169,15 +170,18 @@ def shard_is_preparing(dataset: Any, shard_id: int) -> bool:
     return bool(dataset._shard_states[shard_id] == _ShardState.PREPARING)
 
 
-def fetch_shards(dataset: Any, *, what: str, url: str, policy: Any = None) -> int:
-    """Download (and decompress) every shard of `dataset` not local yet, each under the retry policy (see
-    :func:`grape_stream.retry.storage_call`), so that later reads through streaming's own iteration find
-    them local. Returns how many were fetched. For small datasets (target tasks) read without a cache_limit."""
+def fetch_shards(dataset: Any, *, what: str, url: str, policy: Any = None,
+                 shard_ids: Iterable[int] | None = None) -> int:
+    """Download (and decompress) every shard of `dataset` not local yet (or only ``shard_ids``), each under the
+    retry policy (see :func:`grape_stream.retry.storage_call`), so that later reads through streaming's own
+    iteration find them local. Returns how many were fetched. All of them: for small datasets (target tasks)
+    read without a cache_limit; ``shard_ids``: the shards a few samples of a large one live in
+    (:func:`shards_of`)."""
     from grape_stream.retry import storage_call
     from grape_stream.streaming_compat.s3_session import refresh_credentials
 
     fetched = 0
-    for shard_id in range(len(dataset.shards)):
+    for shard_id in (range(len(dataset.shards)) if shard_ids is None else shard_ids):
         if shard_is_local(dataset, shard_id):
             continue
         name = dataset.shards[shard_id].raw_data.basename
@@ -185,6 +189,11 @@ def fetch_shards(dataset: Any, *, what: str, url: str, policy: Any = None) -> in
                      what=f"{what}: cannot fetch shard {name} from {url}", refresh=refresh_credentials)
         fetched += 1
     return fetched
+
+
+def shards_of(dataset: Any, sample_ids: Iterable[int]) -> list[int]:
+    """The shards (ids, ascending) that hold these samples of ``dataset`` (streaming's sample -> shard map)."""
+    return sorted({int(dataset.spanner[int(i)][0]) for i in sample_ids})
 
 
 def shm_prefix(dataset: Any) -> int:
