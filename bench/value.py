@@ -220,6 +220,9 @@ METHODS: dict[str, tuple[str, Callable[..., list[str]]]] = {
     "grape_replay": ("schedule", lambda lr, d, s, r: [f"algorithm.schedule_path={_prev(r, 'grape', s)['traj']}"]),
     "grape_final_static": ("static",
                            lambda lr, d, s, r: [f"algorithm.options.weights={_vec(_prev(r, 'grape', s)['alpha'])}"]),
+    # reuse from several source runs: the mean of every other finished GRAPE run's final weights, as a static mixture
+    "grape_final_mean": ("static",
+                         lambda lr, d, s, r: [f"algorithm.options.weights={_vec(_others_mean(r, 'grape', s))}"]),
     # GRAPE started from a static prior (issue 32 part 3: the paper's GRAPE-ClimbMix analog), against that prior alone
     "grape_crisp": ("grape", lambda lr, d, s, r: [f"algorithm.options.alpha0={_vec(d['crisp']['weights'])}"]),
     "grape_regmix": ("grape", lambda lr, d, s, r: [f"algorithm.options.alpha0={_vec(d['regmix']['weights'])}"]),
@@ -253,6 +256,15 @@ def _cand_weights(docs: Mapping[str, Any], name: str) -> list[float]:
     """A search candidate's weights: uniform, or the search document's RegMix argmin / CRISP weights."""
     k = len(_setting().sources)
     return [1.0 / k] * k if name == "uniform" else list(docs[name]["weights"])
+
+
+def _others_mean(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], method: str, seed: int) -> list[float]:
+    """The mean final weights of ``method``'s finished runs at every seed but ``seed``: several earlier runs
+    pooled, so one run's late noise in alpha weighs less."""
+    finals = [r["trajectory"][-1]["alpha"] for s, r in sorted(runs.get(method, {}).items()) if s != seed]
+    if len(finals) < 2:
+        raise SystemExit(f"grape_final_mean needs two finished {method} runs at other seeds (run --methods {method})")
+    return [sum(float(a[i]) for a in finals) / len(finals) for i in range(len(finals[0]))]
 
 
 def _prev(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], method: str, seed: int) -> dict[str, Any]:
@@ -788,7 +800,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"--join {other}: {'joined' if ev['joined'] else 'NOT joined'} (runs both hold: "
               f"{json.dumps(ev['reproduced'])}; largest difference {ev['max_abs_diff']}); added {ev['added']}",
               flush=True)
-    for reuse, source in (({"grape_replay", "grape_final_static"}, "grape"), ({"doremi_final_static"}, "doremi")):
+    for reuse, source in (({"grape_replay", "grape_final_static", "grape_final_mean"}, "grape"),
+                          ({"doremi_final_static"}, "doremi")):
         # reuse the source runs already on disk (--collect: even when listed, the filter below plans them first)
         if reuse & set(methods) and (source not in methods or args.collect):
             for path in sorted(out.glob(f"{source}-seed*/result.json")):
