@@ -70,7 +70,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from common import peak_rss_mb, write_json  # noqa: E402
 from mixture_english import SOURCES as ENGLISH_SOURCES  # noqa: E402
 from mixture_english import TARGETS as ENGLISH_TARGETS  # noqa: E402
-from value_report import aggregate, claims, split_by_version, table  # noqa: E402
+from value_report import REUSE, aggregate, claims, split_by_version, table  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "value.json"
 
@@ -267,14 +267,33 @@ def _others_mean(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], method: st
     return [sum(float(a[i]) for a in finals) / len(finals) for i in range(len(finals[0]))]
 
 
-def _prev(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], method: str, seed: int) -> dict[str, Any]:
-    """The run of ``method`` at the seed before ``seed`` among the finished ones (cyclically): 'last week's run'."""
+def _prev_seed(runs: Mapping[str, Mapping[int, Any]], method: str, seed: int) -> int:
+    """The seed before ``seed`` among ``method``'s finished runs, cyclically."""
     have = sorted(runs.get(method, {}))
     if not have:
         raise SystemExit(f"reuse methods need finished {method} runs first (run --methods {method})")
     prev = [s for s in have if s < seed]
-    s = prev[-1] if prev else have[-1]
-    r = runs[method][s]
+    return prev[-1] if prev else have[-1]
+
+
+def _reuse_sources(method: str, seed: int, runs: Mapping[str, Mapping[int, Any]]) -> dict[str, Any] | None:
+    """The source runs a reuse method's run at ``seed`` was built from (their compute is the reuse's cost):
+    ``{"method", "seeds"}``; None for a method that reuses nothing."""
+    if method not in REUSE:
+        return None
+    source = REUSE[method]
+    if method == "doremi_final_static":  # the proxy run of the same seed (the paper's two steps)
+        seeds = [seed]
+    elif method == "grape_final_mean":
+        seeds = [s for s in sorted(runs.get(source, {})) if s != seed]
+    else:
+        seeds = [_prev_seed(runs, source, seed)]
+    return {"method": source, "seeds": seeds}
+
+
+def _prev(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], method: str, seed: int) -> dict[str, Any]:
+    """The run of ``method`` at the seed before ``seed`` among the finished ones (cyclically): 'last week's run'."""
+    r = runs[method][_prev_seed(runs, method, seed)]
     return {"traj": str(Path(r["run_dir"]) / "grape_trajectory.jsonl"), "alpha": r["trajectory"][-1]["alpha"]}
 
 
@@ -427,6 +446,16 @@ def _plan(method: str, seed: int, steps: int, mds: Path, out: Path, docs: Mappin
 
 def _run(method: str, seed: int, steps: int, mds: Path, out: Path, docs: Mapping[str, Any],
          runs: Mapping[str, Mapping[int, Mapping[str, Any]]], fresh: bool, extra: Sequence[str]) -> dict[str, Any]:
+    """One run of ``method`` at ``seed`` (trained, or read back when finished with the same settings), with the
+    source runs it reused when it is a reuse method (``reuse_sources``: their compute is its cost)."""
+    res = _train_or_read(method, seed, steps, mds, out, docs, runs, fresh, extra)
+    sources = _reuse_sources(method, seed, runs)
+    return res if sources is None else {**res, "reuse_sources": sources}
+
+
+def _train_or_read(method: str, seed: int, steps: int, mds: Path, out: Path, docs: Mapping[str, Any],
+                   runs: Mapping[str, Mapping[int, Mapping[str, Any]]], fresh: bool, extra: Sequence[str]
+                   ) -> dict[str, Any]:
     from grape_stream.apps.demo_run import finished_result
 
     plan = _plan(method, seed, steps, mds, out, docs, runs, extra)
@@ -631,6 +660,7 @@ def write(path: Path, runs: Mapping[str, Mapping[int, Mapping[str, Any]]], docs:
                  f"{ev['max_abs_diff']:.1e} nats on every target (tolerance {ev['tolerance']:g}); added: "
                  f"{', '.join(ev['added'])}")
     commits = sorted({(r.get("code") or {}).get("commit", "unrecorded") for b in same.values() for r in b.values()})
+    search_settings = {**docs["key"], **(docs.get("settings") or {})} if docs.get("key") else None
     doc = {"bench": "value", "partial": partial, "command": "python bench/value.py " + " ".join(sys.argv[1:]),
            "version": {"library_tree": version, "commits": commits, "collected_by": dict(_CODE),
                        "joined": [dict(ev) for ev in _JOINED] or None},
@@ -640,8 +670,8 @@ def write(path: Path, runs: Mapping[str, Mapping[int, Mapping[str, Any]]], docs:
                        "metric": "token-level test cross-entropy (nats/token), 256 strided test sequences per target "
                                  "(the whole test split where it holds fewer)",
                        "ci": "95% two-sided Student t interval of the mean over seeds, half-width (n - 1 df)"},
-           "claims": claims(agg), "table": text,
-           "search_settings": ({**docs["key"], **(docs.get("settings") or {})} if docs.get("key") else None),
+           "claims": claims(agg, search_settings=search_settings), "table": text,
+           "search_settings": search_settings,
            "search": _search_section(docs, runs),
            "selection": _selection(runs),
            "methods": agg,
@@ -651,7 +681,8 @@ def write(path: Path, runs: Mapping[str, Mapping[int, Mapping[str, Any]]], docs:
            "earlier_version": earlier,
            "runs": {m: {str(s): {k: r[k] for k in ("final", "final_avg", "final_worst", "curve", "trajectory",
                                                      "seconds", "train_loss", "train_tokens", "steps", "code",
-                                                     "peak_rss_mb", "process_peak_rss_mb", "same_run_as", "prior")
+                                                     "peak_rss_mb", "process_peak_rss_mb", "same_run_as", "prior",
+                                                     "reuse_sources")
                                   if k in r}
                         for s, r in by_seed.items()} for m, by_seed in runs.items()}}
     write_json(path, doc, default=list)
@@ -800,8 +831,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"--join {other}: {'joined' if ev['joined'] else 'NOT joined'} (runs both hold: "
               f"{json.dumps(ev['reproduced'])}; largest difference {ev['max_abs_diff']}); added {ev['added']}",
               flush=True)
-    for reuse, source in (({"grape_replay", "grape_final_static", "grape_final_mean"}, "grape"),
-                          ({"doremi_final_static"}, "doremi")):
+    for source in sorted(set(REUSE.values())):
+        reuse = {m for m, s in REUSE.items() if s == source}
         # reuse the source runs already on disk (--collect: even when listed, the filter below plans them first)
         if reuse & set(methods) and (source not in methods or args.collect):
             for path in sorted(out.glob(f"{source}-seed*/result.json")):

@@ -87,6 +87,13 @@ def probe_step_equivalents(run: Mapping[str, Any], part: str = "reweighting") ->
     return cost / (train / steps) if cost > 0 and train > 0 and steps else 0.0
 
 
+#: Reuse methods (issue 32 part 3) -> the method whose finished runs they are built from.
+REUSE = {"grape_replay": "grape", "grape_final_static": "grape", "grape_final_mean": "grape",
+         "doremi_final_static": "doremi"}
+#: Reuse methods built from several source runs (the others reuse exactly one).
+POOLED = {"grape_final_mean"}
+
+
 def aggregate(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], targets: Sequence[str],
               sources: Sequence[str]) -> dict[str, Any]:
     """Per method: n, avg / worst / per-target test loss, oracle gain captured, targets better than uniform,
@@ -134,7 +141,14 @@ def aggregate(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], targets: Sequ
                 spent = f * (steps + probe_step_equivalents(r)) + probe_step_equivalents(r, "prior")
                 comp.append(spent / steps * r["train_tokens"] / u_tokens)
         st["compute_to_uniform_final"] = summary(comp) | {"reached": len(comp), "of": len(frac)}
+        st["steps"] = mean_std([int(r.get("steps") or r["curve"]["step"][-1]) for r in rs])[0]
         st["probe_step_equivalents"] = summary([probe_step_equivalents(r) for r in rs])
+        # reuse rows: how many source runs each run was built from (their compute is its cost); a run recorded
+        # before runs kept their sources is one source run's, except a pooled one (grape_final_mean)
+        if m in REUSE:
+            srcs = [r.get("reuse_sources") for r in rs]
+            st["reuse_sources"] = {"method": REUSE[m], "runs": [
+                len(x["seeds"]) if x else (None if m in POOLED else 1) for x in srcs]}
         st["prior_step_equivalents"] = summary([probe_step_equivalents(r, "prior") for r in rs])
         tv, finals = [], []
         for r in rs:
@@ -159,8 +173,10 @@ def aggregate(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], targets: Sequ
 MARGIN_RULE = 4.0
 
 
-def claims(agg: Mapping[str, Any], method: str = "grape") -> dict[str, Any]:
-    """The issues' acceptance figures (25 and 32) for ``method`` (the default GRAPE), from the runs."""
+def claims(agg: Mapping[str, Any], method: str = "grape",
+           search_settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The issues' acceptance figures (25 and 32) for ``method`` (the default GRAPE), from the runs.
+    ``search_settings``: the oracle search's (its proxies' count and steps price RegMix in the reuse claim)."""
     if "uniform" not in agg or "oracle" not in agg:
         return {}
     u, o = agg["uniform"], agg["oracle"]
@@ -190,6 +206,7 @@ def claims(agg: Mapping[str, Any], method: str = "grape") -> dict[str, Any]:
         c["tokens_to_uniform_final"] = {"mean": t["mean"], "reached": t["reached"], "of": t["of"]}
         c["compute_to_uniform_final"] = _compute_claim(agg, g)
         c["prior_repair"] = _prior_repair(agg, method)
+        c["reuse"] = _reuse(agg, search_settings)
         ok = [k in c.get("oracle_gain_captured", {}) and c["oracle_gain_captured"][k]["mean"] >= 0.5
               and (c["oracle_gain_captured"][k]["std"] or 0.0) < c["oracle_gain_captured"][k]["mean"]
               for k in ("avg", "worst")]
@@ -224,6 +241,40 @@ def _prior_repair(agg: Mapping[str, Any], method: str) -> dict[str, Any]:
             row[k] = {x: summary(diffs)[x] for x in ("mean", "ci", "n", "values")} if diffs else None
         out[name] = row
     return out
+
+
+def _reuse(agg: Mapping[str, Any], search_settings: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A finished run reused as the next run's mixture, against RegMix at its full proxy cost, in training-step
+    equivalents of this model: ``marginal`` is the run itself (its probes included); ``total`` adds its source
+    runs (their steps and probes), which is the price when the source runs were trained only to be reused.
+    RegMix's total is its proxies' steps plus the final run (the proxies are this model, at ``proxy_steps``)."""
+    def cost(m: str) -> float:
+        a = agg[m]
+        return float(a["steps"]) + a["probe_step_equivalents"]["mean"] + a["prior_step_equivalents"]["mean"]
+
+    rows: dict[str, Any] = {}
+    for m in [m for m in REUSE if m in agg] + ["regmix"]:
+        if m not in agg:
+            continue
+        a = agg[m]
+        row: dict[str, Any] = {k: {x: a[k][x] for x in ("mean", "ci", "n")} for k in ("avg", "worst")}
+        row["marginal_steps"] = cost(m)
+        if m == "regmix":
+            ss = search_settings or {}
+            if not (ss.get("proxies") and ss.get("proxy_steps")):
+                continue
+            row["proxies"] = {"runs": ss["proxies"], "steps": ss["proxy_steps"]}
+            row["total_steps"] = row["marginal_steps"] + float(ss["proxies"]) * float(ss["proxy_steps"])
+        else:
+            src = a["reuse_sources"]
+            if src["method"] not in agg or None in src["runs"]:
+                continue
+            k = float(np.mean(src["runs"]))
+            row["source"] = {"method": src["method"], "runs": k, "steps_each": cost(src["method"])}
+            row["total_steps"] = row["marginal_steps"] + k * cost(src["method"])
+        row["total_of_uniform"] = row["total_steps"] / cost("uniform")
+        rows[m] = row
+    return rows
 
 
 def _compute_claim(agg: Mapping[str, Any], g: Mapping[str, Any]) -> dict[str, Any]:

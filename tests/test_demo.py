@@ -240,6 +240,34 @@ def test_value_report_rows_are_one_version_with_t_intervals() -> None:
     assert math.isclose(agg["grape"]["probe_step_equivalents"]["mean"], 9.0 / (81.0 / 400))
 
 
+def test_reuse_is_priced_with_its_source_runs_and_regmix_with_its_proxies() -> None:
+    """Issue 32 part 3's reuse claim: a reused run costs itself plus every source run it was built from (steps and
+    probes); RegMix costs its proxies plus its final run; a pooled reuse reads every other seed's run."""
+    report = _bench_module("value_report")
+    value = _bench_module("value")
+    grape_runs = {s: _fake_run(5.0, s) for s in (0, 1, 2)}
+    assert value._reuse_sources("grape_final_mean", 1, {"grape": grape_runs}) == {"method": "grape", "seeds": [0, 2]}
+    assert value._reuse_sources("grape_replay", 0, {"grape": grape_runs}) == {"method": "grape", "seeds": [2]}
+    assert value._reuse_sources("grape", 0, {"grape": grape_runs}) is None
+    pooled = {s: {**_fake_run(4.9, s), "reuse_sources": {"method": "grape", "seeds": [x for x in (0, 1, 2) if x != s]}}
+              for s in (0, 1, 2)}
+    runs = {"uniform": {s: _fake_run(5.3, s) for s in (0, 1)}, "oracle": {0: _fake_run(4.8, 0)},
+            "grape": grape_runs, "grape_final_static": {0: _fake_run(4.95, 0)}, "grape_final_mean": pooled,
+            "regmix": {0: _fake_run(4.97, 0)}}
+    agg = report.aggregate(runs, demo_pool.TARGETS, demo_pool.SOURCES)
+    reuse = report.claims(agg, search_settings={"proxies": 24, "proxy_steps": 100})["reuse"]
+    # every fake run spends 9 s reweighting at (total - 10 - 9) / 400 s a step (seed 0: 100 s; seeds 1, 2: 101, 102)
+    probe = {s: 9.0 / ((100.0 + s - 19.0) / 400) for s in (0, 1, 2)}
+    grape_cost = 400 + sum(probe.values()) / 3
+    assert math.isclose(reuse["grape_final_static"]["total_steps"], 400 + probe[0] + grape_cost)
+    assert math.isclose(reuse["grape_final_mean"]["total_steps"], grape_cost + 2 * grape_cost)
+    assert reuse["grape_final_mean"]["source"]["runs"] == 2.0
+    assert math.isclose(reuse["regmix"]["total_steps"], 400 + probe[0] + 24 * 100)
+    uniform_cost = 400 + (probe[0] + probe[1]) / 2
+    assert math.isclose(reuse["regmix"]["total_of_uniform"], reuse["regmix"]["total_steps"] / uniform_cost)
+    assert "regmix" not in report.claims(agg)["reuse"]  # no search settings: RegMix's price is unknown, not 400
+
+
 def test_reference_lines_read_the_benchmark_json(tmp_path: Path) -> None:
     report = _bench_module("value_report")
     runs = {"uniform": {s: _fake_run(5.3 + 0.02 * s, s) for s in range(2)},
