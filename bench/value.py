@@ -550,12 +550,19 @@ JOIN_TOLERANCE = 1e-4
 _JOINED: list[dict[str, Any]] = []  # --join: the evidence of each file, as the results file records it
 
 
-def join(runs: dict[str, dict[int, dict[str, Any]]], path: Path, steps: int) -> dict[str, Any]:
+def join(runs: dict[str, dict[int, dict[str, Any]]], path: Path, steps: int,
+         accept_diverged: Sequence[str] = ()) -> dict[str, Any]:
     """``--join``: another library tree's results file joins the table when it reproduces it: the file's runs
     are of one library tree, and every run both files hold (same method and seed; at least one uniform and one
     GRAPE run among them) agrees to within :data:`JOIN_TOLERANCE` on every target. Then its runs of other methods
     and seeds are added to ``runs`` (a run both hold stays this table's). Either way the evidence is returned,
-    and recorded in the results."""
+    and recorded in the results.
+
+    ``accept_diverged`` (``method:seed``): shared adaptive runs the caller accepts as diverged, not failed. Two
+    trees' float round-off (1e-10 at step 0, ~1e-5 in alpha 250 steps later) can flip one domain's sample count
+    in a batch, and from then on the run is another run. Such a run is named by hand, recorded with the step its
+    weights first differ by more than the tolerance and how far apart they were before it, and does not join; the
+    others must still reproduce."""
     prev = json.loads(path.read_text())
     if prev.get("setting", {}).get("steps") != steps:
         raise SystemExit(f"--join: {path} holds runs of {prev.get('setting', {}).get('steps')} steps, not {steps}")
@@ -566,7 +573,11 @@ def join(runs: dict[str, dict[int, dict[str, Any]]], path: Path, steps: int) -> 
     targets = _setting().targets
     diffs = {f"{m}:{s}": max(abs(float(other[m][s]["final"][t]) - float(runs[m][s]["final"][t])) for t in targets)
              for m, s in both}
-    joined = (len(trees) == 1 and any(m == "uniform" for m, _ in both) and any(m.startswith("grape") for m, _ in both)
+    diverged = {k: {"max_abs_diff": diffs.pop(k), **_divergence(runs[k.split(":")[0]][int(k.split(":")[1])],
+                                                                other[k.split(":")[0]][int(k.split(":")[1])])}
+                for k in accept_diverged if k in diffs}
+    joined = (len(trees) == 1 and any(k.startswith("uniform:") for k in diffs)
+              and any(k.startswith("grape") for k in diffs)
               and max(diffs.values()) <= JOIN_TOLERANCE)  # one tree: what reproduces is that tree, not a mix
     added = [] if not joined else [f"{m}:{s}" for m, b in other.items() for s in sorted(b) if s not in runs.get(m, {})]
     for key in added:
@@ -574,9 +585,22 @@ def join(runs: dict[str, dict[int, dict[str, Any]]], path: Path, steps: int) -> 
         runs.setdefault(m, {})[int(s)] = other[m][int(s)]
     evidence = {"file": str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path), "trees": trees,
                 "reproduced": diffs, "max_abs_diff": max(diffs.values(), default=None), "tolerance": JOIN_TOLERANCE,
-                "joined": joined, "added": added}
+                "joined": joined, "added": added, **({"diverged": diverged} if diverged else {})}
     _JOINED.append(evidence)
     return evidence
+
+
+def _divergence(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> dict[str, Any]:
+    """Where two runs of one method and seed part: the first trajectory step whose weights differ by more than
+    :data:`JOIN_TOLERANCE`, and the largest weight difference before it."""
+    before, step = 0.0, None
+    for a, b in zip(ours.get("trajectory") or [], theirs.get("trajectory") or []):
+        d = max(abs(float(x) - float(y)) for x, y in zip(a["alpha"], b["alpha"]))
+        if d > JOIN_TOLERANCE:
+            step = int(a["step"])
+            break
+        before = max(before, d)
+    return {"alpha_first_differs_at_step": step, "alpha_max_diff_before": before}
 
 
 def _joined_trees() -> list[str]:
@@ -658,7 +682,11 @@ def write(path: Path, runs: Mapping[str, Mapping[int, Mapping[str, Any]]], docs:
         text += (f"\n\nincludes runs of library tree(s) {', '.join(t[:10] for t in ev['trees'])} "
                  f"({ev['file']}): they reproduce this table's {', '.join(ev['reproduced'])} to within "
                  f"{ev['max_abs_diff']:.1e} nats on every target (tolerance {ev['tolerance']:g}); added: "
-                 f"{', '.join(ev['added'])}")
+                 f"{', '.join(ev['added'])}"
+                 + "".join(f"; {k} accepted as diverged, not joined: its weights first differ by more than the "
+                           f"tolerance at step {d['alpha_first_differs_at_step']} (by at most "
+                           f"{d['alpha_max_diff_before']:.1e} before), its final loss by up to {d['max_abs_diff']:.3f}"
+                           for k, d in (ev.get("diverged") or {}).items()))
     commits = sorted({(r.get("code") or {}).get("commit", "unrecorded") for b in same.values() for r in b.values()})
     search_settings = {**docs["key"], **(docs.get("settings") or {})} if docs.get("key") else None
     doc = {"bench": "value", "partial": partial, "command": "python bench/value.py " + " ".join(sys.argv[1:]),
@@ -787,6 +815,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"run both hold within {JOIN_TOLERANCE} nats on each target, a uniform and a GRAPE run "
                         "among them); the evidence is recorded either way. Repeat it for files of several trees: "
                         "each must reproduce the table on its own")
+    p.add_argument("--accept-diverged", default="",
+                   help="with --join: shared adaptive runs (method:seed, comma-separated) accepted as diverged by "
+                        "round-off rather than failed; each is recorded with the step its weights part, and does not "
+                        "join (the other shared runs must still reproduce)")
     p.add_argument("--docs", default="",
                    help="also write the table into this Markdown file between its '<!-- value-table:begin -->' and "
                         "'<!-- value-table:end -->' lines (docs/results.md), with the commit and the claims")
@@ -827,7 +859,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.add:
         runs = kept_runs(Path(args.results), args.steps, exclude=methods)
     for other in args.join:
-        ev = join(runs, Path(other), args.steps)
+        ev = join(runs, Path(other), args.steps, [x for x in args.accept_diverged.split(",") if x])
         print(f"--join {other}: {'joined' if ev['joined'] else 'NOT joined'} (runs both hold: "
               f"{json.dumps(ev['reproduced'])}; largest difference {ev['max_abs_diff']}); added {ev['added']}",
               flush=True)

@@ -149,3 +149,38 @@ def test_another_trees_runs_join_the_table_only_when_they_reproduce_it(tmp_path:
     assert value._joined_trees() == ["new", "third"] and set(runs) == {"uniform", "grape", "grape_klconst",
                                                                         "grape_crisp_prior"}
     value._JOINED.clear()
+
+
+def test_a_shared_run_accepted_as_diverged_is_recorded_where_it_parts_and_never_joins(tmp_path: Path) -> None:
+    """``--accept-diverged``: a shared GRAPE run that parted from the table's by round-off is named by hand; the
+    evidence says at which step its weights first differ beyond the tolerance, it is not added, and the file
+    joins only on the runs that do reproduce (a uniform and a GRAPE one)."""
+    value = _bench("value")
+
+    def run(tree: str, loss: float, alphas: list[float]) -> dict:
+        return {"final": {t: loss for t in value.TARGETS}, "final_avg": loss, "final_worst": loss,
+                "code": {"library_tree": tree},
+                "trajectory": [{"step": 25 * i, "alpha": [a, 1.0 - a]} for i, a in enumerate(alphas)]}
+
+    table = {"uniform": {0: run("old", 5.3, [0.5])}, "grape": {0: run("old", 5.1, [0.5, 0.6]),
+                                                              1: run("old", 5.2, [0.5, 0.55, 0.6, 0.7])}}
+    other = {"uniform": {"0": run("new", 5.3, [0.5])}, "grape": {"0": run("new", 5.1, [0.5, 0.6]),
+                                                                 "1": run("new", 5.21, [0.5, 0.55 + 3e-6, 0.62, 0.7])},
+             "grape_probe32": {"0": run("new", 5.0, [0.5])}}
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({"setting": {"steps": 400, "train_tokens": 1}, "runs": other}))
+
+    def attempt(accept: list[str]) -> tuple[dict, dict]:
+        runs = {m: dict(b) for m, b in table.items()}
+        return runs, value.join(runs, path, 400, accept)
+
+    runs, ev = attempt([])
+    assert not ev["joined"] and "diverged" not in ev  # not named: a run that does not reproduce fails the join
+    runs, ev = attempt(["grape:1"])
+    assert ev["joined"] and ev["added"] == ["grape_probe32:0"] and "grape:1" not in ev["reproduced"]
+    d = ev["diverged"]["grape:1"]
+    assert d["alpha_first_differs_at_step"] == 50 and 1e-6 < d["alpha_max_diff_before"] < 1e-5
+    assert abs(d["max_abs_diff"] - 0.01) < 1e-9 and runs["grape"][1]["final_avg"] == 5.2  # the table's run stays
+    runs, ev = attempt(["grape:0", "grape:1"])  # nothing left that shows GRAPE reproduces
+    assert not ev["joined"]
+    value._JOINED.clear()
