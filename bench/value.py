@@ -133,7 +133,12 @@ def _doremi_average(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], seed: i
 
     if seed not in runs.get("doremi", {}):
         raise SystemExit(f"doremi_final_static needs the doremi run of seed {seed} first")
-    return average_alpha_from_trajectory(Path(runs["doremi"][seed]["run_dir"]) / "grape_trajectory.jsonl")
+    return average_alpha_from_trajectory(_trajectory_file(runs["doremi"][seed]))
+
+
+def _trajectory_file(run: Mapping[str, Any]) -> Path:
+    """A finished run's alpha(t), as its run wrote it (one line an update)."""
+    return Path(run["run_dir"]) / "grape_trajectory.jsonl"
 
 
 def _every() -> int:
@@ -217,12 +222,13 @@ METHODS: dict[str, tuple[str, Callable[..., list[str]]]] = {
                                               f"algorithm.options.reference={_reference_checkpoint()}"]),
     "doremi_final_static": ("static", lambda lr, d, s, r: [f"algorithm.options.weights={_vec(_doremi_average(r, s))}"]),
     # reuse: a previous GRAPE run (the seed before, cyclically) replayed from step 0, or its final weights
-    "grape_replay": ("schedule", lambda lr, d, s, r: [f"algorithm.schedule_path={_prev(r, 'grape', s)['traj']}"]),
-    "grape_final_static": ("static",
-                           lambda lr, d, s, r: [f"algorithm.options.weights={_vec(_prev(r, 'grape', s)['alpha'])}"]),
+    "grape_replay": ("schedule", lambda lr, d, s, r: [
+        f"algorithm.schedule_path={_trajectory_file(_source_runs('grape_replay', s, r)[0])}"]),
+    "grape_final_static": ("static", lambda lr, d, s, r: [
+        f"algorithm.options.weights={_vec(_final_mean(_source_runs('grape_final_static', s, r)))}"]),
     # reuse from several source runs: the mean of every other finished GRAPE run's final weights, as a static mixture
-    "grape_final_mean": ("static",
-                         lambda lr, d, s, r: [f"algorithm.options.weights={_vec(_others_mean(r, 'grape', s))}"]),
+    "grape_final_mean": ("static", lambda lr, d, s, r: [
+        f"algorithm.options.weights={_vec(_final_mean(_source_runs('grape_final_mean', s, r)))}"]),
     # GRAPE started from a static prior (issue 32 part 3: the paper's GRAPE-ClimbMix analog), against that prior alone
     "grape_crisp": ("grape", lambda lr, d, s, r: [f"algorithm.options.alpha0={_vec(d['crisp']['weights'])}"]),
     "grape_regmix": ("grape", lambda lr, d, s, r: [f"algorithm.options.alpha0={_vec(d['regmix']['weights'])}"]),
@@ -258,43 +264,38 @@ def _cand_weights(docs: Mapping[str, Any], name: str) -> list[float]:
     return [1.0 / k] * k if name == "uniform" else list(docs[name]["weights"])
 
 
-def _others_mean(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], method: str, seed: int) -> list[float]:
-    """The mean final weights of ``method``'s finished runs at every seed but ``seed``: several earlier runs
-    pooled, so one run's late noise in alpha weighs less."""
-    finals = [r["trajectory"][-1]["alpha"] for s, r in sorted(runs.get(method, {}).items()) if s != seed]
-    if len(finals) < 2:
-        raise SystemExit(f"grape_final_mean needs two finished {method} runs at other seeds (run --methods {method})")
-    return [sum(float(a[i]) for a in finals) / len(finals) for i in range(len(finals[0]))]
-
-
-def _prev_seed(runs: Mapping[str, Mapping[int, Any]], method: str, seed: int) -> int:
-    """The seed before ``seed`` among ``method``'s finished runs, cyclically."""
-    have = sorted(runs.get(method, {}))
-    if not have:
-        raise SystemExit(f"reuse methods need finished {method} runs first (run --methods {method})")
-    prev = [s for s in have if s < seed]
-    return prev[-1] if prev else have[-1]
-
-
 def _reuse_sources(method: str, seed: int, runs: Mapping[str, Mapping[int, Any]]) -> dict[str, Any] | None:
-    """The source runs a reuse method's run at ``seed`` was built from (their compute is the reuse's cost):
-    ``{"method", "seeds"}``; None for a method that reuses nothing."""
+    """The source runs a reuse method's run at ``seed`` is built from (:data:`REUSE`; their compute is its
+    cost): ``{"method", "seeds"}``; None for a method that reuses nothing. 'previous' is the seed before among
+    the finished ones, cyclically ('last week's run')."""
     if method not in REUSE:
         return None
-    source = REUSE[method]
-    if method == "doremi_final_static":  # the proxy run of the same seed (the paper's two steps)
+    source, which = REUSE[method]
+    have = sorted(runs.get(source, {}))
+    if which == "same":
         seeds = [seed]
-    elif method == "grape_final_mean":
-        seeds = [s for s in sorted(runs.get(source, {})) if s != seed]
+    elif which == "others":
+        seeds = [s for s in have if s != seed]
     else:
-        seeds = [_prev_seed(runs, source, seed)]
+        seeds = [s for s in have if s < seed][-1:] or have[-1:]
+    need = 2 if which == "others" else 1
+    if len([s for s in seeds if s in have]) < need:
+        raise SystemExit(f"{method} needs {need} finished {source} run(s) first (run --methods {source})")
     return {"method": source, "seeds": seeds}
 
 
-def _prev(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], method: str, seed: int) -> dict[str, Any]:
-    """The run of ``method`` at the seed before ``seed`` among the finished ones (cyclically): 'last week's run'."""
-    r = runs[method][_prev_seed(runs, method, seed)]
-    return {"traj": str(Path(r["run_dir"]) / "grape_trajectory.jsonl"), "alpha": r["trajectory"][-1]["alpha"]}
+def _source_runs(method: str, seed: int, runs: Mapping[str, Mapping[int, Mapping[str, Any]]]
+                 ) -> list[Mapping[str, Any]]:
+    """The finished runs :func:`_reuse_sources` names for ``method`` at ``seed``."""
+    src = _reuse_sources(method, seed, runs)
+    assert src is not None, method
+    return [runs[src["method"]][s] for s in src["seeds"]]
+
+
+def _final_mean(sources: Sequence[Mapping[str, Any]]) -> list[float]:
+    """The mean of these runs' final weights (one run: its own)."""
+    finals = [r["trajectory"][-1]["alpha"] for r in sources]
+    return [sum(float(a[i]) for a in finals) / len(finals) for i in range(len(finals[0]))]
 
 
 # ----------------------------------------------------------------------------- data
@@ -573,9 +574,14 @@ def join(runs: dict[str, dict[int, dict[str, Any]]], path: Path, steps: int,
     targets = _setting().targets
     diffs = {f"{m}:{s}": max(abs(float(other[m][s]["final"][t]) - float(runs[m][s]["final"][t])) for t in targets)
              for m, s in both}
-    diverged = {k: {"max_abs_diff": diffs.pop(k), **_divergence(runs[k.split(":")[0]][int(k.split(":")[1])],
-                                                                other[k.split(":")[0]][int(k.split(":")[1])])}
-                for k in accept_diverged if k in diffs}
+    unknown = [k for k in accept_diverged if k not in diffs]
+    if unknown:
+        raise SystemExit(f"--accept-diverged: {', '.join(unknown)} not a run both {path} and the table hold "
+                         f"(they share {', '.join(diffs) or 'none'})")
+    diverged = {}
+    for k in accept_diverged:
+        m, s = k.split(":")
+        diverged[k] = {"max_abs_diff": diffs.pop(k), **_divergence(runs[m][int(s)], other[m][int(s)])}
     joined = (len(trees) == 1 and any(k.startswith("uniform:") for k in diffs)
               and any(k.startswith("grape") for k in diffs)
               and max(diffs.values()) <= JOIN_TOLERANCE)  # one tree: what reproduces is that tree, not a mix
@@ -591,16 +597,29 @@ def join(runs: dict[str, dict[int, dict[str, Any]]], path: Path, steps: int,
 
 
 def _divergence(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> dict[str, Any]:
-    """Where two runs of one method and seed part: the first trajectory step whose weights differ by more than
-    :data:`JOIN_TOLERANCE`, and the largest weight difference before it."""
-    before, step = 0.0, None
-    for a, b in zip(ours.get("trajectory") or [], theirs.get("trajectory") or []):
-        d = max(abs(float(x) - float(y)) for x, y in zip(a["alpha"], b["alpha"]))
-        if d > JOIN_TOLERANCE:
-            step = int(a["step"])
-            break
-        before = max(before, d)
-    return {"alpha_first_differs_at_step": step, "alpha_max_diff_before": before}
+    """Where two runs of one method and seed part: for their weights (each update's alpha) and their train loss
+    (the logged steps), the first step that differs by more than :data:`JOIN_TOLERANCE` and the largest
+    difference before it. A train loss that jumps from round-off to 1e-2 in one step is a batch that changed."""
+    def parts(a: Sequence[tuple[int, Sequence[float]]], b: Sequence[tuple[int, Sequence[float]]]
+              ) -> tuple[int | None, float]:
+        before = 0.0
+        for (step, x), (_, y) in zip(a, b):
+            d = max(abs(float(u) - float(v)) for u, v in zip(x, y))
+            if d > JOIN_TOLERANCE:
+                return int(step), before
+            before = max(before, d)
+        return None, before
+
+    def alpha(r: Mapping[str, Any]) -> list[tuple[int, Sequence[float]]]:
+        return [(p["step"], p["alpha"]) for p in r.get("trajectory") or []]
+
+    def loss(r: Mapping[str, Any]) -> list[tuple[int, Sequence[float]]]:
+        return [(s, [x]) for s, x in r.get("train_loss") or []]
+
+    a_step, a_before = parts(alpha(ours), alpha(theirs))
+    l_step, l_before = parts(loss(ours), loss(theirs))
+    return {"alpha_first_differs_at_step": a_step, "alpha_max_diff_before": a_before,
+            "train_loss_first_differs_at_step": l_step, "train_loss_max_diff_before": l_before}
 
 
 def _joined_trees() -> list[str]:
@@ -683,9 +702,11 @@ def write(path: Path, runs: Mapping[str, Mapping[int, Mapping[str, Any]]], docs:
                  f"({ev['file']}): they reproduce this table's {', '.join(ev['reproduced'])} to within "
                  f"{ev['max_abs_diff']:.1e} nats on every target (tolerance {ev['tolerance']:g}); added: "
                  f"{', '.join(ev['added'])}"
-                 + "".join(f"; {k} accepted as diverged, not joined: its weights first differ by more than the "
-                           f"tolerance at step {d['alpha_first_differs_at_step']} (by at most "
-                           f"{d['alpha_max_diff_before']:.1e} before), its final loss by up to {d['max_abs_diff']:.3f}"
+                 + "".join(f"; {k} accepted as diverged, not joined: its train loss first differs by more than the "
+                           f"tolerance at step {d.get('train_loss_first_differs_at_step')} (by at most "
+                           f"{d.get('train_loss_max_diff_before', float('nan')):.1e} before), its weights at step "
+                           f"{d['alpha_first_differs_at_step']} (by at most {d['alpha_max_diff_before']:.1e} "
+                           f"before), its final loss by up to {d['max_abs_diff']:.3f}"
                            for k, d in (ev.get("diverged") or {}).items()))
     commits = sorted({(r.get("code") or {}).get("commit", "unrecorded") for b in same.values() for r in b.values()})
     search_settings = {**docs["key"], **(docs.get("settings") or {})} if docs.get("key") else None
@@ -772,6 +793,10 @@ def write_docs(path: Path, doc: Mapping[str, Any], block: str = "value-table") -
         lines.append(f"- `prior_repair` {prior} ({row.get('static', prior)}'s static run minus "
                      f"{row.get('started', 'GRAPE started from its weights')}, paired by seed; "
                      f"positive: repaired; n={len(row['seeds'])}): " + ", ".join(parts))
+    if c.get("reuse"):
+        lines.append("- `reuse` (training-step equivalents with the source runs or proxies counted, and their ratio to "
+                     "uniform's): " + "; ".join(f"{m} {r['total_steps']:,.0f} ({r['total_of_uniform']:.2f}x)"
+                                                 for m, r in c["reuse"].items()))
     lines += ["", DOCS_END]
     a, b = text.index(DOCS_BEGIN), text.index(DOCS_END) + len(DOCS_END)
     path.write_text(text[:a] + "\n".join(lines) + text[b:])
@@ -863,8 +888,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"--join {other}: {'joined' if ev['joined'] else 'NOT joined'} (runs both hold: "
               f"{json.dumps(ev['reproduced'])}; largest difference {ev['max_abs_diff']}); added {ev['added']}",
               flush=True)
-    for source in sorted(set(REUSE.values())):
-        reuse = {m for m, s in REUSE.items() if s == source}
+    for source in sorted({s for s, _ in REUSE.values()}):
+        reuse = {m for m, (s, _) in REUSE.items() if s == source}
         # reuse the source runs already on disk (--collect: even when listed, the filter below plans them first)
         if reuse & set(methods) and (source not in methods or args.collect):
             for path in sorted(out.glob(f"{source}-seed*/result.json")):

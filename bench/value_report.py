@@ -87,11 +87,10 @@ def probe_step_equivalents(run: Mapping[str, Any], part: str = "reweighting") ->
     return cost / (train / steps) if cost > 0 and train > 0 and steps else 0.0
 
 
-#: Reuse methods (issue 32 part 3) -> the method whose finished runs they are built from.
-REUSE = {"grape_replay": "grape", "grape_final_static": "grape", "grape_final_mean": "grape",
-         "doremi_final_static": "doremi"}
-#: Reuse methods built from several source runs (the others reuse exactly one).
-POOLED = {"grape_final_mean"}
+#: Reuse methods (issue 32 part 3) -> (the method whose finished runs they are built from, which of its seeds:
+#: "previous" (the seed before, cyclically), "same" (this seed's) or "others" (every other seed's, pooled)).
+REUSE = {"grape_replay": ("grape", "previous"), "grape_final_static": ("grape", "previous"),
+         "grape_final_mean": ("grape", "others"), "doremi_final_static": ("doremi", "same")}
 
 
 def aggregate(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], targets: Sequence[str],
@@ -144,11 +143,12 @@ def aggregate(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], targets: Sequ
         st["steps"] = mean_std([int(r.get("steps") or r["curve"]["step"][-1]) for r in rs])[0]
         st["probe_step_equivalents"] = summary([probe_step_equivalents(r) for r in rs])
         # reuse rows: how many source runs each run was built from (their compute is its cost); a run recorded
-        # before runs kept their sources is one source run's, except a pooled one (grape_final_mean)
+        # before runs kept their sources is one source run's, unless it pools several (unknown how many)
         if m in REUSE:
-            srcs = [r.get("reuse_sources") for r in rs]
-            st["reuse_sources"] = {"method": REUSE[m], "runs": [
-                len(x["seeds"]) if x else (None if m in POOLED else 1) for x in srcs]}
+            source, which = REUSE[m]
+            st["reuse_sources"] = {"method": source, "runs": [
+                len(x["seeds"]) if x else (None if which == "others" else 1)
+                for x in (r.get("reuse_sources") for r in rs)]}
         st["prior_step_equivalents"] = summary([probe_step_equivalents(r, "prior") for r in rs])
         tv, finals = [], []
         for r in rs:
@@ -245,35 +245,30 @@ def _prior_repair(agg: Mapping[str, Any], method: str) -> dict[str, Any]:
 
 def _reuse(agg: Mapping[str, Any], search_settings: Mapping[str, Any] | None) -> dict[str, Any]:
     """A finished run reused as the next run's mixture, against RegMix at its full proxy cost, in training-step
-    equivalents of this model: ``marginal`` is the run itself (its probes included); ``total`` adds its source
-    runs (their steps and probes), which is the price when the source runs were trained only to be reused.
-    RegMix's total is its proxies' steps plus the final run (the proxies are this model, at ``proxy_steps``)."""
+    equivalents of this model: ``marginal_steps`` is the run itself (its probes included); ``total_steps`` adds
+    its source runs (their steps and probes), the price when they were trained only to be reused. RegMix's
+    total is its proxies' steps plus its run (the proxies are this model, at ``proxy_steps``); without the
+    search's settings its price is unknown and it is left out."""
     def cost(m: str) -> float:
         a = agg[m]
         return float(a["steps"]) + a["probe_step_equivalents"]["mean"] + a["prior_step_equivalents"]["mean"]
 
+    def row(m: str, extra_steps: float, **more: Any) -> dict[str, Any]:
+        total = cost(m) + extra_steps
+        return {**{k: {x: agg[m][k][x] for x in ("mean", "ci", "n")} for k in ("avg", "worst")},
+                "marginal_steps": cost(m), **more, "total_steps": total, "total_of_uniform": total / cost("uniform")}
+
     rows: dict[str, Any] = {}
-    for m in [m for m in REUSE if m in agg] + ["regmix"]:
-        if m not in agg:
-            continue
-        a = agg[m]
-        row: dict[str, Any] = {k: {x: a[k][x] for x in ("mean", "ci", "n")} for k in ("avg", "worst")}
-        row["marginal_steps"] = cost(m)
-        if m == "regmix":
-            ss = search_settings or {}
-            if not (ss.get("proxies") and ss.get("proxy_steps")):
-                continue
-            row["proxies"] = {"runs": ss["proxies"], "steps": ss["proxy_steps"]}
-            row["total_steps"] = row["marginal_steps"] + float(ss["proxies"]) * float(ss["proxy_steps"])
-        else:
-            src = a["reuse_sources"]
-            if src["method"] not in agg or None in src["runs"]:
-                continue
+    for m in (m for m in REUSE if m in agg):
+        src = agg[m]["reuse_sources"]
+        if src["method"] in agg and None not in src["runs"]:
             k = float(np.mean(src["runs"]))
-            row["source"] = {"method": src["method"], "runs": k, "steps_each": cost(src["method"])}
-            row["total_steps"] = row["marginal_steps"] + k * cost(src["method"])
-        row["total_of_uniform"] = row["total_steps"] / cost("uniform")
-        rows[m] = row
+            rows[m] = row(m, k * cost(src["method"]),
+                          source={"method": src["method"], "runs": k, "steps_each": cost(src["method"])})
+    ss = search_settings or {}
+    if "regmix" in agg and ss.get("proxies") and ss.get("proxy_steps"):
+        rows["regmix"] = row("regmix", float(ss["proxies"]) * float(ss["proxy_steps"]),
+                             proxies={"runs": ss["proxies"], "steps": ss["proxy_steps"]})
     return rows
 
 

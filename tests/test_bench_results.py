@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -160,7 +162,8 @@ def test_a_shared_run_accepted_as_diverged_is_recorded_where_it_parts_and_never_
     def run(tree: str, loss: float, alphas: list[float]) -> dict:
         return {"final": {t: loss for t in value.TARGETS}, "final_avg": loss, "final_worst": loss,
                 "code": {"library_tree": tree},
-                "trajectory": [{"step": 25 * i, "alpha": [a, 1.0 - a]} for i, a in enumerate(alphas)]}
+                "trajectory": [{"step": 25 * i, "alpha": [a, 1.0 - a]} for i, a in enumerate(alphas)],
+                "train_loss": [[25 * i + 1, 8.0 - a] for i, a in enumerate(alphas)]}
 
     table = {"uniform": {0: run("old", 5.3, [0.5])}, "grape": {0: run("old", 5.1, [0.5, 0.6]),
                                                               1: run("old", 5.2, [0.5, 0.55, 0.6, 0.7])}}
@@ -180,7 +183,10 @@ def test_a_shared_run_accepted_as_diverged_is_recorded_where_it_parts_and_never_
     assert ev["joined"] and ev["added"] == ["grape_probe32:0"] and "grape:1" not in ev["reproduced"]
     d = ev["diverged"]["grape:1"]
     assert d["alpha_first_differs_at_step"] == 50 and 1e-6 < d["alpha_max_diff_before"] < 1e-5
+    assert d["train_loss_first_differs_at_step"] == 51 and 1e-6 < d["train_loss_max_diff_before"] < 1e-5
     assert abs(d["max_abs_diff"] - 0.01) < 1e-9 and runs["grape"][1]["final_avg"] == 5.2  # the table's run stays
     runs, ev = attempt(["grape:0", "grape:1"])  # nothing left that shows GRAPE reproduces
     assert not ev["joined"]
+    with pytest.raises(SystemExit, match="grape:7 not a run both"):  # a misspelt name is one line, not ignored
+        attempt(["grape:7"])
     value._JOINED.clear()
