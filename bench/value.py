@@ -560,8 +560,8 @@ def join(runs: dict[str, dict[int, dict[str, Any]]], path: Path, steps: int,
     and recorded in the results.
 
     ``accept_diverged`` (``method:seed``): shared adaptive runs the caller accepts as diverged, not failed. Two
-    trees' float round-off (1e-10 at step 0, ~1e-5 in alpha 250 steps later) can flip one domain's sample count
-    in a batch, and from then on the run is another run. Such a run is named by hand, recorded with the step its
+    trees' float round-off can grow until one domain's sample count in a batch flips, and from then on the run
+    is another run. Such a run is named by hand, recorded with the step its
     weights first differ by more than the tolerance and how far apart they were before it, and does not join; the
     others must still reproduce."""
     prev = json.loads(path.read_text())
